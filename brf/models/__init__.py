@@ -1,0 +1,37 @@
+"""brf.models: pure-function Llama / Gemma 3 forward passes over a params pytree.
+
+Registry: :data:`ARCHITECTURES` maps ModelConfig.arch to an
+:class:`Architecture` bundling the functions that serve it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from brf.models.cache import cache_bytes, init_cache, room
+from brf.models.config import ModelConfig
+from brf.models.scoring import iter_logits_chunks, score_tokens
+from brf.models.transformer import (decode_step, forward, init_params, param_shapes,
+                                    prefill)
+from brf.registry import Registry
+
+
+class Architecture(NamedTuple):
+    """The functions serving one ModelConfig.arch."""
+    param_shapes: Callable
+    init_params: Callable
+    init_cache: Callable
+    prefill: Callable
+    decode_step: Callable
+    forward: Callable
+
+
+ARCHITECTURES: Registry[Architecture] = Registry("model architecture")
+# Llama and Gemma 3 share one code path; ModelConfig fields select the differences.
+for _name in ("llama", "gemma3"):
+    ARCHITECTURES.add(_name, Architecture(param_shapes, init_params, init_cache, prefill,
+                                          decode_step, forward))
+
+__all__ = ["ARCHITECTURES", "Architecture", "ModelConfig", "cache_bytes", "decode_step",
+           "forward", "init_cache", "init_params", "iter_logits_chunks", "param_shapes",
+           "prefill", "room", "score_tokens"]

@@ -1,0 +1,119 @@
+"""ModelConfig: the architecture description shared by brf/models and brf/checkpoints.
+
+The fields follow notes/MODEL_CONTRACT.md. The dataclass is frozen and hashable
+(so it can be a static argument of `jax.jit`) and JSON-serialisable through
+`dataclasses.asdict` / `ModelConfig.from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+ROPE_SCALING_TYPES = ("linear", "llama3")
+LAYER_TYPES = ("global", "local")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+# Keys each supported rope_scaling type needs besides "type".
+_ROPE_SCALING_KEYS = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                              "original_max_position_embeddings"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Llama family or Gemma 3).
+
+    See notes/MODEL_CONTRACT.md for the meaning of every field.
+    """
+
+    arch: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    norm_eps: float
+    rope_theta: float
+    rope_local_theta: float | None = None
+    rope_scaling: dict | None = None
+    tie_embeddings: bool = True
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None
+    act: str = "silu"
+    embed_scale: bool = False
+    final_logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None
+    max_seq_len: int = 2048
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int | None = None
+
+    def __post_init__(self):
+        # Normalise list-valued fields (e.g. after a JSON round trip) to tuples.
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("global",) * self.n_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        self.validate()
+
+    def __hash__(self):
+        fields = dataclasses.astuple(self)
+        return hash(tuple(
+                tuple(sorted(f.items())) if isinstance(f, dict) else f for f in fields))
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field that is inconsistent."""
+        if len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, "
+                                              f"n_layers={self.n_layers}")
+        bad = set(self.layer_types) - set(LAYER_TYPES)
+        if bad:
+            raise ValueError(f"layer_types: unknown {sorted(bad)}; use {LAYER_TYPES}")
+        if "local" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_window must be set when layer_types has local")
+        if "local" in self.layer_types and self.rope_local_theta is None:
+            raise ValueError("rope_local_theta must be set when layer_types has local")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
+                                              f"n_kv_heads={self.n_kv_heads}")
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"act={self.act!r} unsupported; use one of {ACTIVATIONS}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type")
+            if kind not in ROPE_SCALING_TYPES:
+                raise ValueError(f"rope_scaling type {kind!r} unsupported; supported: "
+                                                  f"{ROPE_SCALING_TYPES}")
+            missing = [k for k in _ROPE_SCALING_KEYS[kind]
+                                  if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"rope_scaling {kind!r} lacks keys {missing}")
+
+    @property
+    def attn_scale(self) -> float:
+        """Multiplier applied to q.k: query_pre_attn_scalar**-0.5 or head_dim**-0.5."""
+        base = self.query_pre_attn_scalar or self.head_dim
+        return 1.0 / math.sqrt(base)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown fields {sorted(unknown)}")
+        return cls(**d)
