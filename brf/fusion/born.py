@@ -1,0 +1,187 @@
+"""Born Rule Fusion (BRF) and its decomposition.
+
+Member i contributes the amplitude ``a_i(t) = sqrt(w_i p_i(t)) e^{i phi_i}``;
+the fused distribution is ``q(t) = |sum_i a_i(t)|^2 / Z``. Expanded,
+
+    |sum_i a_i|^2 = sum_i w_i p_i + 2 sum_{i<j} sqrt(w_i w_j p_i p_j) cos(phi_i - phi_j)
+
+(the linear pool plus the bilinear "interference" cross-terms).
+
+With one phase per member per position (per-position phase maps) this is a
+one-parameter family through known poolings: equal phases give the power mean
+of order 1/2 (Hellinger pooling; since amplitudes carry sqrt(w_i), its weights
+are proportional to sqrt(w_i) — the same weights when they are uniform), a
+phase difference of pi/2 between two
+members gives the linear pool, and beyond pi/2 tokens both members favour are
+pushed down — q(t) can fall below every member's p_i(t).
+
+**Z -> 0 guard.** Opposed phases on near-identical members cancel almost all
+mass; float32 cancellation then leaves relative errors of about eps / Z in q.
+Where ``Z < z_min`` (default 1e-3, i.e. less than 0.1% of the phase-free mass
+survives) the kernel returns the linear pool for that position instead and sets
+``info["fallback"]`` there. It never returns NaN.
+
+**Kernel layout (per-position maps).** The normaliser is computed analytically
+from the members' Gram matrix ``G_ij = sum_t e_i(t) e_j(t)`` with
+``e_i = exp((l_i - max l_i) / 2)``: ``G_ii`` is member i's softmax normaliser
+and ``Z = sum_ij c_i c_j cos(phi_i - phi_j) G_ij``. The output pass then writes
+``log q`` directly in the log domain (amplitudes rescaled by their per-token
+maximum), so tiny probabilities keep their precision and no extra pass over V
+is needed to normalise. Per-token maps cannot use the Gram trick and normalise
+with a log-sum-exp over V.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from brf.fusion import methods as M
+from brf.fusion.phase import PhaseMap, phase_map, position_gap, token_gap
+
+DEFAULT_Z_MIN = 1e-3
+
+
+def member_phases(logits: jax.Array, phase: PhaseMap) -> tuple[jax.Array, jax.Array]:
+    """Top-1 logits [..., n] and phases ([..., n] or [..., n, V] for token maps)."""
+    if phase.kind == "token":
+        top1 = jnp.max(logits, axis=-1)
+        return top1, phase(token_gap(logits, top1), member_axis=-2)
+    top1, gap = position_gap(logits)
+    return top1, phase(gap, member_axis=-1)
+
+
+def _log_amplitudes(logits, weights, top1, log_norm):
+    """0.5 * log(w_i p_i(t)), -inf where w_i = 0 or the token is invalid."""
+    log_w = jnp.where(weights > 0, jnp.log(jnp.where(weights > 0, weights, 1.0)),
+                      -jnp.inf)
+    coef = 0.5 * (log_w - log_norm)
+    return 0.5 * (logits - top1[..., None]) + coef[..., None]
+
+
+def _interfere(u, cos_phi, sin_phi):
+    """log|sum_i e^{u_i} e^{i phi_i}|^2 and log sum_i e^{2 u_i}, per token.
+
+    u: [..., n, V] log amplitudes; cos_phi, sin_phi broadcastable to u.
+    Amplitudes are rescaled by their maximum over members so neither overflows
+    nor loses tiny tokens to underflow.
+    """
+    top = jnp.max(u, axis=-2)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    a = jnp.exp(u - top[..., None, :])
+    re = jnp.sum(a * cos_phi, axis=-2)
+    im = jnp.sum(a * sin_phi, axis=-2)
+    born_sq = re * re + im * im
+    lin_sq = jnp.sum(a * a, axis=-2)
+    return 2.0 * top, born_sq, lin_sq
+
+
+def _safe_log(x):
+    return jnp.log(jnp.where(x > 0, x, 1.0)) + jnp.where(x > 0, 0.0, -jnp.inf)
+
+
+@M.register(
+    "born",
+    phase=M.Param("constant", "phase", doc="phase map (see brf.fusion.phase)"),
+    z_min=M.Param(DEFAULT_Z_MIN, "float", M.nonnegative,
+                  doc="fall back to the linear pool where Z < z_min"),
+)
+def born(logits: jax.Array, weights: jax.Array, *, phase=None,
+         z_min=DEFAULT_Z_MIN):
+    """Born Rule Fusion: |sum_i sqrt(w_i p_i) e^{i phi_i}|^2, normalised.
+
+    Args:
+      logits: [..., n, V] member logits (-inf marks invalid tokens).
+      weights: [..., n] on the simplex.
+      phase: a PhaseMap, or a spec :func:`brf.fusion.phase.phase_map` accepts.
+      z_min: threshold of the Z -> 0 guard.
+
+    Returns:
+      (log q [..., V], info) with info = {"fallback": bool [...], "z": [...]},
+      z being the normaliser relative to the linear pool's (which is 1).
+    """
+    phase = phase_map(phase if phase is not None else "constant")
+    weights = jnp.broadcast_to(weights, logits.shape[:-1]).astype(logits.dtype)
+    top1, phi = member_phases(logits, phase)
+    cos_phi, sin_phi = jnp.cos(phi), jnp.sin(phi)
+    if phase.kind == "token":
+        log_norm = jax.nn.logsumexp(logits - top1[..., None], axis=-1)
+        u = _log_amplitudes(logits, weights, top1, log_norm)
+        shift, born_sq, lin_sq = _interfere(u, cos_phi, sin_phi)
+        log_born = shift + _safe_log(born_sq)
+        log_z = jax.nn.logsumexp(log_born, axis=-1)
+        z = jnp.exp(log_z)
+    else:
+        # Gram matrix of half-amplitudes: one fused pass over V.
+        e = jnp.exp(0.5 * (logits - top1[..., None]))
+        gram = jnp.einsum("...iv,...jv->...ij", e, e)
+        log_norm = jnp.log(jnp.diagonal(gram, axis1=-2, axis2=-1))
+        c = jnp.sqrt(weights) * jnp.exp(-0.5 * log_norm)
+        cos_diff = jnp.cos(phi[..., :, None] - phi[..., None, :])
+        z = jnp.einsum("...i,...j,...ij,...ij->...", c, c, cos_diff, gram)
+        u = _log_amplitudes(logits, weights, top1, log_norm)
+        shift, born_sq, lin_sq = _interfere(
+            u, cos_phi[..., None], sin_phi[..., None])
+        log_born = shift + _safe_log(born_sq)
+        log_z = _safe_log(z)
+    fallback = ~(z >= z_min)
+    log_lin = shift + _safe_log(lin_sq)
+    log_q = jnp.where(fallback[..., None], log_lin,
+                      log_born - jnp.where(fallback, 0.0, log_z)[..., None])
+    return log_q, {"fallback": fallback, "z": z}
+
+
+class BornTerms(NamedTuple):
+    """BRF's decomposition (unnormalised: q = (linear + cross.sum(-2)) / z).
+
+    Attributes:
+      linear: [..., V] the linear pool sum_i w_i p_i (sums to 1).
+      cross: [..., P, V] per-pair cross-terms
+        2 sqrt(w_i w_j p_i p_j) cos(phi_i - phi_j), pairs in ``pairs`` order.
+      pairs: [P, 2] member indices (i < j) of each pair.
+      z: [...] normaliser, 1 + sum of all cross-terms.
+      bhattacharyya: [..., P] sum_t sqrt(p_i(t) p_j(t)) per pair.
+      phase: member phases, [..., n] (per-position) or [..., n, V] (per-token).
+    """
+    linear: jax.Array
+    cross: jax.Array
+    pairs: jax.Array
+    z: jax.Array
+    bhattacharyya: jax.Array
+    phase: jax.Array
+
+
+def born_terms(logits: jax.Array, weights: jax.Array | None = None,
+               phase=None) -> BornTerms:
+    """Decomposes Born fusion into linear part, cross-terms, Z and overlaps.
+
+    Args:
+      logits: [..., n, V] member logits.
+      weights: [..., n] on the simplex (default uniform).
+      phase: a phase map or spec (default ``constant``).
+
+    Returns:
+      A :class:`BornTerms`; P = n (n - 1) / 2 pairs.
+    """
+    n = logits.shape[-2]
+    if weights is None:
+        weights = jnp.full((n,), 1.0 / n, logits.dtype)
+    phase = phase_map(phase if phase is not None else "constant")
+    weights = jnp.broadcast_to(weights, logits.shape[:-1]).astype(logits.dtype)
+    _, phi = member_phases(logits, phase)
+    p = jax.nn.softmax(logits, axis=-1)
+    amp = jnp.sqrt(weights[..., None] * p)
+    root_p = jnp.sqrt(p)
+    pairs = jnp.array(list(itertools.combinations(range(n), 2)) or
+                      jnp.zeros((0, 2)), dtype=jnp.int32).reshape(-1, 2)
+    i, j = pairs[:, 0], pairs[:, 1]
+    phi_v = phi if phase.kind == "token" else phi[..., None]
+    cross = (2.0 * amp[..., i, :] * amp[..., j, :]
+             * jnp.cos(phi_v[..., i, :] - phi_v[..., j, :]))
+    linear = jnp.sum(weights[..., None] * p, axis=-2)
+    z = 1.0 + jnp.sum(cross, axis=(-2, -1))
+    bc = jnp.sum(root_p[..., i, :] * root_p[..., j, :], axis=-1)
+    return BornTerms(linear, cross, pairs, z, bc, phi)
