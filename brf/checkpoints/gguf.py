@@ -1,0 +1,507 @@
+"""Load a llama.cpp GGUF file into (ModelConfig, params). No torch.
+
+Supported architectures: 'llama' and 'gemma3'. Metadata keys under the
+architecture's prefix that this module does not understand raise GGUFError
+naming the key; so do tensor types other than SUPPORTED_TYPES and tensor names
+no rule maps. Tensors are dequantized to float32 with `gguf.quants.dequantize`
+(the reference NumPy port of ggml's kernels) and mapped onto the params pytree
+of notes/MODEL_CONTRACT.md by a declarative table per architecture: a regex on
+the GGUF name -> our path (layers stacked on axis 0) and a transform.
+
+Two facts about llama.cpp's writer (convert_hf_to_gguf.py) the tables undo or keep:
+
+* Llama-arch Q and K projections are stored with their output rows permuted
+  from HF's half-split RoPE layout to GGML's interleaved one
+  (`permute(w, n_head)`: rows of each head reordered (2, E/2) -> (E/2, 2)).
+  `_unpermute` inverts it. Gemma 3 uses NEOX (half-split) RoPE in llama.cpp and
+  is stored unpermuted.
+* Gemma's HF checkpoints store a norm weight w that the model applies as
+  (1 + w); the GGUF writer stores 1 + w (Gemma3Model.modify_tensors adds 1 to
+  every '*norm.weight'), and llama.cpp applies the stored value as a plain
+  scale. We checked the shipped gemma-3-270m file: every norm value v has v - 1
+  exactly representable in bfloat16 (55936 of 55936 values; only 75% of the v
+  themselves are), i.e. v = 1 + w with w a bfloat16 weight, and the smallest
+  values are 0.0 (w = -1). So GGUF norm weights are already the scale applied,
+  which is what the contract wants: they are kept as they are (the HF reader,
+  by contrast, adds 1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from typing import Any, Callable, NamedTuple
+
+import gguf
+import numpy as np
+from tqdm.auto import tqdm
+
+from brf.models.config import ModelConfig
+from brf.models.transformer import param_shapes
+
+Q = gguf.GGMLQuantizationType
+
+# Tensor types we dequantize. The two shipped files use F32, Q8_0, Q4_1, Q5_0,
+# Q4_K and Q6_K; the others are the common plain and legacy block types, each
+# covered by a test that writes a tiny file.
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+                             Q.Q4_K, Q.Q6_K})
+
+ARCHS = ("llama", "gemma3")
+
+
+class GGUFError(ValueError):
+    """A GGUF file that is unreadable or holds something this reader does not support."""
+
+
+# --------------------------------------------------------------------------- file
+
+class TensorInfo(NamedTuple):
+    """Where one tensor lives in a GGUF file and how it is stored."""
+
+    name: str
+    shape: tuple[int, ...]  # NumPy order (GGUF lists dims fastest-first; reversed here)
+    ggml_type: Q
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+class GGUFFile(NamedTuple):
+    """A parsed GGUF header plus a read-only memory map of the file.
+
+    Attributes:
+        path: the file.
+        metadata: {key: value}; strings as str, arrays as lists.
+        tensors: the tensor table, in file order.
+        data: the whole file as a uint8 memmap (pages load on first touch).
+    """
+
+    path: str
+    metadata: dict[str, Any]
+    tensors: tuple[TensorInfo, ...]
+    data: np.ndarray
+
+
+_V = gguf.GGUFValueType
+_SCALAR = {_V.UINT8: "<u1", _V.INT8: "<i1", _V.UINT16: "<u2", _V.INT16: "<i2",
+           _V.UINT32: "<u4", _V.INT32: "<i4", _V.FLOAT32: "<f4", _V.BOOL: "?",
+           _V.UINT64: "<u8", _V.INT64: "<i8", _V.FLOAT64: "<f8"}
+
+
+def _string(buf: memoryview, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    pos += 8
+    if pos + n > len(buf):
+        raise EOFError(f"string of {n} bytes runs past the end")
+    return str(buf[pos:pos + n], "utf-8"), pos + n
+
+
+def _value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
+    if vtype in _SCALAR:
+        dt = np.dtype(_SCALAR[vtype])
+        return np.frombuffer(buf, dt, 1, pos)[0].item(), pos + dt.itemsize
+    if vtype == _V.STRING:
+        return _string(buf, pos)
+    if vtype == _V.ARRAY:
+        etype, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if etype in _SCALAR:  # one vectorised read (token types, scores)
+            dt = np.dtype(_SCALAR[etype])
+            return np.frombuffer(buf, dt, count, pos).tolist(), pos + count * dt.itemsize
+        if etype == _V.STRING:
+            out = []
+            for _ in range(count):
+                s, pos = _string(buf, pos)
+                out.append(s)
+            return out, pos
+        raise GGUFError(f"metadata array of element type {etype} is not supported")
+    raise GGUFError(f"metadata value type {vtype} is not a GGUF type")
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parses a GGUF header (v2/v3, little-endian) and memory-maps the file.
+
+    The parse follows the format `gguf.GGUFReader` reads (tests check the two
+    agree) but reads arrays in bulk: the reference reader builds one NumPy view
+    per vocabulary string and takes tens of seconds on a 262k-token vocabulary.
+
+    Args:
+        path: the .gguf file.
+
+    Returns:
+        A GGUFFile whose tensors all lie inside the file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        GGUFError: not a GGUF file, an unsupported version or byte order, or a
+            truncated / corrupted file (the message says which).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    size = os.path.getsize(path)
+    if size < 24:
+        raise GGUFError(f"{path} is truncated: {size} bytes, shorter than a GGUF header")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(data)
+    if bytes(buf[:4]) != b"GGUF":
+        raise GGUFError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version & 0xFFFF == 0:
+        raise GGUFError(f"{path} is a big-endian GGUF file; only little-endian is supported")
+    if version not in (2, 3):
+        raise GGUFError(f"{path} is GGUF version {version}; versions 2 and 3 are supported")
+    try:
+        pos, meta = 24, {}
+        for _ in range(n_kv):
+            key, pos = _string(buf, pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            meta[key], pos = _value(buf, pos + 4, vtype)
+        table = []
+        for _ in range(n_tensors):
+            name, pos = _string(buf, pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            table.append((name, tuple(reversed(dims)), qtype, offset))
+    except GGUFError:
+        raise
+    except (struct.error, EOFError, UnicodeDecodeError, ValueError, OverflowError) as e:
+        raise GGUFError(f"{path} ({size} bytes) is truncated or corrupted: its header cannot "
+                        f"be parsed ({type(e).__name__}: {e})") from None
+    align = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    if align <= 0 or align & (align - 1):
+        raise GGUFError(f"{path}: general.alignment={align} is not a power of two")
+    start = -(-pos // align) * align
+    tensors, names = [], set()
+    for name, shape, qtype, offset in table:
+        if name in names:
+            raise GGUFError(f"{path}: tensor {name!r} appears twice")
+        names.add(name)
+        try:
+            qtype = Q(qtype)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name!r} has unknown ggml type {qtype}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        n_bytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
+        info = TensorInfo(name, shape, qtype, start + offset, n_bytes)
+        if info.offset + n_bytes > size:
+            raise GGUFError(f"{path} is truncated: tensor {name!r} ends at byte "
+                            f"{info.offset + n_bytes}, the file has {size}")
+        tensors.append(info)
+    return GGUFFile(path, meta, tuple(tensors), data)
+
+
+# --------------------------------------------------------------------------- config
+
+# Metadata keys (after '<arch>.') each architecture reads; any other key under
+# the prefix raises. Keys with no effect on the forward pass are listed too.
+_COMMON_KEYS = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "rope.freq_base", "rope.dimension_count", "attention.key_length",
+    "attention.value_length", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned",
+}
+_ARCH_KEYS = {
+    "llama": _COMMON_KEYS,
+    "gemma3": _COMMON_KEYS | {"attention.sliding_window", "attention.sliding_window_pattern",
+                              "final_logit_softcapping", "attn_logit_softcapping"},
+}
+# Tokens llama.cpp treats as end-of-generation besides tokenizer.ggml.eos_token_id
+# (llama-vocab.cpp's text heuristic); eos_ids lists those the vocabulary has.
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|eom_id|>", "<EOT>", "<|end_of_text|>")
+
+
+def _get(meta: dict, key: str, default: Any = KeyError) -> Any:
+    if key in meta:
+        return meta[key]
+    if default is KeyError:
+        raise GGUFError(f"GGUF metadata lacks the required field {key!r}")
+    return default
+
+
+def _scalar(meta: dict, key: str, default: Any = KeyError) -> Any:
+    value = _get(meta, key, default)
+    if isinstance(value, list):
+        raise GGUFError(f"GGUF metadata field {key!r} is a per-layer array {value[:4]}...; "
+                        "only a single value is supported")
+    return value
+
+
+def _rope_scaling(meta: dict, arch: str) -> dict | None:
+    kind = _scalar(meta, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": float(_scalar(meta, f"{arch}.rope.scaling.factor"))}
+    raise GGUFError(f"GGUF metadata field '{arch}.rope.scaling.type'={kind!r} is not supported "
+                    "(supported: none, linear)")
+
+
+def config_from_file(f: GGUFFile) -> ModelConfig:
+    """Builds the ModelConfig a GGUF file describes, refusing what we do not handle.
+
+    Args:
+        f: an open GGUF file; its metadata, and its tensor table, which decides
+            tie_embeddings (no 'output.weight') and the vocabulary size.
+
+    Returns:
+        The ModelConfig.
+
+    Raises:
+        GGUFError: an unsupported architecture, or a metadata field that is
+            unknown, missing or has an unsupported value (the message names it).
+    """
+    meta, tensor_shapes = f.metadata, {t.name: t.shape for t in f.tensors}
+    arch = _get(meta, "general.architecture")
+    if arch not in ARCHS:
+        raise GGUFError(f"GGUF metadata field 'general.architecture'={arch!r} is not supported "
+                        f"(supported: {', '.join(ARCHS)})")
+    if int(meta.get("split.count", 1)) > 1:
+        raise GGUFError(f"GGUF metadata field 'split.count'={meta['split.count']}: split files "
+                        "are not supported; merge them with llama-gguf-split --merge")
+    unknown = sorted(k for k in meta if k.startswith(arch + ".")
+                     and k[len(arch) + 1:] not in _ARCH_KEYS[arch])
+    if unknown:
+        raise GGUFError(f"GGUF metadata fields {unknown} are not handled for arch {arch!r}")
+
+    def field(name, default=KeyError):
+        return _scalar(meta, f"{arch}.{name}", default)
+
+    d, n_heads = int(field("embedding_length")), int(field("attention.head_count"))
+    head_dim = int(field("attention.key_length", d // n_heads))
+    if int(field("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"GGUF metadata field '{arch}.attention.value_length' differs from "
+                        "the key length; not supported")
+    if int(field("rope.dimension_count", head_dim)) != head_dim:
+        raise GGUFError(f"GGUF metadata field '{arch}.rope.dimension_count'="
+                        f"{field('rope.dimension_count')} != head_dim={head_dim}: partial "
+                        "rotary embeddings are not supported")
+    if "token_embd.weight" not in tensor_shapes:
+        raise GGUFError("GGUF file has no 'token_embd.weight' tensor")
+    vocab = int(tensor_shapes["token_embd.weight"][0])
+    if int(field("vocab_size", vocab)) != vocab:
+        raise GGUFError(f"GGUF metadata field '{arch}.vocab_size'={field('vocab_size')} "
+                        f"disagrees with token_embd.weight ({vocab} rows)")
+    n_layers = int(field("block_count"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = ([int(eos)] if eos is not None else []) + [
+        i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i != eos]
+    common = dict(
+        arch=arch, vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=int(field("attention.head_count_kv", n_heads)), head_dim=head_dim,
+        d_ff=int(field("feed_forward_length")),
+        norm_eps=float(field("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(meta, arch),
+        tie_embeddings="output.weight" not in tensor_shapes,
+        max_seq_len=int(field("context_length", 2048)),
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=tuple(eos_ids),
+        pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    if arch == "llama":
+        return ModelConfig(**common, act="silu")
+    # gemma3: llama.cpp hard-codes what the file does not say (llama-model.cpp,
+    # LLM_ARCH_GEMMA3): every 6th layer global, local RoPE base 10000, and the
+    # attention scale 1/sqrt(d/n_heads) for the 62-layer 27B, else 1/sqrt(head_dim).
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per-layer flags, True = sliding window
+        if len(pattern) != n_layers:
+            raise GGUFError(f"GGUF metadata field '{arch}.attention.sliding_window_pattern' has "
+                            f"{len(pattern)} entries for {n_layers} layers")
+        layer_types = tuple("local" if p else "global" for p in pattern)
+    else:
+        layer_types = tuple("local" if (i + 1) % int(pattern) else "global"
+                            for i in range(n_layers))
+    return ModelConfig(
+        **common, rope_local_theta=10000.0,
+        sliding_window=int(field("attention.sliding_window")), layer_types=layer_types,
+        query_pre_attn_scalar=float(d // n_heads if n_layers == 62 else head_dim),
+        act="gelu_tanh", embed_scale=True,
+        final_logit_softcap=field("final_logit_softcapping", None),
+        attn_logit_softcap=field("attn_logit_softcapping", None))
+
+
+# --------------------------------------------------------------------------- tensors
+
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def _same(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w_OxI
+
+
+def _kernel(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(w_OxI.T)  # GGUF rows are output features; we use [in, out]
+
+
+def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverts llama.cpp's `permute`: GGML interleaved RoPE rows -> HF half-split rows."""
+    o, i = w_OxI.shape
+    w = w_OxI.reshape(n_heads, o // n_heads // 2, 2, i)
+    return w.swapaxes(1, 2).reshape(o, i)
+
+
+def _llama_q(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return _kernel(_unpermute(w_OxI, cfg.n_heads), cfg)
+
+
+def _llama_k(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return _kernel(_unpermute(w_OxI, cfg.n_kv_heads), cfg)
+
+
+_L = r"blk\.(\d+)\."
+
+# GGUF tensor name (regex; a group captures the layer index) -> (our path, transform).
+LLAMA_MAP: tuple[tuple[str, str, Transform], ...] = (
+    (r"token_embd\.weight", "embed", _same),
+    (r"output_norm\.weight", "final_norm", _same),
+    (r"output\.weight", "lm_head", _same),
+    (_L + r"attn_norm\.weight", "layers/attn_norm", _same),
+    (_L + r"attn_q\.weight", "layers/wq", _llama_q),
+    (_L + r"attn_k\.weight", "layers/wk", _llama_k),
+    (_L + r"attn_v\.weight", "layers/wv", _kernel),
+    (_L + r"attn_output\.weight", "layers/wo", _kernel),
+    (_L + r"ffn_norm\.weight", "layers/mlp_norm", _same),
+    (_L + r"ffn_gate\.weight", "layers/w_gate", _kernel),
+    (_L + r"ffn_up\.weight", "layers/w_up", _kernel),
+    (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
+)
+
+# Norms are stored as the applied scale 1 + w already (see the module docstring).
+GEMMA3_MAP: tuple[tuple[str, str, Transform], ...] = (
+    (r"token_embd\.weight", "embed", _same),
+    (r"output_norm\.weight", "final_norm", _same),
+    (r"output\.weight", "lm_head", _same),
+    (_L + r"attn_norm\.weight", "layers/attn_norm", _same),
+    (_L + r"attn_q\.weight", "layers/wq", _kernel),
+    (_L + r"attn_k\.weight", "layers/wk", _kernel),
+    (_L + r"attn_v\.weight", "layers/wv", _kernel),
+    (_L + r"attn_output\.weight", "layers/wo", _kernel),
+    (_L + r"attn_q_norm\.weight", "layers/q_norm", _same),
+    (_L + r"attn_k_norm\.weight", "layers/k_norm", _same),
+    (_L + r"post_attention_norm\.weight", "layers/post_attn_norm", _same),
+    (_L + r"ffn_norm\.weight", "layers/mlp_norm", _same),
+    (_L + r"post_ffw_norm\.weight", "layers/post_mlp_norm", _same),
+    (_L + r"ffn_gate\.weight", "layers/w_gate", _kernel),
+    (_L + r"ffn_up\.weight", "layers/w_up", _kernel),
+    (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
+)
+
+NAME_MAPS = {"llama": LLAMA_MAP, "gemma3": GEMMA3_MAP}
+
+
+def dequantize(f: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """One GGUF tensor as a float32 array in NumPy order (`info.shape`).
+
+    Args:
+        f: the open file.
+        info: one entry of `f.tensors`.
+
+    Returns:
+        float32 array of shape info.shape.
+
+    Raises:
+        GGUFError: an unsupported tensor type (named), or non-finite values.
+    """
+    if info.ggml_type not in SUPPORTED_TYPES:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise GGUFError(f"tensor {info.name!r} has type {info.ggml_type.name}, which is "
+                        f"not supported (supported: {names})")
+    raw = f.data[info.offset:info.offset + info.n_bytes]
+    raw = raw.reshape(gguf.quants.quant_shape_to_byte_shape(info.shape, info.ggml_type))
+    w = np.asarray(gguf.quants.dequantize(raw, info.ggml_type), np.float32).reshape(info.shape)
+    if not np.isfinite(w).all():
+        raise GGUFError(f"tensor {info.name!r} has non-finite values (corrupted file?)")
+    return w
+
+
+def params_from_file(f: GGUFFile, cfg: ModelConfig, dtype=np.float32,
+                     progress: bool = True) -> dict:
+    """Dequantizes and maps every tensor onto the params pytree using NAME_MAPS[cfg.arch].
+
+    Args:
+        f: an open GGUF file (`open_gguf`).
+        cfg: its ModelConfig (decides the table and the expected shapes).
+        dtype: dtype of the returned arrays.
+        progress: show a tqdm bar over the tensors.
+
+    Returns:
+        The params pytree of notes/MODEL_CONTRACT.md (NumPy arrays; layers stacked).
+
+    Raises:
+        GGUFError: a tensor no rule maps, an unsupported tensor type, a missing
+            or duplicated tensor, or a shape that disagrees with cfg.
+    """
+    table = [(re.compile(p), path, fn) for p, path, fn in NAME_MAPS[cfg.arch]]
+    flat: dict[str, Any] = {}
+    for t in tqdm(f.tensors, desc="GGUF tensors", unit="tensor", disable=not progress):
+        for rx, path, fn in table:
+            m = rx.fullmatch(t.name)
+            if m:
+                break
+        else:
+            raise GGUFError(f"tensor {t.name!r} has no rule in the {cfg.arch} GGUF name map")
+        w = fn(dequantize(f, t), cfg).astype(dtype, copy=False)
+        if m.groups():
+            slot = flat.setdefault(path, [None] * cfg.n_layers)
+            i = int(m.group(1))
+            if i >= cfg.n_layers or slot[i] is not None:
+                raise GGUFError(f"tensor {t.name!r}: layer {i} out of range or duplicated")
+            slot[i] = w
+        else:
+            flat[path] = w
+    params: dict = {"layers": {}}
+    for key, shape in param_shapes(cfg).items():
+        for sub, sub_shape in (shape.items() if key == "layers" else [(None, shape)]):
+            path = key if sub is None else f"{key}/{sub}"
+            value = flat.pop(path, None)
+            if value is None or (isinstance(value, list) and any(v is None for v in value)):
+                raise GGUFError(f"GGUF file lacks tensors for {path}")
+            if isinstance(value, list):
+                value = np.stack(value)
+            if tuple(value.shape) != tuple(sub_shape):
+                raise GGUFError(f"{path}: shape {value.shape}, config expects {sub_shape}")
+            if sub is None:
+                params[key] = value
+            else:
+                params["layers"][sub] = value
+    if flat:
+        raise GGUFError(f"GGUF tensors mapped to params the config does not have: {sorted(flat)}")
+    return params
+
+
+def load_gguf(path: str | os.PathLike, dtype=np.float32,
+              progress: bool = True) -> tuple[ModelConfig, dict]:
+    """Loads a GGUF file into (ModelConfig, params).
+
+    Args:
+        path: the .gguf file.
+        dtype: parameter dtype (NumPy or ml_dtypes).
+        progress: show a tqdm bar over the tensors.
+
+    Returns:
+        (cfg, params) with params a nested dict of NumPy arrays (pass through
+        `jax.device_put` to place them).
+
+    Raises:
+        GGUFError: unreadable file or unsupported content (the message says what).
+    """
+    f = open_gguf(path)
+    cfg = config_from_file(f)
+    return cfg, params_from_file(f, cfg, dtype, progress)
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a GGUF file, without reading its tensors."""
+    return config_from_file(open_gguf(path))
+
+
+__all__ = ["ARCHS", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS",
+           "SUPPORTED_TYPES", "TensorInfo", "config_from_file", "dequantize", "load_config",
+           "load_gguf", "open_gguf", "params_from_file"]

