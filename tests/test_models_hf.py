@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from brf.checkpoints import hf as hf_ckpt  # noqa: E402
-from brf.models import (ARCHITECTURES, ModelConfig, decode_step, forward, init_cache,  # noqa: E402
+from brf.models import (ARCHITECTURES, ModelConfig, decode_step, init_cache,  # noqa: E402
                         init_params, iter_logits_chunks, param_shapes, prefill, score_tokens)
 
 V, T = 97, 21
@@ -52,8 +52,8 @@ def _tokens(seed, shape):
 
 
 @pytest.fixture(scope="module", params=sorted(HF_MODELS))
-def model(request, tmp_path_factory):
-    """(name, cfg, params, reference logits_1xTxV of _tokens(0, (1, T)))."""
+def any_model(request, tmp_path_factory):
+    """(name, cfg, params, reference logits_1xTxV of _tokens(0, (1, T)), torch model)."""
     name = request.param
     torch.manual_seed(0)
     hf_cfg = HF_MODELS[name]()
@@ -68,14 +68,29 @@ def model(request, tmp_path_factory):
     # Shard the untied Llama to exercise model.safetensors.index.json.
     ref.save_pretrained(path, max_shard_size="20KB" if name == "llama_untied" else "1GB")
     cfg, params = hf_ckpt.load_hf(str(path))
-    tokens = _tokens(0, (1, T))
+    return name, cfg, jax.device_put(params), _ref_logits(ref, _tokens(0, (1, T))), ref
+
+
+@pytest.fixture(scope="module")
+def model(any_model):
+    """The models the slower tests run on (llama_linear differs only in its RoPE)."""
+    if any_model[0] == "llama_linear":
+        pytest.skip("RoPE variant: checked by test_logits_match_transformers only")
+    return any_model
+
+
+def _ref_logits(ref, tokens_BxT):
     with torch.no_grad():
-        want = ref(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    return name, cfg, jax.device_put(params), want
+        return ref(torch.tensor(tokens_BxT, dtype=torch.long)).logits.numpy()
 
 
-def test_loaded_config(model):
-    name, cfg, params, _ = model
+def _full(params, cfg, tokens_BxT, **kw):
+    """Stateless jitted forward over whole sequences."""
+    return np.asarray(prefill(params, cfg, jnp.asarray(tokens_BxT), None, None, **kw)[0])
+
+
+def test_loaded_config(any_model):
+    name, cfg, params, _, _ = any_model
     assert cfg.arch == ("gemma3" if name == "gemma3" else "llama")
     assert cfg.tie_embeddings == ("lm_head" not in params)
     assert jax.tree.map(lambda a: a.shape, params) == param_shapes(cfg)
@@ -86,16 +101,16 @@ def test_loaded_config(model):
         assert cfg.rope_local_theta == 50.0 and cfg.sliding_window == 4
 
 
-def test_logits_match_transformers(model):
-    name, cfg, params, want = model
-    got, _ = forward(params, cfg, jnp.asarray(_tokens(0, (1, T))))
-    err = float(np.max(np.abs(np.asarray(got) - want)))
+def test_logits_match_transformers(any_model):
+    name, cfg, params, want, _ = any_model
+    got = _full(params, cfg, _tokens(0, (1, T)))
+    err = float(np.max(np.abs(got - want)))
     assert err < ATOL, f"{name}: max abs diff {err:.2e} vs transformers"
     assert np.std(want) > 0.1, "reference logits too flat to test anything"
 
 
 def test_kv_cache_decode_equals_full_forward(model):
-    name, cfg, params, want = model
+    name, cfg, params, want, _ = model
     tokens = _tokens(0, (1, T))
     cache = init_cache(cfg, 1, T)
     p = 5
@@ -111,7 +126,7 @@ def test_kv_cache_decode_equals_full_forward(model):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_singles(model, side):
-    name, cfg, params, _ = model
+    name, cfg, params, _, ref = model
     lengths, width, n_new = [9, 4, 7], 9, 3
     seqs = [_tokens(i + 1, (n + n_new,)) for i, n in enumerate(lengths)]
     tokens = np.zeros((3, width), np.int32)
@@ -129,8 +144,7 @@ def test_padded_batch_equals_singles(model, side):
         step, cache = decode_step(params, cfg, jnp.asarray(tok), cache)
         steps.append(np.asarray(step))
     for b, (n, s) in enumerate(zip(lengths, seqs)):
-        single, _ = forward(params, cfg, jnp.asarray(s[None]))
-        single = np.asarray(single)[0]
+        single = _ref_logits(ref, s[None])[0]
         got = np.asarray(logits)[b][valid[b]]
         errs = [np.max(np.abs(got - single[:n])), np.max(np.abs(np.asarray(last)[b] - single[n - 1]))]
         errs += [np.max(np.abs(steps[j][b] - single[n + j])) for j in range(n_new)]
@@ -138,9 +152,8 @@ def test_padded_batch_equals_singles(model, side):
 
 
 def test_bfloat16_close(model):
-    name, cfg, params, want = model
-    got, _ = forward(params, cfg, jnp.asarray(_tokens(0, (1, T))), dtype=jnp.bfloat16)
-    got = np.asarray(got)
+    name, cfg, params, want, _ = model
+    got = _full(params, cfg, _tokens(0, (1, T)), dtype=jnp.bfloat16)
     assert got.dtype == np.float32 and np.all(np.isfinite(got))
     err = float(np.max(np.abs(got - want)))
     assert err < 0.1 * np.max(np.abs(want)), f"{name}: bf16 max abs diff {err:.3f}"
@@ -149,7 +162,7 @@ def test_bfloat16_close(model):
 
 
 def test_chunked_scoring(model):
-    name, cfg, params, want = model
+    name, cfg, params, want, _ = model
     tokens = _tokens(0, (1, T))
     chunks = list(iter_logits_chunks(params, cfg, tokens, chunk=8))
     assert [s for s, _ in chunks] == [0, 8, 16] and chunks[-1][1].shape == (1, T - 16, V)
@@ -183,7 +196,7 @@ def test_random_params_run_without_nan():
                       n_kv_heads=1, head_dim=8, d_ff=32, norm_eps=1e-5, rope_theta=1e4)
     params = init_params(cfg, jax.random.key(0))
     valid = np.array([[False, False, True, True]])  # pad queries see no keys
-    out, _ = forward(params, cfg, jnp.zeros((1, 4), jnp.int32), jnp.asarray(valid))
+    out, _ = prefill(params, cfg, jnp.zeros((1, 4), jnp.int32), jnp.asarray(valid), None)
     assert np.all(np.isfinite(np.asarray(out)))
 
 

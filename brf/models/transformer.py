@@ -52,11 +52,12 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     """Random parameters (normal, std 0.02; norm scales 1) for tests and shape checks.
 
     Args:
-        cfg: the architecture.
+        cfg: the architecture (static).
         key: a PRNG key.
         dtype: parameter dtype.
 
@@ -64,12 +65,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
         A params pytree with the shapes of `param_shapes(cfg)`.
     """
     shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
-    keys = jax.random.split(key, len(leaves))
-    out = [jnp.ones(s, dtype) if "norm" in p else 0.02 * jax.random.normal(k, s, dtype)
-           for p, s, k in zip(paths, leaves, keys)]
+    is_shape = lambda s: isinstance(s, tuple)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+    sizes = [math.prod(s) for _, s in flat]
+    # One draw for all tensors: a single RNG op keeps compile time small.
+    noise = 0.02 * jax.random.normal(key, (sum(sizes),), dtype)
+    offsets = np.cumsum([0] + sizes)
+    out = [jnp.ones(s, dtype) if "norm" in jax.tree_util.keystr(p)
+           else noise[offsets[i]:offsets[i + 1]].reshape(s)
+           for i, (p, s) in enumerate(flat)]
     return jax.tree.unflatten(treedef, out)
 
 
