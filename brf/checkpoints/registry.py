@@ -104,7 +104,7 @@ def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[Mod
         progress: tqdm bar while dequantizing GGUF tensors.
 
     Returns:
-        (cfg, params as NumPy arrays, tokenizer or None when a HF dir has none).
+        (cfg, params as NumPy arrays, tokenizer or None when the source has none).
     """
     from brf.checkpoints import tokenizer as tok
     if os.path.isdir(path):
@@ -116,7 +116,8 @@ def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[Mod
     f = gguf.open_gguf(path)
     cfg = gguf.config_from_file(f)
     params = gguf.params_from_file(f, cfg, dtype, progress)
-    return cfg, params, tok.tokenizer_from_gguf(f)
+    has_tok = "tokenizer.ggml.model" in f.metadata
+    return cfg, params, tok.tokenizer_from_gguf(f) if has_tok else None
 
 
 def _fingerprint(path: str) -> dict[str, Any]:
