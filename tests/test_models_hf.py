@@ -16,8 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from brf.checkpoints import hf as hf_ckpt  # noqa: E402
-from brf.models import (ARCHITECTURES, ModelConfig, decode_step, init_cache,  # noqa: E402
-                        init_params, iter_logits_chunks, param_shapes, prefill, score_tokens)
+from brf.models import (ARCHITECTURES, ModelConfig, decode_step,  # noqa: E402
+                        decode_step_donated, init_cache, init_params, iter_logits_chunks,
+                        param_shapes, prefill, prefill_donated, score_tokens)
 
 V, T = 97, 21
 ATOL = 1e-4
@@ -114,10 +115,11 @@ def test_kv_cache_decode_equals_full_forward(model):
     tokens = _tokens(0, (1, T))
     cache = init_cache(cfg, 1, T)
     p = 5
-    logits, cache = prefill(params, cfg, jnp.asarray(tokens[:, :p]), None, cache)
+    # The donated variants: same maths, cache updated in place.
+    logits, cache = prefill_donated(params, cfg, jnp.asarray(tokens[:, :p]), None, cache)
     steps = [np.asarray(logits)[0]]
     for t in range(p, T):
-        step, cache = decode_step(params, cfg, jnp.asarray(tokens[:, t]), cache)
+        step, cache = decode_step_donated(params, cfg, jnp.asarray(tokens[:, t]), cache)
         steps.append(np.asarray(step))
     got = np.concatenate(steps, 0)
     err = float(np.max(np.abs(got - want[0])))

@@ -145,9 +145,12 @@ def _attention(cfg, q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
     return o_BxTxKxGxE.reshape(B, T, H * E)
 
 
-def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, k_BxSxKxE, v_BxSxKxE,
-           pos_BxT, kpos_BxS, write_at):
-    """One decoder layer; returns the new residual stream and this layer's K/V slots."""
+def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, layer, pos_BxT, kpos_BxS, write_at):
+    """One decoder layer; returns the new residual stream and the updated kv caches.
+
+    kv is None (no cache) or the whole (k_LxBxSxKxE, v_LxBxSxKxE); only the T new
+    slots of `layer` are written, so with a donated cache the update is in place.
+    """
     B, T, _ = x_BxTxD.shape
     E, H, K = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     w = lambda name: lp[name].astype(dtype)
@@ -160,11 +163,13 @@ def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, k_BxSxKxE, v_BxSxKxE,
         k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
     q = apply_rope(q, pos_BxT, inv_F)
     k = apply_rope(k, pos_BxT, inv_F)
-    if k_BxSxKxE is None:  # no cache: attend over the new tokens only
+    if kv is None:  # no cache: attend over the new tokens only
         k_all, v_all = k, v
     else:
-        k_all = jax.lax.dynamic_update_slice(k_BxSxKxE, k.astype(k_BxSxKxE.dtype), (0, write_at, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(v_BxSxKxE, v.astype(v_BxSxKxE.dtype), (0, write_at, 0, 0))
+        at = (layer, 0, write_at, 0, 0)
+        kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype)[None], at)
+                   for c, new in zip(kv, (k, v)))
+        k_all, v_all = (c[layer] for c in kv)
     # Causal by position (not slot), restricted to valid slots and the layer's window.
     diff_BxTxS = pos_BxT[:, :, None] - kpos_BxS[:, None, :]
     mask = (kpos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
@@ -177,7 +182,7 @@ def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, k_BxSxKxE, v_BxSxKxE,
     m = (act(h @ w("w_gate")) * (h @ w("w_up"))) @ w("w_down")
     if "post_mlp_norm" in lp:
         m = rms_norm(m, lp["post_mlp_norm"], cfg.norm_eps)
-    return x_BxTxD + m, (k_all, v_all)
+    return x_BxTxD + m, kv
 
 
 def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=None, *,
@@ -217,18 +222,20 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
 
     inv_LxF, window_L = layer_tables(cfg)
     if cache is None:
-        kpos_BxS, write_at, kv = pos_BxT, 0, (None, None)
+        kpos_BxS, write_at, kv = pos_BxT, 0, None
     else:
         write_at = cache["end"]
         kpos_BxS = jax.lax.dynamic_update_slice(cache["pos"], pos_BxT, (0, write_at))
         kv = (cache["k"], cache["v"])
 
-    def step(x, xs):
-        lp, inv_F, window, k_l, v_l = xs
-        x, new_kv = _block(cfg, dtype, x, lp, inv_F, window, k_l, v_l, pos_BxT, kpos_BxS, write_at)
-        return x, (new_kv if cache is not None else None)
+    def step(carry, xs):
+        x, kv = carry
+        lp, inv_F, window, layer = xs
+        return _block(cfg, dtype, x, lp, inv_F, window, kv, layer, pos_BxT, kpos_BxS,
+                      write_at), None
 
-    x_BxTxD, new_kv = jax.lax.scan(step, x_BxTxD, (params["layers"], inv_LxF, window_L) + kv)
+    xs = (params["layers"], inv_LxF, window_L, jnp.arange(cfg.n_layers))
+    (x_BxTxD, new_kv), _ = jax.lax.scan(step, (x_BxTxD, kv), xs)
 
     new_cache = None
     if cache is not None:
@@ -295,5 +302,12 @@ def decode_step(params: dict, cfg: ModelConfig, token_B, cache, valid_B=None, *,
     return out[:, 0], cache
 
 
-__all__ = ["param_shapes", "init_params", "forward", "prefill", "decode_step", "unembed",
+# Same functions with the cache donated: XLA updates it in place instead of copying
+# it every call (about 2x faster decoding). The cache passed in is invalidated.
+prefill_donated = jax.jit(prefill, static_argnames=("cfg", "dtype", "logits"),
+                          donate_argnames="cache")
+decode_step_donated = jax.jit(decode_step, static_argnames=("cfg", "dtype"),
+                              donate_argnames="cache")
+
+__all__ = ["prefill_donated", "decode_step_donated", "param_shapes", "init_params", "forward", "prefill", "decode_step", "unembed",
            "rope_inv_freq", "layer_tables", "rms_norm", "apply_rope"]
