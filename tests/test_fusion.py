@@ -385,3 +385,26 @@ def test_where_mask_equals_minus_inf_logits():
     a = fuse("born", x, where=mask, phase="tanh")
     b = fuse("born", np.where(mask, x, -np.inf), phase="tanh")
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@given(member_logits(max_n=2, max_v=64), st.sampled_from([2, 4, 8]))
+def test_chunked_top2_gap_matches_sort(sample, chunk):
+    from brf.fusion.members import chunked_top2_gap
+    x, _ = sample
+    if x.shape[-1] % chunk:  # exercise the chunked path: pad to a multiple
+        pad = chunk - x.shape[-1] % chunk
+        x = np.concatenate([x, np.full(x.shape[:-1] + (pad,), -np.inf, x.dtype)], -1)
+    top1, gap = chunked_top2_gap(jnp.asarray(x), chunk=chunk)
+    np.testing.assert_array_equal(np.asarray(top1), x.max(-1))
+    np.testing.assert_allclose(np.asarray(gap), ref.gap(x), rtol=1e-6)
+
+
+def test_chunked_gap_ties_across_and_within_chunks():
+    from brf.fusion.members import chunked_top2_gap
+    x = np.zeros((4, 16), np.float32)
+    x[0, [1, 9]] = 5.0            # tie across chunks -> 0
+    x[1, [1, 2]] = 5.0            # tie within a chunk -> 0
+    x[2, 1], x[2, 2] = 5.0, 4.0   # runner-up in the winning chunk
+    x[3, 1], x[3, 12] = 5.0, 4.5  # runner-up in another chunk
+    _, gap = chunked_top2_gap(jnp.asarray(x), chunk=4)
+    np.testing.assert_array_equal(np.asarray(gap), [0.0, 0.0, 1.0, 0.5])

@@ -21,14 +21,17 @@ Where ``Z < z_min`` (default 1e-3, i.e. less than 0.1% of the phase-free mass
 survives) the kernel returns the linear pool for that position instead and sets
 ``info["fallback"]`` there. It never returns NaN.
 
-**Kernel layout (per-position maps).** The normaliser is computed analytically
-from the members' Gram matrix ``G_ij = sum_t e_i(t) e_j(t)`` with
-``e_i = exp((l_i - max l_i) / 2)``: ``G_ii`` is member i's softmax normaliser
-and ``Z = sum_ij c_i c_j cos(phi_i - phi_j) G_ij``. The output pass then writes
-``log q`` directly in the log domain (amplitudes rescaled by their per-token
-maximum), so tiny probabilities keep their precision and no extra pass over V
-is needed to normalise. Per-token maps cannot use the Gram trick and normalise
-with a log-sum-exp over V.
+**Kernel layout (per-position maps).** One pass finds each member's top-1
+logit and gap (chunked, see :func:`brf.fusion.members.chunked_top2_gap`). The
+normaliser is then analytic, from the members' Gram matrix
+``G_ij = sum_t e_i(t) e_j(t)`` with ``e_i = exp((l_i - max l_i) / 2)``:
+``G_ii`` is member i's softmax normaliser and
+``Z = sum_ij c_i c_j cos(phi_i - phi_j) G_ij`` with ``c_i = sqrt(w_i / G_ii)``.
+The output pass writes ``log q`` directly in the log domain (amplitudes
+rescaled by their per-token maximum over members), so tiny probabilities keep
+their precision and no further pass over V is needed to normalise. Per-token
+maps cannot use the Gram trick and normalise with a log-sum-exp over V.
+Sums over members are unrolled (see :mod:`brf.fusion.members`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from brf.fusion import methods as M
+from brf.fusion.members import mmax, msum, unstack
 from brf.fusion.phase import PhaseMap, phase_map, position_gap, token_gap
 
 DEFAULT_Z_MIN = 1e-3
@@ -54,33 +58,10 @@ def member_phases(logits: jax.Array, phase: PhaseMap) -> tuple[jax.Array, jax.Ar
     return top1, phase(gap, member_axis=-1)
 
 
-def _log_amplitudes(logits, weights, top1, log_norm):
-    """0.5 * log(w_i p_i(t)), -inf where w_i = 0 or the token is invalid."""
-    log_w = jnp.where(weights > 0, jnp.log(jnp.where(weights > 0, weights, 1.0)),
-                      -jnp.inf)
-    coef = 0.5 * (log_w - log_norm)
-    return 0.5 * (logits - top1[..., None]) + coef[..., None]
-
-
-def _interfere(u, cos_phi, sin_phi):
-    """log|sum_i e^{u_i} e^{i phi_i}|^2 and log sum_i e^{2 u_i}, per token.
-
-    u: [..., n, V] log amplitudes; cos_phi, sin_phi broadcastable to u.
-    Amplitudes are rescaled by their maximum over members so neither overflows
-    nor loses tiny tokens to underflow.
-    """
-    top = jnp.max(u, axis=-2)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    a = jnp.exp(u - top[..., None, :])
-    re = jnp.sum(a * cos_phi, axis=-2)
-    im = jnp.sum(a * sin_phi, axis=-2)
-    born_sq = re * re + im * im
-    lin_sq = jnp.sum(a * a, axis=-2)
-    return 2.0 * top, born_sq, lin_sq
-
-
-def _safe_log(x):
-    return jnp.log(jnp.where(x > 0, x, 1.0)) + jnp.where(x > 0, 0.0, -jnp.inf)
+def _log(x):
+    """log x, -inf at 0, with gradients that stay finite where x = 0."""
+    pos = x > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
 
 
 @M.register(
@@ -104,31 +85,43 @@ def born(logits: jax.Array, weights: jax.Array, *, phase=None,
       z being the normaliser relative to the linear pool's (which is 1).
     """
     phase = phase_map(phase if phase is not None else "constant")
+    n = logits.shape[-2]
     weights = jnp.broadcast_to(weights, logits.shape[:-1]).astype(logits.dtype)
     top1, phi = member_phases(logits, phase)
-    cos_phi, sin_phi = jnp.cos(phi), jnp.sin(phi)
+    xs, ws = unstack(logits), unstack(weights, axis=-1)
+    # h_i = log sqrt of member i's unnormalised probabilities (max token: 0).
+    h = [0.5 * (xs[i] - top1[..., i, None]) for i in range(n)]
+    log_w = [_log(w) for w in ws]
     if phase.kind == "token":
-        log_norm = jax.nn.logsumexp(logits - top1[..., None], axis=-1)
-        u = _log_amplitudes(logits, weights, top1, log_norm)
-        shift, born_sq, lin_sq = _interfere(u, cos_phi, sin_phi)
-        log_born = shift + _safe_log(born_sq)
+        log_norm = [jax.nn.logsumexp(2.0 * hi, axis=-1) for hi in h]
+        cos_phi, sin_phi = unstack(jnp.cos(phi)), unstack(jnp.sin(phi))
+    else:
+        # Gram matrix of half-amplitudes; its diagonal holds the normalisers.
+        gram = {}
+        for i in range(n):
+            for j in range(i, n):
+                gram[i, j] = gram[j, i] = jnp.sum(jnp.exp(h[i] + h[j]), axis=-1)
+        log_norm = [jnp.log(gram[i, i]) for i in range(n)]
+        c = [jnp.exp(0.5 * (log_w[i] - log_norm[i])) for i in range(n)]
+        z = msum([c[i] * c[j] * jnp.cos(phi[..., i] - phi[..., j]) * gram[i, j]
+                  for i in range(n) for j in range(n)])
+        cos_phi = [jnp.cos(phi[..., i])[..., None] for i in range(n)]
+        sin_phi = [jnp.sin(phi[..., i])[..., None] for i in range(n)]
+    # u_i = 0.5 log(w_i p_i(t)); rescaled per token by its max over members.
+    u = [h[i] + (0.5 * (log_w[i] - log_norm[i]))[..., None] for i in range(n)]
+    top = mmax(u)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    a = [jnp.exp(ui - top) for ui in u]
+    re = msum([ai * ci for ai, ci in zip(a, cos_phi)])
+    im = msum([ai * si for ai, si in zip(a, sin_phi)])
+    log_born = 2.0 * top + _log(re * re + im * im)
+    log_lin = 2.0 * top + _log(msum([ai * ai for ai in a]))
+    if phase.kind == "token":
         log_z = jax.nn.logsumexp(log_born, axis=-1)
         z = jnp.exp(log_z)
     else:
-        # Gram matrix of half-amplitudes: one fused pass over V.
-        e = jnp.exp(0.5 * (logits - top1[..., None]))
-        gram = jnp.einsum("...iv,...jv->...ij", e, e)
-        log_norm = jnp.log(jnp.diagonal(gram, axis1=-2, axis2=-1))
-        c = jnp.sqrt(weights) * jnp.exp(-0.5 * log_norm)
-        cos_diff = jnp.cos(phi[..., :, None] - phi[..., None, :])
-        z = jnp.einsum("...i,...j,...ij,...ij->...", c, c, cos_diff, gram)
-        u = _log_amplitudes(logits, weights, top1, log_norm)
-        shift, born_sq, lin_sq = _interfere(
-            u, cos_phi[..., None], sin_phi[..., None])
-        log_born = shift + _safe_log(born_sq)
-        log_z = _safe_log(z)
+        log_z = _log(z)
     fallback = ~(z >= z_min)
-    log_lin = shift + _safe_log(lin_sq)
     log_q = jnp.where(fallback[..., None], log_lin,
                       log_born - jnp.where(fallback, 0.0, log_z)[..., None])
     return log_q, {"fallback": fallback, "z": z}

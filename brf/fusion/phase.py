@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from brf.fusion.checks import FusionInputError
+from brf.fusion.members import chunked_top2_gap
 from brf.registry import Registry
 
 
@@ -242,10 +243,8 @@ def check_offset(pm: PhaseMap, n_members: int) -> None:
 def position_gap(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Top-1 logit and top-1 minus top-2 gap along the last axis.
 
-    Ties for the top give a gap of 0. With fewer than two valid (finite) tokens
-    there is no competitor and the gap is defined as 0. Cost: two fused passes
-    over the logits (a max, then a count and a masked max), far cheaper on CPU
-    than ``lax.top_k``.
+    Ties for the top give a gap of 0. With fewer than two valid (finite)
+    tokens there is no competitor and the gap is defined as 0.
 
     Args:
       logits: [..., V].
@@ -253,12 +252,7 @@ def position_gap(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     Returns:
       (top1 [...], gap [...]).
     """
-    m1 = jnp.max(logits, axis=-1)
-    is_top = logits == m1[..., None]
-    count = jnp.sum(is_top, axis=-1)
-    m2 = jnp.max(jnp.where(is_top, -jnp.inf, logits), axis=-1)
-    gap = jnp.where(count > 1, 0.0, m1 - m2)
-    return m1, jnp.where(jnp.isfinite(gap), gap, 0.0).astype(logits.dtype)
+    return chunked_top2_gap(logits)
 
 
 def token_gap(logits: jax.Array, top1: jax.Array) -> jax.Array:

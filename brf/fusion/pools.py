@@ -13,10 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from brf.fusion import methods as M
-
-
-def _active(weights, logits):
-    return jnp.broadcast_to(weights, logits.shape[:-1])[..., None] > 0
+from brf.fusion.members import mlogsumexp, mmax, mmin, msum, unstack
 
 
 def _log_weights(weights):
@@ -26,8 +23,9 @@ def _log_weights(weights):
 
 def linear_pool(logp, weights):
     """log sum_i w_i p_i from member log-probabilities [..., n, V]."""
-    w = jnp.broadcast_to(weights, logp.shape[:-1])
-    return jax.nn.logsumexp(logp + _log_weights(w)[..., None], axis=-2)
+    w = unstack(jnp.broadcast_to(weights, logp.shape[:-1]), axis=-1)
+    return mlogsumexp([lp + _log_weights(wi)[..., None]
+                       for lp, wi in zip(unstack(logp), w)])
 
 
 def _normalise_or_fallback(score, logp, weights):
@@ -52,12 +50,19 @@ def linear(logits, weights):
 def loglinear(logits, weights, *, temperature=1.0):
     """Log-linear pool / product of experts: q ∝ prod_i p_i^(w_i / T)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    w = jnp.broadcast_to(weights, logp.shape[:-1])[..., None]
-    terms = jnp.where(w > 0, w * jnp.where(w > 0, logp, 0.0), 0.0)
-    # A member with w > 0 and p = 0 vetoes the token.
-    terms = jnp.where((w > 0) & jnp.isneginf(logp), -jnp.inf, terms)
-    return _normalise_or_fallback(jnp.sum(terms, axis=-2) / temperature,
+    return _normalise_or_fallback(_geometric(logp, weights) / temperature,
                                   logp, weights)
+
+
+def _geometric(logp, weights):
+    """sum_i w_i log p_i over members with w_i > 0 (a zero p_i vetoes)."""
+    w = unstack(jnp.broadcast_to(weights, logp.shape[:-1]), axis=-1)
+    terms = []
+    for lp, wi in zip(unstack(logp), w):
+        wi = wi[..., None]
+        t = jnp.where(wi > 0, wi * jnp.where(jnp.isfinite(lp), lp, 0.0), 0.0)
+        terms.append(jnp.where((wi > 0) & jnp.isneginf(lp), -jnp.inf, t))
+    return msum(terms)
 
 
 @M.register("power", alpha=M.Param(
@@ -69,33 +74,38 @@ def power(logits, weights, *, alpha=0.5):
     alpha = 0 is the limit, the weighted geometric mean (log-linear pool).
     """
     logp = jax.nn.log_softmax(logits, axis=-1)
-    w = jnp.broadcast_to(weights, logp.shape[:-1])
+    w = unstack(jnp.broadcast_to(weights, logp.shape[:-1]), axis=-1)
     zero = alpha == 0
     safe_alpha = jnp.where(zero, 1.0, alpha)
-    active = w[..., None] > 0
-    terms = jnp.where(active, _log_weights(w)[..., None] + safe_alpha * logp,
-                      -jnp.inf)
-    powered = jax.nn.logsumexp(terms, axis=-2) / safe_alpha
-    geo = jnp.sum(jnp.where(active, w[..., None] * jnp.where(active, logp, 0.0),
-                            0.0), axis=-2)
-    geo = jnp.where(jnp.any(active & jnp.isneginf(logp), axis=-2), -jnp.inf, geo)
-    return _normalise_or_fallback(jnp.where(zero, geo, powered), logp, weights)
+    terms = [jnp.where(wi[..., None] > 0,
+                       _log_weights(wi)[..., None] + safe_alpha * lp, -jnp.inf)
+             for lp, wi in zip(unstack(logp), w)]
+    powered = mlogsumexp(terms) / safe_alpha
+    score = jnp.where(zero, _geometric(logp, weights), powered)
+    return _normalise_or_fallback(score, logp, weights)
 
 
 @M.register("max")
 def max_pool(logits, weights):
     """Max pool: q ∝ max_i p_i over members with w_i > 0."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    score = jnp.max(jnp.where(_active(weights, logp), logp, -jnp.inf), axis=-2)
-    return _normalise_or_fallback(score, logp, weights)
+    return _normalise_or_fallback(mmax(_active(logp, weights, -jnp.inf)),
+                                  logp, weights)
+
+
+def _active(logp, weights, fill):
+    """Per-member log-probs, ``fill`` for members with weight 0."""
+    w = unstack(jnp.broadcast_to(weights, logp.shape[:-1]), axis=-1)
+    return [jnp.where(wi[..., None] > 0, lp, fill)
+            for lp, wi in zip(unstack(logp), w)]
 
 
 @M.register("min")
 def min_pool(logits, weights):
     """Min pool: q ∝ min_i p_i over members with w_i > 0."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    score = jnp.min(jnp.where(_active(weights, logp), logp, jnp.inf), axis=-2)
-    return _normalise_or_fallback(score, logp, weights)
+    return _normalise_or_fallback(mmin(_active(logp, weights, jnp.inf)),
+                                  logp, weights)
 
 
 def confidence(logp, criterion: str):
@@ -130,7 +140,10 @@ def routing(logits, weights, *, criterion="max_prob"):
     w = jnp.broadcast_to(weights, logp.shape[:-1])
     conf = jnp.where(w > 0, confidence(logp, criterion), -jnp.inf)
     k = jnp.argmax(conf, axis=-1)
-    out = jnp.take_along_axis(logp, k[..., None, None], axis=-2)[..., 0, :]
+    rows = unstack(logp)
+    out = rows[0]
+    for i in range(1, len(rows)):
+        out = jnp.where((k == i)[..., None], rows[i], out)
     return out, {"fallback": jnp.zeros(k.shape, bool), "member": k}
 
 
