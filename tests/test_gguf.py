@@ -78,13 +78,16 @@ def write_tiny(path, arch="llama", hf=None, extra_kv=None, extra_tensors=None,
         kv[f"{arch}.attention.sliding_window"] = 8
     kv.update(extra_kv or {})
     for key, value in kv.items():
-        if isinstance(value, str):
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)
         else:
             w.add_uint32(key, value)
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(V)])
+    tokens = ["<|endoftext|>", "<s>", "</s>", "a", "b", "ab"] + [f"t{i}" for i in range(6, V)]
+    w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     expected = {}
@@ -137,7 +140,8 @@ def test_tiny_roundtrip(tmp_path, arch):
     cfg, params = G.load_gguf(path, progress=False)
     assert cfg.arch == arch and cfg.n_layers == L and cfg.head_dim == E
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size) == (H, K, F, V)
-    assert cfg.tie_embeddings and cfg.bos_id == 1 and cfg.eos_ids == (2,)
+    # eos_ids: the file's EOS, then the tokens llama.cpp also ends generation on.
+    assert cfg.tie_embeddings and cfg.bos_id == 1 and cfg.eos_ids == (2, 0)
     got = flat(params)
     assert set(got) == set(expected)
     for k, want in expected.items():

@@ -78,6 +78,8 @@ def tokenizer_from_gguf(source: str | os.PathLike | GGUFFile) -> PreTrainedToken
     if model == "gpt2" and pre not in _GPT2_PRE:
         raise GGUFError(f"GGUF metadata field 'tokenizer.ggml.pre'={pre!r} is not supported "
                         f"for byte-level BPE (supported: {', '.join(sorted(_GPT2_PRE))})")
+    if model == "gpt2" and "tokenizer.ggml.merges" not in meta:
+        raise GGUFError("GGUF byte-level BPE tokenizer lacks 'tokenizer.ggml.merges'")
     if model == "llama" and "tokenizer.ggml.merges" not in meta and \
             "tokenizer.ggml.scores" not in meta:
         raise GGUFError("GGUF SentencePiece tokenizer has neither 'tokenizer.ggml.merges' nor "
@@ -100,7 +102,12 @@ def tokenizer_from_gguf(source: str | os.PathLike | GGUFFile) -> PreTrainedToken
     kwargs["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     if "tokenizer.chat_template" in meta:
         kwargs["chat_template"] = meta["tokenizer.chat_template"]
-    return TokenizersBackend(tokenizer_object=backend, **kwargs)
+    tok = TokenizersBackend(tokenizer_object=backend, **kwargs)
+    if len(tok) != len(tokens):  # e.g. a default special token the file does not have
+        extra = sorted(set(tok.get_vocab()) - set(tokens))
+        raise GGUFError(f"the tokenizer built from {f.path} has {len(tok)} tokens, the file "
+                        f"{len(tokens)} (extra: {extra[:5]}); set tokenizer.ggml.*_token_id")
+    return tok
 
 
 def tokenizer_from_dir(directory: str | os.PathLike) -> PreTrainedTokenizerBase:
