@@ -43,8 +43,10 @@ import jax
 import jax.numpy as jnp
 
 from brf.fusion import methods as M
+from brf.fusion.checks import check_inputs
 from brf.fusion.members import mmax, msum, unstack
-from brf.fusion.phase import PhaseMap, phase_map, position_gap, token_gap
+from brf.fusion.phase import (PhaseMap, check_offset, phase_map, position_gap,
+                              token_gap)
 
 DEFAULT_Z_MIN = 1e-3
 
@@ -159,10 +161,13 @@ def born_terms(logits: jax.Array, weights: jax.Array | None = None,
     Returns:
       A :class:`BornTerms`; P = n (n - 1) / 2 pairs.
     """
+    logits = jnp.asarray(logits)
+    check_inputs(logits, weights)
     n = logits.shape[-2]
-    if weights is None:
-        weights = jnp.full((n,), 1.0 / n, logits.dtype)
+    weights = (jnp.full((n,), 1.0 / n, logits.dtype) if weights is None
+               else jnp.asarray(weights, logits.dtype))
     phase = phase_map(phase if phase is not None else "constant")
+    check_offset(phase, n)
     weights = jnp.broadcast_to(weights, logits.shape[:-1]).astype(logits.dtype)
     _, phi = member_phases(logits, phase)
     p = jax.nn.softmax(logits, axis=-1)

