@@ -1,0 +1,178 @@
+"""Ensemble members: a model, its tokenizer, a conditioning prefix and a weight.
+
+A :class:`Member` is one voice of the ensemble. Two members may share one
+model (the same params and tokenizer) and differ only in their conditioning
+prefix, e.g. two system prompts: that is a real same-vocabulary ensemble.
+
+Checks that must hold before generation starts live here too, so that bad
+input fails with a clear message instead of deep inside a jit trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from brf.models.config import ModelConfig
+
+
+class EnsembleInputError(ValueError):
+    """Bad ensemble input (members, weights, prompts, method); raised before decoding."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Member:
+    """One member of an ensemble.
+
+    Attributes:
+        name: a label for reports and error messages.
+        cfg: the model architecture.
+        params: the params pytree (shared, not copied, between members of one model).
+        tokenizer: a transformers fast tokenizer (``encode``/``decode``).
+        weight: the member's weight before normalisation; None = uniform.
+        prefix: conditioning text. Plain members read ``prefix + prompt``; chat
+            members get it as the system message.
+        chat: wrap the prompt in the tokenizer's chat template (with a
+            generation prompt), so instruct models answer it.
+    """
+
+    name: str
+    cfg: ModelConfig
+    params: Any
+    tokenizer: Any
+    weight: float | None = None
+    prefix: str = ""
+    chat: bool = False
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The token ids this member conditions on for ``prompt`` (prefix and BOS included)."""
+        tok = self.tokenizer
+        if self.chat:
+            if getattr(tok, "chat_template", None) is None:
+                raise EnsembleInputError(f"member {self.name!r}: chat=True but its tokenizer "
+                                         "has no chat template")
+            msgs = ([{"role": "system", "content": self.prefix}] if self.prefix else [])
+            msgs.append({"role": "user", "content": prompt})
+            out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if hasattr(out, "keys"):  # BatchEncoding in newer transformers
+                out = out["input_ids"]
+            return [int(i) for i in out]
+        return [int(i) for i in tok(self.prefix + prompt, add_special_tokens=True)["input_ids"]]
+
+    def eos_ids(self) -> frozenset[int]:
+        """Token ids that end a sequence for this member (model config and tokenizer)."""
+        ids = set(self.cfg.eos_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+        return frozenset(ids)
+
+
+def from_model(model: Any, name: str | None = None, **kwargs) -> Member:
+    """A Member from a loaded ``brf.checkpoints.registry.Model`` (cfg, params, tokenizer)."""
+    if model.tokenizer is None:
+        raise EnsembleInputError(f"model {name or model.path!r} has no tokenizer")
+    return Member(name=name or str(model.path), cfg=model.cfg, params=model.params,
+                  tokenizer=model.tokenizer, **kwargs)
+
+
+def normalised_weights(members: Sequence[Member],
+                       weights: Sequence[float] | None = None) -> np.ndarray:
+    """The ensemble weights on the simplex, checked against the members.
+
+    Args:
+        members: the ensemble.
+        weights: explicit weights (one per member, summing to 1), or None to
+            take each member's ``weight`` (all None = uniform; the members'
+            weights must then sum to 1 too: brf never renormalises silently).
+
+    Returns:
+        float64 weights [n].
+
+    Raises:
+        EnsembleInputError: wrong count, negative / non-finite values, all zero,
+            or not summing to 1.
+    """
+    n = len(members)
+    if n == 0:
+        raise EnsembleInputError("an ensemble needs at least one member")
+    if weights is None:
+        given = [m.weight for m in members]
+        if all(w is None for w in given):
+            return np.full(n, 1.0 / n)
+        if any(w is None for w in given):
+            missing = [m.name for m in members if m.weight is None]
+            raise EnsembleInputError(f"members {missing} have no weight while others do; "
+                                     "give every member a weight or none")
+        weights = given
+    w = np.asarray(weights, np.float64).reshape(-1)
+    if w.shape != (n,):
+        raise EnsembleInputError(f"{w.size} weights for {n} members "
+                                 f"({[m.name for m in members]}); give one weight per member")
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise EnsembleInputError(f"weights must be finite and >= 0; got {w.tolist()}")
+    if not math.isclose(w.sum(), 1.0, abs_tol=1e-6):
+        raise EnsembleInputError(f"weights must sum to 1; they sum to {w.sum():.6g} "
+                                 f"({w.tolist()}); pass w / sum(w) if that is what you mean")
+    return w
+
+
+def same_vocabulary(a: Member, b: Member) -> bool:
+    """True when two members' tokenizers map the same strings to the same ids."""
+    if a.tokenizer is b.tokenizer:
+        return True
+    return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+
+
+def special_tokens(m: Member) -> dict[str, Any]:
+    """The special-token facts that must agree between same-vocabulary members."""
+    tok = m.tokenizer
+    return {"bos": getattr(tok, "bos_token_id", None),
+            "eos": sorted(m.eos_ids()),
+            "pad": getattr(tok, "pad_token_id", None),
+            "special": sorted(getattr(tok, "all_special_ids", []) or [])}
+
+
+def check_shared_vocabulary(members: Sequence[Member]) -> None:
+    """Raises unless all members share one vocabulary and agree about special tokens.
+
+    Same-vocabulary ensembles exchange token ids directly, so a token that is
+    EOS (or BOS, or otherwise special) for one member must be so for every
+    member, or one member would see text where another sees a control token.
+    """
+    ref = members[0]
+    for m in members[1:]:
+        if not same_vocabulary(ref, m):
+            raise EnsembleInputError(
+                f"members {ref.name!r} and {m.name!r} have different vocabularies; use a "
+                "vocabulary aligner (brf.align) instead of 'identity'")
+        a, b = special_tokens(ref), special_tokens(m)
+        diff = [k for k in a if a[k] != b[k]]
+        if diff:
+            detail = "; ".join(f"{k}: {a[k]} vs {b[k]}" for k in diff)
+            raise EnsembleInputError(
+                f"members {ref.name!r} and {m.name!r} share a vocabulary but disagree about "
+                f"special tokens ({detail})")
+    for m in members:
+        if len(m.tokenizer) > m.cfg.vocab_size:
+            raise EnsembleInputError(f"member {m.name!r}: tokenizer has {len(m.tokenizer)} "
+                                     f"tokens, the model only {m.cfg.vocab_size} logits")
+
+
+def check_prompt_fits(m: Member, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """Raises if a member's conditioning plus prompt does not fit its context."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise EnsembleInputError(f"member {m.name!r}: empty prompt (and no prefix or BOS); "
+                                 "nothing to condition on")
+    if n >= m.cfg.max_seq_len:
+        raise EnsembleInputError(
+            f"member {m.name!r}: the prompt is {n} tokens (prefix included), longer than "
+            f"its context of {m.cfg.max_seq_len} tokens")
+    if n + max_new_tokens > m.cfg.max_seq_len:
+        raise EnsembleInputError(
+            f"member {m.name!r}: prompt ({n} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds its context of {m.cfg.max_seq_len} tokens")
