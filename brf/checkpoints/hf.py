@@ -84,7 +84,8 @@ _IGNORED_TENSORS = (r".*\.rotary_emb\.inv_freq",)
 
 # Config fields with no effect on the forward pass.
 _IGNORED_FIELDS = {
-    "_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version",
+    "_name_or_path", "_model_name_or_path", "unk_token_id", "architectures", "dtype",
+    "torch_dtype", "transformers_version",
     "use_cache", "initializer_range", "attention_dropout", "pretraining_tp",
     "model_type", "cache_implementation", "_sliding_window_pattern", "output_attentions",
     "output_hidden_states", "return_dict", "attn_implementation", "_attn_implementation",
