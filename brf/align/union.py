@@ -161,6 +161,12 @@ def load_union(path: str | os.PathLike) -> UnionTable:
 _MEMORY: dict[str, UnionTable] = {}
 
 
+def default_cache_dir() -> str:
+    """`$BRF_CACHE/align` (default ~/.cache/brf/align), beside the model cache."""
+    from brf.checkpoints.registry import cache_dir
+    return os.path.join(cache_dir(), "align")
+
+
 def union_table(tables: Sequence[TokenTable], cache_dir: str | os.PathLike | None = None
                 ) -> UnionTable:
     """The UnionTable of an ordered member set, built once and cached.
@@ -197,5 +203,6 @@ def clear_memory_cache() -> None:
     _MEMORY.clear()
 
 
-__all__ = ["CONTROL", "UnionTable", "build_union", "clear_memory_cache", "load_union",
+__all__ = ["CONTROL", "UnionTable", "build_union", "clear_memory_cache", "default_cache_dir",
+           "load_union",
            "save_union", "table_key", "union_table"]
