@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from brf.checkpoints import hf as hf_ckpt  # noqa: E402
-from brf.models import (ARCHITECTURES, ModelConfig, decode_step,  # noqa: E402
+from brf.models import (ARCHITECTURES, ModelConfig, cast_params, decode_step,  # noqa: E402
                         decode_step_donated, init_cache, init_params, iter_logits_chunks,
                         param_shapes, prefill, prefill_donated, score_tokens)
 
@@ -113,14 +113,20 @@ def test_logits_match_transformers(any_model):
 def test_kv_cache_decode_equals_full_forward(model):
     name, cfg, params, want, _ = model
     tokens = _tokens(0, (1, T))
-    cache = init_cache(cfg, 1, T)
+    cache = init_cache(cfg, 1, T + 1)  # one spare slot for the masked step below
     p = 5
     # The donated variants: same maths, cache updated in place.
     logits, cache = prefill_donated(params, cfg, jnp.asarray(tokens[:, :p]), None, cache)
     steps = [np.asarray(logits)[0]]
     for t in range(p, T):
+        if t == p + 3:  # a masked (finished-sequence) step leaves no trace
+            _, cache = decode_step_donated(params, cfg, jnp.array([7]), cache,
+                                           jnp.array([False]))
         step, cache = decode_step_donated(params, cfg, jnp.asarray(tokens[:, t]), cache)
         steps.append(np.asarray(step))
+        if t == p:
+            n_compiled = decode_step_donated._cache_size()
+    assert decode_step_donated._cache_size() <= n_compiled + 1, "decode_step retraced"
     got = np.concatenate(steps, 0)
     err = float(np.max(np.abs(got - want[0])))
     assert err < ATOL, f"{name}: cached decode vs full forward, max abs diff {err:.2e}"
@@ -155,6 +161,8 @@ def test_padded_batch_equals_singles(model, side):
 
 def test_bfloat16_close(model):
     name, cfg, params, want, _ = model
+    params = cast_params(params, jnp.bfloat16)
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(params))
     got = _full(params, cfg, _tokens(0, (1, T)), dtype=jnp.bfloat16)
     assert got.dtype == np.float32 and np.all(np.isfinite(got))
     err = float(np.max(np.abs(got - want)))

@@ -11,8 +11,8 @@ from typing import Callable, NamedTuple
 from brf.models.cache import cache_bytes, init_cache, room
 from brf.models.config import ModelConfig
 from brf.models.scoring import iter_logits_chunks, score_tokens
-from brf.models.transformer import (decode_step, decode_step_donated, forward, init_params,
-                                    param_shapes, prefill, prefill_donated)
+from brf.models.transformer import (cast_params, decode_step, decode_step_donated, forward,
+                                    init_params, param_shapes, prefill, prefill_donated)
 from brf.registry import Registry
 
 
@@ -32,7 +32,7 @@ for _name in ("llama", "gemma3"):
     ARCHITECTURES.add(_name, Architecture(param_shapes, init_params, init_cache, prefill,
                                           decode_step, forward))
 
-__all__ = ["ARCHITECTURES", "Architecture", "ModelConfig", "cache_bytes", "decode_step",
-           "decode_step_donated", "forward", "init_cache", "init_params",
+__all__ = ["ARCHITECTURES", "Architecture", "ModelConfig", "cache_bytes", "cast_params",
+           "decode_step", "decode_step_donated", "forward", "init_cache", "init_params",
            "iter_logits_chunks", "param_shapes", "prefill", "prefill_donated", "room",
            "score_tokens"]

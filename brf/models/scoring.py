@@ -20,7 +20,7 @@ from brf.models.transformer import forward
 
 
 def iter_logits_chunks(params: dict, cfg: ModelConfig, tokens_BxN, valid_BxN=None, *,
-                       chunk: int = 512, dtype=jnp.float32,
+                       chunk: int = 256, dtype=jnp.float32,
                        cache_dtype=None) -> Iterator[tuple[int, jax.Array]]:
     """Yields (start, logits_BxCxV) for consecutive chunks of a long batch of texts.
 
@@ -60,7 +60,7 @@ def _chunk(params, cfg, tokens_BxC, valid_BxC, cache, *, dtype):
 
 
 def score_tokens(params: dict, cfg: ModelConfig, tokens_BxN, valid_BxN=None, *,
-                 chunk: int = 512, dtype=jnp.float32) -> np.ndarray:
+                 chunk: int = 256, dtype=jnp.float32) -> np.ndarray:
     """Log-probability of each next token, computed chunk by chunk.
 
     Args:
