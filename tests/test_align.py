@@ -20,7 +20,6 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 import brf
 from brf import align as A
 from brf.align import aligners as AL
-from brf.align import union as UN
 
 # ----------------------------------------------------------------------------- toys
 
@@ -437,6 +436,20 @@ def test_reencode_toy_boundary(toys):
         assert t.decode(s3.pending) == b"\xc3"
         s4 = A.reencode(codec, s3.state, b"\xa9")
         assert s4.n_retract == 1 and t.decode(s4.pending) == "é".encode()
+
+
+def test_reencode_keeps_prompt_control_tokens(toys):
+    toks, tables = toys
+    codec = A.make_codec(toks[0], tables[0])
+    v = toks[0].get_vocab()
+    prompt = [v["<|im_end|>"], v["a"], v["Ġthe"]]
+    state = A.from_ids(codec, prompt)
+    assert state.floor == 1 and state.text == b"a the"
+    step = A.reencode(codec, state, b"ory")
+    assert step.state.ids[:2] == (v["<|im_end|>"], v["a"]) and step.n_retract == 1
+    assert step.pending == (v["Ġtheory"],)
+    step = A.reencode(codec, A.from_ids(codec, [v["<|im_end|>"]]), b"ab")
+    assert step.n_retract == 0 and step.pending == (v["ab"],)
 
 
 def test_reencode_roundtrip_toys(toys):

@@ -18,8 +18,8 @@ Typical use::
 from brf.align.aligners import (ALIGNERS, Aligned, Aligner, Alignment, IdentityTable,
                                 make_aligner, segment_logsumexp, topk_union_logprobs,
                                 union_logprobs)
-from brf.align.reencode import (Codec, MemberText, Step, encode_bytes, make_codec, reencode,
-                                start)
+from brf.align.reencode import (Codec, MemberText, Step, encode_bytes, from_ids, make_codec,
+                                reencode, start)
 from brf.align.union import (CONTROL, UnionTable, build_union, clear_memory_cache,
                              default_cache_dir, load_union, save_union, table_key, union_table)
 from brf.align.vocab import (BYTE_LEVEL, SENTENCEPIECE, TokenTable, bytes_to_unicode,
@@ -28,8 +28,8 @@ from brf.align.vocab import (BYTE_LEVEL, SENTENCEPIECE, TokenTable, bytes_to_uni
 __all__ = [
     "ALIGNERS", "Aligned", "Aligner", "Alignment", "BYTE_LEVEL", "CONTROL", "Codec",
     "IdentityTable", "MemberText", "SENTENCEPIECE", "Step", "TokenTable", "UnionTable",
-    "build_union", "bytes_to_unicode", "clear_memory_cache", "decoder_kind", "default_cache_dir", "encode_bytes",
-    "load_token_table", "load_tokenizer", "load_union", "make_aligner", "make_codec",
+    "build_union", "bytes_to_unicode", "clear_memory_cache", "decoder_kind", "default_cache_dir",
+    "encode_bytes", "from_ids", "load_token_table", "load_tokenizer", "load_union", "make_aligner", "make_codec",
     "reencode", "save_union", "segment_logsumexp", "start", "table_key", "token_table",
     "topk_union_logprobs", "union_logprobs", "union_table",
 ]

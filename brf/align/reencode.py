@@ -15,7 +15,8 @@ change cheaply:
    stable part.
 3. Trust check. The window start is accepted as a fixed boundary when the
    re-tokenized window reproduces at least its first committed token (LCP >= 1);
-   otherwise the window is doubled (up to the whole text, which is exact).
+   otherwise the window is doubled (up to the whole text, which is exact, or
+   up to the frozen prompt prefix of `from_ids`).
 4. Result: `n_retract` = committed tokens after the stable prefix (they must be
    removed from the member's KV cache: a cache rollback of n_retract positions)
    and `pending` = the window's tokens after the LCP, which the member feeds in
@@ -71,13 +72,17 @@ class MemberText(NamedTuple):
 
     Attributes:
         text: all bytes so far.
-        ids: the member's tokens for them (canonical: `encode_bytes(text)`).
+        ids: the member's tokens for them (canonical: `encode_bytes(text)`
+            after the first `floor` tokens).
         ends: byte offset where each token ends (ends[-1] == len(text)).
+        floor: the first `floor` ids are frozen and never re-encoded (a prompt
+            with control tokens, e.g. a chat template; see `from_ids`).
     """
 
     text: bytes = b""
     ids: tuple[int, ...] = ()
     ends: tuple[int, ...] = ()
+    floor: int = 0
 
 
 class Step(NamedTuple):
@@ -148,6 +153,18 @@ def start(codec: Codec, text: bytes = b"") -> MemberText:
     return MemberText(text, tuple(ids), tuple(_ends(codec, ids)))
 
 
+def from_ids(codec: Codec, ids) -> MemberText:
+    """A member's state for prompt tokens it already has (e.g. a rendered chat template).
+
+    Everything up to and including the last control token is frozen (`floor`):
+    control tokens have no bytes, so re-encoding text can never reproduce them.
+    """
+    ids = tuple(int(i) for i in ids)
+    control = [j for j, i in enumerate(ids) if codec.table.control_V[i]]
+    floor = control[-1] + 1 if control else 0
+    return MemberText(codec.table.decode(ids), ids, tuple(_ends(codec, ids)), floor)
+
+
 def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4) -> Step:
     """Appends `new` bytes to a member's text and re-encodes the boundary stably.
 
@@ -170,15 +187,16 @@ def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4) -> 
     text = state.text + new
     ids, ends = state.ids, state.ends
     back = max(1, lookback)
+    floor = state.floor
     while True:
-        j0 = max(0, len(ids) - back)
+        j0 = max(floor, len(ids) - back)
         b0 = ends[j0 - 1] if j0 else 0
         window = encode_bytes(codec, text[b0:])
         old = ids[j0:]
         lcp = 0
         while lcp < min(len(window), len(old)) and window[lcp] == old[lcp]:
             lcp += 1
-        if j0 == 0 or lcp >= 1:
+        if j0 == floor or lcp >= 1:
             break
         back *= 2
     keep = j0 + lcp
@@ -186,7 +204,8 @@ def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4) -> 
     kept_end = ends[keep - 1] if keep else 0
     new_ids = ids[:keep] + pending
     new_ends = ends[:keep] + tuple(_ends(codec, pending, kept_end))
-    return Step(MemberText(text, new_ids, new_ends), len(ids) - keep, pending)
+    return Step(MemberText(text, new_ids, new_ends, floor), len(ids) - keep, pending)
 
 
-__all__ = ["Codec", "MemberText", "Step", "encode_bytes", "make_codec", "reencode", "start"]
+__all__ = ["Codec", "MemberText", "Step", "encode_bytes", "from_ids", "make_codec", "reencode",
+           "start"]
