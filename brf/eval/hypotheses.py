@@ -1,0 +1,141 @@
+"""The paper's falsifiable tests on an event table (DESIGN.md §4).
+
+* **Phase Coherence Test** — for each member pair and phase map, the phase
+  differences over all positions: Rayleigh z = n R̄² with Zar's small-sample
+  p-value, and a permutation null (positions of one member shuffled), which
+  matters because a map onto half the circle rejects uniformity trivially.
+  Per-position maps read each member's top-1 minus top-2 gap; per-token maps
+  are evaluated at the gold token.
+* **Cross-Term Discrimination Test** — with a fitted BRF setting, the
+  interference term ``cross(t) = 2 sum_{i<j} sqrt(w_i w_j p_i p_j)
+  cos(phi_i - phi_j)`` of the gold event against that of every competitor
+  event: AUROC with a bootstrap CI, for the raw term and for the relative
+  term ``cross / linear`` (the fraction by which interference moves an event
+  away from the linear pool).
+* **NLL comparison** — paired (block) bootstrap CI of the per-position test
+  NLL difference between the best BRF setting and the best tuned baseline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from brf.eval import stats
+from brf.eval.fitting import EventTable, Fitted
+from brf.fusion import born_terms, phase_map
+from brf.fusion.phase import PhaseMap
+
+
+def _phase_params(fitted: Fitted | None, name: str) -> dict:
+    if fitted is None:
+        return {}
+    return {k[6:]: v for k, v in fitted.params.items() if k.startswith("phase.")}
+
+
+def member_phases(table: EventTable, pm: PhaseMap) -> np.ndarray:
+    """[P, n] phases: from the gap (per-position) or at the gold event (per-token)."""
+    if pm.kind == "token":
+        logp = np.asarray(table.logp, np.float64)
+        top = logp.max(-1)
+        gold_lp = np.take_along_axis(logp, table.gold[:, None, None].repeat(
+            logp.shape[1], 1), -1)[..., 0]
+        d = np.where(np.isfinite(gold_lp), top - gold_lp, 0.0)
+        return np.asarray(pm(jnp.asarray(d, jnp.float32), member_axis=-1), np.float64)
+    return np.asarray(pm(jnp.asarray(table.gap, jnp.float32), member_axis=-1), np.float64)
+
+
+def phase_coherence(table: EventTable, phase_specs: Mapping[str, Any], *,
+                    n_perm: int = 2000, seed: int = 0) -> list[dict]:
+    """Rayleigh and permutation tests of phase differences per pair and map.
+
+    Args:
+      table: positions (all of them: the test uses no fitted quantity but the
+        phase map).
+      phase_specs: label -> phase map spec (string/dict/PhaseMap).
+      n_perm: permutations of the null.
+      seed: of the permutation generator.
+
+    Returns:
+      One dict per (map, pair) with n, mean resultant length, mean direction,
+      Rayleigh z and p, permutation p, and the phase differences themselves
+      (key "diffs", for plots).
+    """
+    n = table.logp.shape[1]
+    out = []
+    for label, spec in phase_specs.items():
+        pm = phase_map(spec)
+        phi = member_phases(table, pm)
+        for i, j in itertools.combinations(range(n), 2):
+            diff = np.mod(phi[:, i] - phi[:, j] + np.pi, 2 * np.pi) - np.pi
+            ray = stats.rayleigh_test(diff)
+            perm = stats.permutation_rayleigh(phi[:, i], phi[:, j], n_perm,
+                                              np.random.default_rng(seed))
+            out.append({
+                "phase_map": label, "spec": pm.spec(), "pair": [i, j],
+                "n": int(ray.n), "mean_resultant_length": float(ray.mean_resultant_length),
+                "mean_direction": float(ray.mean_direction), "rayleigh_z": float(ray.z),
+                "rayleigh_p": float(ray.p_value), "permutation_p": float(perm.p_value),
+                "null_mean_resultant_length": float(np.mean(perm.null_mean_resultant_length)),
+                "diffs": diff,
+            })
+    return out
+
+
+def cross_term_scores(table: EventTable, fitted: Fitted) -> dict[str, np.ndarray]:
+    """Interference per event for gold and competitor events.
+
+    Returns:
+      {"gold_cross", "comp_cross", "gold_rel", "comp_rel"}: the raw cross-term
+      and cross/linear of the gold event (one per position) and of every
+      competitor event the members give mass to.
+    """
+    pm = phase_map(fitted.params["phase"], **_phase_params(fitted, fitted.params["phase"]))
+    terms = born_terms(jnp.asarray(table.logp), jnp.asarray(fitted.weights, jnp.float32),
+                       phase=pm)
+    cross = np.asarray(terms.cross, np.float64).sum(-2)
+    lin = np.asarray(terms.linear, np.float64)
+    rel = np.where(lin > 0, cross / np.where(lin > 0, lin, 1.0), 0.0)
+    p_idx = np.arange(table.n_positions)
+    is_gold = np.zeros(cross.shape, bool)
+    is_gold[p_idx, table.gold] = True
+    live = lin > 0
+    return {"gold_cross": cross[p_idx, table.gold], "gold_rel": rel[p_idx, table.gold],
+            "comp_cross": cross[live & ~is_gold], "comp_rel": rel[live & ~is_gold]}
+
+
+def cross_term_test(table: EventTable, fitted: Fitted, *, n_boot: int = 1000,
+                    seed: int = 0, max_competitors: int = 200_000) -> dict:
+    """AUROC (gold vs competitors) of the interference term, with bootstrap CIs."""
+    s = cross_term_scores(table, fitted)
+    rng = np.random.default_rng(seed)
+    out = {"setting": fitted.label}
+    for key in ("cross", "rel"):
+        comp = s[f"comp_{key}"]
+        if comp.size > max_competitors:  # subsample competitors for the bootstrap
+            comp = rng.choice(comp, max_competitors, replace=False)
+        ci = stats.auroc_bootstrap_ci(s[f"gold_{key}"], comp, n_boot=n_boot, rng=rng)
+        out[key] = {"auroc": float(ci.estimate), "ci": [float(ci.ci_low), float(ci.ci_high)],
+                    "p_value": float(ci.p_value), "n_gold": int(s[f"gold_{key}"].size),
+                    "n_competitors": int(s[f"comp_{key}"].size)}
+    out["scores"] = s
+    return out
+
+
+def nll_difference(nll_a: np.ndarray, nll_b: np.ndarray, *, n_boot: int = 2000,
+                   block: int = 32, seed: int = 0) -> dict:
+    """Paired circular-block bootstrap of mean(nll_a - nll_b) per position."""
+    ci = stats.paired_bootstrap_ci(nll_a, nll_b, n_boot=n_boot,
+                                   rng=np.random.default_rng(seed),
+                                   block_size=min(block, max(1, len(nll_a) // 4)))
+    return {"mean_difference": float(ci.estimate), "ci": [float(ci.ci_low), float(ci.ci_high)],
+            "p_value": float(ci.p_value), "block": block, "n": int(len(nll_a))}
+
+
+def mean_ci(x: np.ndarray, *, n_boot: int = 2000, block: int = 32, seed: int = 0):
+    """Block-bootstrap CI of a per-position mean."""
+    d = nll_difference(x, np.zeros_like(x), n_boot=n_boot, block=block, seed=seed)
+    return d["mean_difference"], d["ci"]

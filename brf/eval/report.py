@@ -1,0 +1,224 @@
+"""The validation report: JSON (documented schema), Markdown summary, PNG plots.
+
+JSON schema (``report.json``), all NLLs in nats per co-aligned position:
+
+    {
+      "schema": "brf.validate/1",
+      "config": {...},                      # the run's config, as given
+      "corpus": {"source", "sha256", "chars", "segments"},
+      "members": [{"name", "vocab_size", "positions"}],
+      "coverage": {"positions", "member_positions", "bytes_covered",
+                   "bytes_total", "fraction_of_bytes", "fraction_of_member_positions"},
+      "split": {"calibration_positions", "test_positions"},
+      "methods": [{"label", "method", "params", "weights", "calib_nll",
+                   "test": {"nll", "nll_ci", "perplexity", "bits_per_byte",
+                            "top1_accuracy", "ece"}}],
+      "phase_coherence": [{"phase_map", "spec", "pair", "n", "mean_resultant_length",
+                           "mean_direction", "rayleigh_z", "rayleigh_p",
+                           "permutation_p", "null_mean_resultant_length"}],
+      "cross_term": {"setting", "cross": {"auroc", "ci", "p_value", "n_gold",
+                     "n_competitors"}, "rel": {...}},
+      "nll_comparison": {"brf", "baseline", "mean_difference", "ci", "p_value",
+                         "block", "n"},
+      "sweep": [{"phase_map", "param", "values", "calib_nll", "test_nll"}],
+      "verdict": {"phase_coherence", "cross_term", "nll"}
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+SCHEMA = "brf.validate/1"
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items() if not isinstance(v, np.ndarray)
+                or v.size < 64}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, (np.floating, np.integer, np.bool_)):
+        return x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
+    """One plain sentence per test, from the numbers alone."""
+    out = {}
+    pc = report["phase_coherence"]
+    coherent = [r for r in pc if r["permutation_p"] < alpha]
+    trivial = [r for r in pc if r["rayleigh_p"] < alpha and r["permutation_p"] >= alpha]
+    out["phase_coherence"] = (
+        f"{len(coherent)} of {len(pc)} (phase map, pair) tests reject independence of "
+        f"the members' phases under the permutation null (p < {alpha}); "
+        f"{len(trivial)} reject uniformity under Rayleigh only, i.e. coherence explained "
+        f"by the phase map's range, not by a link between members.")
+    ct = report["cross_term"]
+    lo, hi = ct["rel"]["ci"]
+    side = ("separates gold from competitors (CI above 0.5)" if lo > 0.5 else
+            "ranks gold below competitors (CI below 0.5)" if hi < 0.5 else
+            "does not separate gold from competitors (CI contains 0.5)")
+    out["cross_term"] = (f"With {ct['setting']}, the relative interference term "
+                         f"{side}: AUROC {ct['rel']['auroc']:.3f} [{lo:.3f}, {hi:.3f}].")
+    c = report["nll_comparison"]
+    lo, hi = c["ci"]
+    if hi < 0:
+        what = f"{c['brf']} has LOWER test NLL than the best tuned baseline {c['baseline']}"
+    elif lo > 0:
+        what = f"{c['brf']} has HIGHER test NLL than the best tuned baseline {c['baseline']}"
+    else:
+        what = (f"{c['brf']} and the best tuned baseline {c['baseline']} are not "
+                f"distinguishable in test NLL")
+    out["nll"] = (f"{what}: mean difference {c['mean_difference']:+.4f} nats/position, "
+                  f"95% CI [{lo:+.4f}, {hi:+.4f}] (paired block bootstrap).")
+    return out
+
+
+def write_json(path: str, report: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(_jsonable({"schema": SCHEMA, **report}), f, indent=1)
+    os.replace(tmp, path)
+
+
+def markdown(report: dict) -> str:
+    """A summary a reader understands without the code."""
+    cov = report["coverage"]
+    lines = [
+        "# Born Rule Fusion: validation report", "",
+        "## What was run", "",
+        f"- Members: " + ", ".join(f"`{m['name']}` (V={m['vocab_size']})"
+                                   for m in report["members"]),
+        f"- Corpus: {report['corpus']['source']} ({report['corpus']['chars']} characters, "
+        f"{report['corpus']['segments']} segments, sha256 {report['corpus']['sha256'][:12]}…)",
+        f"- Co-aligned positions (every member at a token boundary and predicting the same "
+        f"next string): {cov['positions']} covering {cov['bytes_covered']} of "
+        f"{cov['bytes_total']} bytes ({100 * cov['fraction_of_bytes']:.1f}%).",
+        f"- Calibration / test split (disjoint, by segment order): "
+        f"{report['split']['calibration_positions']} / {report['split']['test_positions']} "
+        f"positions. Every method's continuous parameters (weights, temperature, "
+        f"power order, phase-map parameters, gates) were fitted on calibration.",
+        "", "## Verdicts", "",
+    ]
+    for k, v in report["verdict"].items():
+        lines.append(f"- **{k.replace('_', ' ')}**: {v}")
+    lines += ["", "## Test-split results by method", "",
+              "| method | NLL (nats) [95% CI] | perplexity | bits/byte | top-1 acc | ECE | fitted |",
+              "|---|---|---|---|---|---|---|"]
+    for m in sorted(report["methods"], key=lambda m: m["test"]["nll"]):
+        t = m["test"]
+        params = ", ".join(f"{k}={_fmt(v)}" for k, v in m["params"].items())
+        w = "w=" + "/".join(f"{x:.2f}" for x in m["weights"])
+        lines.append(f"| {m['label']} | {t['nll']:.4f} [{t['nll_ci'][0]:.4f}, "
+                     f"{t['nll_ci'][1]:.4f}] | {t['perplexity']:.2f} | "
+                     f"{t['bits_per_byte']:.4f} | {t['top1_accuracy']:.3f} | {t['ece']:.3f} | "
+                     f"{w}; {params} |")
+    lines += ["", "## Phase Coherence Test", "",
+              "Phase differences between members over the test positions. Rayleigh's "
+              "test asks whether they are uniform on the circle; the permutation null "
+              "(positions of one member shuffled) asks whether they are linked at all.", "",
+              "| phase map | pair | n | R̄ | Rayleigh z | Rayleigh p | permutation p |",
+              "|---|---|---|---|---|---|---|"]
+    for r in report["phase_coherence"]:
+        lines.append(f"| `{r['spec']}` | {r['pair'][0]}-{r['pair'][1]} | {r['n']} | "
+                     f"{r['mean_resultant_length']:.4f} | {r['rayleigh_z']:.2f} | "
+                     f"{r['rayleigh_p']:.3g} | {r['permutation_p']:.3g} |")
+    ct = report["cross_term"]
+    lines += ["", "## Cross-Term Discrimination Test", "",
+              f"Setting: {ct['setting']}. AUROC of the interference term, gold event vs "
+              f"competitor events (bootstrap 95% CI):", "",
+              f"- raw cross-term: {ct['cross']['auroc']:.4f} [{ct['cross']['ci'][0]:.4f}, "
+              f"{ct['cross']['ci'][1]:.4f}] ({ct['cross']['n_gold']} gold, "
+              f"{ct['cross']['n_competitors']} competitors)",
+              f"- relative (cross / linear): {ct['rel']['auroc']:.4f} "
+              f"[{ct['rel']['ci'][0]:.4f}, {ct['rel']['ci'][1]:.4f}]", "",
+              "Plots: `nll_by_method.png`, `phase_differences.png`, `sweep.png`, "
+              "`cross_terms.png`.", ""]
+    return "\n".join(lines)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def plots(out_dir: str, report: dict, phase_rows: list[dict], cross_scores: dict) -> list[str]:
+    """Writes the PNG plots; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    # NLL by method with CIs.
+    ms = sorted(report["methods"], key=lambda m: m["test"]["nll"])
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(ms) + 1.2))
+    y = np.arange(len(ms))
+    nll = np.array([m["test"]["nll"] for m in ms])
+    ci = np.array([m["test"]["nll_ci"] for m in ms])
+    ax.errorbar(nll, y, xerr=[nll - ci[:, 0], ci[:, 1] - nll], fmt="o", capsize=3)
+    ax.set_yticks(y, [m["label"] for m in ms], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("test NLL (nats per co-aligned position), 95% block-bootstrap CI")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "nll_by_method.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    # Phase-difference histograms.
+    k = len(phase_rows)
+    cols = min(4, k)
+    rows = -(-k // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax, r in zip(axes.flat, phase_rows):
+        ax.hist(r["diffs"], bins=48, range=(-np.pi, np.pi), color="tab:blue")
+        ax.set_title(f"{r['phase_map']} {r['pair']}\nR̄={r['mean_resultant_length']:.3f} "
+                     f"perm p={r['permutation_p']:.2g}", fontsize=8)
+        ax.set_xlabel("phase difference (rad)", fontsize=7)
+    for ax in list(axes.flat)[k:]:
+        ax.axis("off")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "phase_differences.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    # Sweep curves.
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in report["sweep"]:
+        ax.plot(s["values"], s["test_nll"], marker=".", label=f"{s['phase_map']} ({s['param']})")
+    for m in report["methods"]:
+        if m["label"] in ("linear (tuned)", "loglinear (tuned)"):
+            ax.axhline(m["test"]["nll"], ls="--", lw=1, color="gray")
+            ax.text(ax.get_xlim()[0], m["test"]["nll"], m["label"], fontsize=7, va="bottom")
+    ax.set_xlabel("swept parameter value (uniform weights, other parameters at defaults)")
+    ax.set_ylabel("test NLL (nats)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "sweep.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    # Cross-term contribution, gold vs competitors.
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, key, title in ((axes[0], "cross", "raw cross-term"),
+                           (axes[1], "rel", "cross-term / linear part")):
+        g, c = cross_scores[f"gold_{key}"], cross_scores[f"comp_{key}"]
+        lo, hi = np.percentile(np.concatenate([g, c]), [1, 99])
+        ax.hist(c, bins=60, range=(lo, hi), density=True, alpha=0.6, label="competitors")
+        ax.hist(g, bins=60, range=(lo, hi), density=True, alpha=0.6, label="gold")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "cross_terms.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

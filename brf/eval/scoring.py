@@ -1,0 +1,180 @@
+"""Teacher-forced scoring of a corpus by one member, into a compact store.
+
+For every position t of the member's tokenization (predicting token t + 1) the
+store keeps what the analyses need, not the logits: the top-k token ids and
+log-probabilities, the gold token's log-prob, the entropy, the top-1 minus
+top-2 logit gap and the log-normaliser. Logits are produced chunk by chunk
+(:func:`brf.models.iter_logits_chunks`), so memory stays bounded even for
+Gemma's 262144-token vocabulary. A store is one ``.npz`` file per member,
+written atomically; a run that finds it reuses it without running the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from brf.models import iter_logits_chunks
+
+STORE_VERSION = 1
+
+
+class MemberScores(NamedTuple):
+    """One member's teacher-forced scores of a corpus cut into segments.
+
+    Segment s holds tokens ``token_ids[tok_starts[s]:tok_starts[s+1]]`` (its
+    own BOS first if the model has one) and rows
+    ``row_starts[s]:row_starts[s+1]``; row r of a segment predicts the token
+    after the r-th one. Row arrays:
+
+    Attributes:
+      token_ids: [N] all segments' tokens, concatenated.
+      tok_starts: [S+1] segment offsets into token_ids.
+      row_starts: [S+1] segment offsets into the row arrays (N_s - 1 rows each).
+      topk_ids: [R, K] ids of the K most likely next tokens.
+      topk_logp: [R, K] their log-probabilities (descending).
+      gold_logp: [R] log-prob of the actual next token.
+      entropy: [R] entropy (nats) of the next-token distribution.
+      gap: [R] top-1 minus top-2 logit.
+      log_norm: [R] log-sum-exp of the logits.
+      vocab_size: V.
+    """
+    token_ids: np.ndarray
+    tok_starts: np.ndarray
+    row_starts: np.ndarray
+    topk_ids: np.ndarray
+    topk_logp: np.ndarray
+    gold_logp: np.ndarray
+    entropy: np.ndarray
+    gap: np.ndarray
+    log_norm: np.ndarray
+    vocab_size: int
+
+
+ROW_FIELDS = ("topk_ids", "topk_logp", "gold_logp", "entropy", "gap", "log_norm")
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _summarise(logits_CxV, gold_C, k):
+    log_norm = jax.nn.logsumexp(logits_CxV, axis=-1)
+    logp = logits_CxV - log_norm[:, None]
+    top_logp, top_ids = jax.lax.top_k(logp, k)
+    gold = jnp.take_along_axis(logp, gold_C[:, None], axis=-1)[:, 0]
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    gap = top_logp[:, 0] - top_logp[:, 1]
+    return top_ids.astype(jnp.int32), top_logp, gold, entropy, gap, log_norm
+
+
+def score_tokens_summary(params, cfg, token_ids: np.ndarray, *, top_k: int = 64,
+                         chunk: int = 256, dtype=jnp.float32, bar=None) -> dict:
+    """Summaries (the row arrays of :class:`MemberScores`) of one token sequence."""
+    ids = np.asarray(token_ids, np.int32)
+    n = ids.shape[0]
+    if n < 2:
+        raise ValueError(f"need at least 2 tokens to score; got {n}")
+    if n > cfg.max_seq_len:
+        raise ValueError(f"a segment of {n} tokens exceeds the model's context of "
+                         f"{cfg.max_seq_len}; use shorter segments")
+    k = min(top_k, cfg.vocab_size)
+    out = {name: [] for name in ROW_FIELDS}
+    for start, logits_1xCxV in iter_logits_chunks(params, cfg, ids[None], chunk=chunk,
+                                                  dtype=dtype):
+        c = min(logits_1xCxV.shape[1], n - 1 - start)
+        if c <= 0:
+            break
+        gold = jnp.asarray(ids[start + 1:start + 1 + c])
+        logits = logits_1xCxV[0, :c]
+        if c < chunk:  # keep one compiled shape: pad the last chunk
+            logits = jnp.pad(logits, ((0, chunk - c), (0, 0)))
+            gold = jnp.pad(gold, (0, chunk - c))
+        parts = jax.device_get(_summarise(logits, gold, k))
+        for name, part in zip(out, parts):
+            out[name].append(np.asarray(part[:c]))
+        if bar is not None:
+            bar.update(c)
+    return {name: np.concatenate(v) for name, v in out.items()}
+
+
+def score_segments(params, cfg, segments_ids: list[np.ndarray], *, top_k: int = 64,
+                   chunk: int = 256, dtype=jnp.float32, store_path: str | None = None,
+                   meta: dict | None = None, desc: str = "scoring") -> MemberScores:
+    """Scores every segment, resuming from (and saving to) ``store_path``.
+
+    After each segment the store is rewritten atomically, so an interrupted
+    run loses at most the segment in progress.
+
+    Args:
+      params, cfg: the model.
+      segments_ids: token ids of each segment.
+      top_k, chunk, dtype: see :func:`score_tokens_summary`.
+      store_path: the member's ``.npz`` store (None: keep in memory only).
+      meta: what the store must have been made with to be reused.
+      desc: progress-bar label.
+
+    Returns:
+      MemberScores over all segments.
+    """
+    meta = dict(meta or {}, top_k=top_k, n_segments=len(segments_ids))
+    done = load_partial(store_path, meta) if store_path else []
+    total = sum(len(s) - 1 for s in segments_ids)
+    bar = tqdm(total=total, initial=sum(len(segments_ids[i]) - 1 for i in range(len(done))),
+               desc=desc, unit="tok", dynamic_ncols=True)
+    for ids in segments_ids[len(done):]:
+        done.append(score_tokens_summary(params, cfg, ids, top_k=top_k, chunk=chunk,
+                                         dtype=dtype, bar=bar))
+        if store_path:
+            save_partial(store_path, segments_ids[:len(done)], done, meta,
+                         int(cfg.vocab_size))
+    bar.close()
+    return assemble(segments_ids, done, int(cfg.vocab_size))
+
+
+def assemble(segments_ids, rows: list[dict], vocab_size: int) -> MemberScores:
+    lens = np.array([len(s) for s in segments_ids[:len(rows)]], np.int64)
+    tok_starts = np.concatenate([[0], np.cumsum(lens)])
+    row_starts = np.concatenate([[0], np.cumsum(lens - 1)])
+    token_ids = (np.concatenate([np.asarray(s, np.int32) for s in segments_ids[:len(rows)]])
+                 if rows else np.zeros(0, np.int32))
+    fields = {name: (np.concatenate([r[name] for r in rows]) if rows else np.zeros(0))
+              for name in ROW_FIELDS}
+    return MemberScores(token_ids, tok_starts, row_starts, **fields, vocab_size=vocab_size)
+
+
+def save_partial(path: str, segments_ids, rows: list[dict], meta: dict,
+                 vocab_size: int) -> None:
+    """Writes the segments scored so far, atomically (temp file + rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    scores = assemble(segments_ids, rows, vocab_size)
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, **{k: np.asarray(v) for k, v in scores._asdict().items()},
+             _meta=np.asarray(repr(sorted(meta.items()))),
+             _version=np.asarray(STORE_VERSION))
+    os.replace(tmp, path)
+
+
+def load_partial(path: str, meta: dict) -> list[dict]:
+    """Row dicts of the segments already in the store (empty if none/stale)."""
+    if not path or not os.path.isfile(path):
+        return []
+    try:
+        with np.load(path) as z:
+            if int(z["_version"]) != STORE_VERSION or str(z["_meta"]) != repr(
+                    sorted(meta.items())):
+                return []
+            rs = z["row_starts"]
+            return [{name: z[name][rs[s]:rs[s + 1]] for name in ROW_FIELDS}
+                    for s in range(len(rs) - 1)]
+    except (OSError, ValueError, KeyError, EOFError):
+        return []  # unreadable or partial file: rescore
+
+
+def text_fingerprint(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

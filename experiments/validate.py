@@ -1,0 +1,33 @@
+"""The main job: validation of Born Rule Fusion on real models.
+
+  python experiments/validate.py --config=configs/validate.py
+
+Writes report.json, report.md and PNG plots to --config.out_dir, reusing the
+member scores stored there by an earlier (possibly interrupted) run.
+"""
+
+import sys
+
+from absl import app
+from ml_collections import config_flags
+
+from brf.eval.pipeline import ValidationError, run
+from brf.eval.corpus import CorpusError
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")
+
+
+def main(argv):
+    del argv
+    cfg = _CONFIG.value
+    try:
+        rep = run(cfg)
+    except (ValidationError, CorpusError) as e:
+        sys.exit(f"validate: {e}")
+    print(f"\nReport: {cfg.out_dir}/report.md ({rep['seconds']:.0f} s)\n")
+    for k, v in rep["verdict"].items():
+        print(f"- {k}: {v}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,41 @@
+"""Every config file parses, and names only registered methods and phase maps."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from brf.fusion import get_method, phase_map
+
+CONFIGS = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").glob("*.py"))
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_loads_and_names_registered_things(path):
+    mod = _load(path)
+    doc = mod.__doc__ or ""
+    assert f"--config=configs/{path.name}" in doc, "the docstring shows the run command"
+    cfg = mod.get_config()
+    for key in ("rows", "methods"):
+        for spec in cfg.get(key, []):
+            get_method(spec["method"])
+            if "phase" in spec:
+                phase_map(spec["phase"])
+    for spec in dict(cfg.get("phase_maps", {})).values():
+        phase_map(spec)
+
+
+def test_demo_main_prints_every_method(capsys):
+    from brf.eval.tables import fusion_table
+    cfg = _load(CONFIGS[[p.stem for p in CONFIGS].index("demo")]).get_config()
+    table = fusion_table(cfg.logits, cfg.tokens, cfg.rows, weights=cfg.weights)
+    for row in cfg.rows:
+        assert row["label"] in table
+    assert "below every member" in table  # the interference is visible

@@ -1,0 +1,185 @@
+"""The validation pipeline end to end on tiny random models (fast)."""
+
+import json
+import os
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from brf.eval import pipeline
+from brf.eval.corpus import CorpusError, load_default_corpus
+from brf.models import ModelConfig, init_params
+
+import importlib.util
+import pathlib
+
+_spec = importlib.util.spec_from_file_location(
+    "validate_config", pathlib.Path(__file__).parent.parent / "configs" / "validate.py")
+validate_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(validate_config)
+
+
+class TinyModel(NamedTuple):
+    cfg: ModelConfig
+    params: dict
+    tokenizer: object
+
+
+def _tokenizer(text: str, vocab: int):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>")
+
+
+@pytest.fixture(scope="module")
+def text():
+    return load_default_corpus(min_chars=100)[:5000]
+
+
+@pytest.fixture(scope="module")
+def members(text):
+    out = {}
+    for i, (name, vocab) in enumerate([("tiny-a", 300), ("tiny-b", 420)]):
+        tok = _tokenizer(text, vocab)
+        v = len(tok)
+        cfg = ModelConfig(arch="llama", vocab_size=v, d_model=32, n_layers=2, n_heads=4,
+                          n_kv_heads=2, head_dim=8, d_ff=64, norm_eps=1e-5,
+                          rope_theta=10000.0, layer_types=("global", "global"),
+                          max_seq_len=4096, bos_id=tok.convert_tokens_to_ids("<s>"))
+        params = init_params(cfg, jax.random.key(i))
+        out[name] = TinyModel(cfg, params, tok)
+    return out
+
+
+def _cfg(tmp_path, text, **over):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text, encoding="utf-8")
+    c = validate_config.get_config("short")
+    c.members = ("tiny-a", "tiny-b")
+    c.corpus = str(corpus)
+    c.segment_chars = 800
+    c.top_k = 16
+    c.chunk = 128
+    c.fit_steps = 20
+    c.n_perm = 100
+    c.n_boot = 100
+    c.out_dir = str(tmp_path / "run")
+    # A representative subset keeps the test fast; the full set runs in the
+    # real-model run.
+    c.methods = [m for m in c.methods if m["label"] in (
+        "linear (tuned)", "loglinear (tuned)", "entropy-gated", "contrastive")]
+    c.phase_maps = {k: v for k, v in c.phase_maps.items() if k in (
+        "hellinger (equal phases)", "linear pool (pi/2)", "tanh", "token_tanh")}
+    c.sweep = c.sweep[:2]
+    for k, v in over.items():
+        setattr(c, k, v)
+    return c
+
+
+def test_pipeline_end_to_end(tmp_path, text, members):
+    cfg = _cfg(tmp_path, text)
+    rep = pipeline.run(cfg, load_member=members.__getitem__)
+    out = cfg.out_dir
+    for name in ("report.json", "report.md", "nll_by_method.png", "phase_differences.png",
+                 "sweep.png", "cross_terms.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    data = json.load(open(os.path.join(out, "report.json")))
+    assert data["schema"] == "brf.validate/1"
+    labels = {m["label"] for m in data["methods"]}
+    assert len(labels) == len(cfg.methods) + 2 + len(cfg.phase_maps)
+    assert {"linear (tuned)", "loglinear (tuned)", "member 0 alone", "member 1 alone",
+            "born linear pool (pi/2)", "born tanh", "born token_tanh"} <= labels
+    cov = data["coverage"]
+    assert 0.2 < cov["fraction_of_bytes"] <= 1.0
+    assert data["split"]["calibration_positions"] > 0 and data["split"]["test_positions"] > 0
+    assert len(data["phase_coherence"]) == len(cfg.phase_maps)
+    for r in data["phase_coherence"]:
+        assert 0 <= r["rayleigh_p"] <= 1 and 0 < r["permutation_p"] <= 1
+    assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll"}
+    by = {m["label"]: m for m in data["methods"]}
+    # The pi/2 reference point is the linear pool: same NLL with the same weights.
+    born_lin = by["born linear pool (pi/2)"]
+    from brf.eval.fitting import Fitted, evaluate
+    table, _ = _table(cfg, members)
+    n_cal = max(1, round(len(pipeline.split_segments(text, cfg.segment_chars)) * 0.5))
+    test = table.take(np.nonzero(table.segment >= n_cal)[0])
+    lin = evaluate(Fitted("l", "linear", {}, np.asarray(born_lin["weights"]), 0.0), test)
+    np.testing.assert_allclose(born_lin["test"]["nll"], lin["nll"].mean(), rtol=1e-4)
+    # A single member's test NLL is its own mean gold log-loss there.
+    assert by["member 0 alone"]["test"]["nll"] == pytest.approx(
+        -np.mean(test.logp[:, 0, 0]), rel=1e-5)
+    # Resuming reuses the stored scores (no model is loaded again).
+    rep2 = pipeline.run(cfg, load_member=_forbid_scoring(members))
+    assert rep2["coverage"] == rep["coverage"]
+
+
+def _table(cfg, members):
+    from brf.eval.events import build_event_table
+    from brf.eval.scoring import load_partial, assemble
+    text = open(cfg.corpus, encoding="utf-8").read()
+    segs = pipeline.split_segments(text, cfg.segment_chars)
+    scores, tbs = [], []
+    for name in cfg.members:
+        m = members[name]
+        ids = [pipeline._encode(m.tokenizer, m.cfg, s) for s in segs]
+        import hashlib
+        fp = hashlib.sha256("\x00".join(segs).encode()).hexdigest()[:16]
+        meta = {"member": name, "corpus": fp, "segments": len(segs), "top_k": cfg.top_k,
+                "n_segments": len(segs)}
+        rows = load_partial(os.path.join(cfg.out_dir, f"scores-{name}.npz"), meta)
+        assert len(rows) == len(segs)
+        scores.append(assemble(ids, rows, m.cfg.vocab_size))
+        tbs.append(pipeline.member_token_bytes(m.tokenizer, m.cfg.vocab_size))
+    return build_event_table(scores, tbs, segs)
+
+
+def _forbid_scoring(members):
+    class Guard(dict):
+        def __getitem__(self, name):
+            m = members[name]
+            return TinyModel(m.cfg, None, m.tokenizer)  # params None: scoring would fail
+    return Guard().__getitem__
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(methods=[dict(label="x", method="nope")]), "unknown fusion method"),
+    (dict(phase_maps={"x": "spiral"}), "unknown phase map"),
+    (dict(calibration_fraction=1.0), "calibration_fraction"),
+    (dict(members=("tiny-a",)), "at least two members"),
+])
+def test_bad_config_is_refused_before_any_model_runs(tmp_path, text, change, match):
+    cfg = _cfg(tmp_path, text, **change)
+    with pytest.raises(pipeline.ValidationError, match=match):
+        pipeline.run(cfg, load_member=lambda name: pytest.fail("a model was loaded"))
+
+
+def test_split_with_no_test_positions_is_refused(tmp_path, text, members):
+    cfg = _cfg(tmp_path, text[:700], segment_chars=5000, min_chars=100)
+    with pytest.raises(pipeline.ValidationError, match="no test positions"):
+        pipeline.run(cfg, load_member=members.__getitem__)
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"", "empty"), (b"too short", "fewer than"), (b"abc\xff\xfedef" * 500, "UTF-8"),
+])
+def test_bad_corpus_is_refused(tmp_path, text, content, match):
+    cfg = _cfg(tmp_path, text)
+    with open(cfg.corpus, "wb") as f:
+        f.write(content)
+    with pytest.raises(CorpusError, match=match):
+        pipeline.run(cfg, load_member=lambda name: pytest.fail("a model was loaded"))
+
+
+def test_split_segments_keeps_every_character():
+    text = "line one\n" * 50 + "x" * 300 + " tail\n"
+    segs = pipeline.split_segments(text, 100)
+    assert "".join(segs) == text
+    assert max(len(s) for s in segs) <= 100
