@@ -181,6 +181,8 @@ def test_union_table_matches_reference(toys):
                                                                if not c)
     assert s["shared_by_all"] == len(shared)
     assert u.event_id(b" the") == 1 + events.index(b" the")
+    al = A.make_aligner("union", tables)
+    assert al.event_bytes(u.event_id(b" the")) == b" the" and al.is_control(A.CONTROL)
     with pytest.raises(KeyError):
         u.event_id(b"not a token")
 
@@ -367,7 +369,7 @@ def test_topk_union_shares_prefix_mass(toys):
 
 
 def test_identity_exact_and_refuses_mixed(toys):
-    _, tables = toys
+    toks, tables = toys
     rng = np.random.default_rng(3)
     x = [jnp.asarray(v, jnp.float32) for v in _random_logits(rng, [tables[1]] * 3, (2, 5))]
     al = A.make_aligner("identity", [tables[1]] * 3)
@@ -375,6 +377,8 @@ def test_identity_exact_and_refuses_mixed(toys):
     np.testing.assert_array_equal(np.asarray(got.logp_XnE),
                                   np.asarray(jax.nn.log_softmax(jnp.stack(x, -2), -1)))
     assert got.logp_XnE.shape == (2, 5, 3, tables[1].size)
+    v = toks[1].get_vocab()
+    assert al.event_bytes(v["▁the"]) == b" the" and al.is_control(v["</s>"])
     with pytest.raises(ValueError, match="one vocabulary"):
         A.make_aligner("identity", tables)
     with pytest.raises(ValueError, match="no parameter"):
@@ -450,6 +454,33 @@ def test_reencode_keeps_prompt_control_tokens(toys):
     assert step.pending == (v["Ġtheory"],)
     step = A.reencode(codec, A.from_ids(codec, [v["<|im_end|>"]]), b"ab")
     assert step.n_retract == 0 and step.pending == (v["ab"],)
+
+
+def test_reencode_frozen_prefix_never_changes(toys):
+    toks, tables = toys
+    rng = random.Random(7)
+    alphabet = list("the ory ab\n") + ["é", "€", " theory"]
+    for tok, t in zip(toks, tables):
+        codec = A.make_codec(tok, t)
+        for _ in range(20):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 20))).encode()
+            state, stream, read, pos = A.start(codec), [], 0, 0
+            while pos < len(text):
+                chunk = text[pos:pos + rng.randint(1, 4)]
+                pos += len(chunk)
+                step = A.reencode(codec, state, chunk, frozen=read)
+                assert step.n_retract <= len(stream) - read  # only unread tokens retracted
+                stream = stream[:len(stream) - step.n_retract] + list(step.pending)
+                state = step.state
+                assert t.decode(stream) == text[:pos]
+                # text after the read tokens is encoded canonically on its own
+                end = state.ends[read - 1] if read else 0
+                assert stream[read:] == A.encode_bytes(codec, text[end:pos])
+                if rng.random() < 0.4:
+                    read = len(stream)  # a catch-up reads everything pending
+        # pure appending never retracts
+        s1 = A.reencode(codec, A.start(codec, b"x the"), b"ory", frozen=2)
+        assert s1.n_retract == 0 and t.decode(s1.pending) == b"ory"
 
 
 def test_reencode_roundtrip_toys(toys):

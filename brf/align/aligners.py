@@ -178,10 +178,13 @@ def _check_logits(logits: Sequence[jax.Array], sizes: Sequence[int]) -> tuple[ja
 
 
 class IdentityTable(NamedTuple):
-    """The shared vocabulary of identity-aligned members."""
+    """The shared vocabulary of identity-aligned members (its TokenTable)."""
 
-    size: int
-    digest: str
+    tokens: TokenTable
+
+    @property
+    def size(self) -> int:
+        return self.tokens.size
 
 
 def _identity_build(tables: Sequence[TokenTable], cache_dir=None) -> IdentityTable:
@@ -189,7 +192,7 @@ def _identity_build(tables: Sequence[TokenTable], cache_dir=None) -> IdentityTab
     if len(digests) != 1:
         raise ValueError("the identity aligner needs members with one vocabulary; their token "
                          f"tables differ ({len(digests)} digests). Use 'union' or 'topk_union'")
-    return IdentityTable(tables[0].size, tables[0].digest)
+    return IdentityTable(tables[0])
 
 
 def _identity_apply(table: IdentityTable, logits: Sequence[jax.Array]) -> Aligned:
@@ -256,6 +259,18 @@ class Alignment(NamedTuple):
     def union(self) -> UnionTable | None:
         """The UnionTable (union aligners), else None."""
         return getattr(self.table, "table", None)
+
+    def event_bytes(self, event: int) -> bytes:
+        """The text an event stands for (b"" for control events)."""
+        if isinstance(self.table, IdentityTable):
+            return self.table.tokens.token_bytes[int(event)]
+        return self.table.table.strings[int(event)]
+
+    def is_control(self, event: int) -> bool:
+        """True for control events (generation stops there)."""
+        if isinstance(self.table, IdentityTable):
+            return bool(self.table.tokens.control_V[int(event)])
+        return int(event) == CONTROL
 
 
 def make_aligner(name: str, tables: Sequence[TokenTable],

@@ -27,6 +27,12 @@ new text merges with the end of the old (' the' + 'ory'), the tail is retracted
 and replaced, so the member always conditions on its own tokenizer's encoding
 of the text -- never on a split it would not have produced.
 
+With lazy catch-up a member has read only some of its tokens; the rest are
+pending. Pass `frozen=<tokens already read>`: retraction then only touches
+pending tokens (free: drop them from the pending list), the read ones are a
+hard boundary, and the text after them is encoded canonically on its own.
+`frozen=len(state.ids)` never retracts at all (pure appending).
+
 `encode_bytes` is the canonical encoding of *bytes*: maximal valid UTF-8 runs
 go through the tokenizer (no BOS/EOS added); bytes that are not valid UTF-8 (a
 character cut after its first byte, or a stray byte token) are single byte
@@ -165,7 +171,8 @@ def from_ids(codec: Codec, ids) -> MemberText:
     return MemberText(codec.table.decode(ids), ids, tuple(_ends(codec, ids)), floor)
 
 
-def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4) -> Step:
+def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4,
+             frozen: int = 0) -> Step:
     """Appends `new` bytes to a member's text and re-encodes the boundary stably.
 
     Args:
@@ -174,6 +181,12 @@ def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4) -> 
         new: the chosen string's bytes.
         lookback: committed tokens re-tokenized with the new bytes (doubled
             when the window boundary is not stable).
+        frozen: the first `frozen` ids may not change (the tokens the member
+            has already read into its KV cache); then n_retract only ever
+            drops tokens it has not read yet, and the text after them is
+            encoded canonically on its own. `frozen=len(state.ids)` is pure
+            appending (never retracts; tokenization may be non-canonical at
+            the boundary, e.g. ' the' + 'ory').
 
     Returns:
         Step(state, n_retract, pending): drop the last n_retract committed
@@ -187,7 +200,7 @@ def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4) -> 
     text = state.text + new
     ids, ends = state.ids, state.ends
     back = max(1, lookback)
-    floor = state.floor
+    floor = min(max(state.floor, int(frozen)), len(ids))
     while True:
         j0 = max(floor, len(ids) - back)
         b0 = ends[j0 - 1] if j0 else 0
@@ -204,7 +217,7 @@ def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4) -> 
     kept_end = ends[keep - 1] if keep else 0
     new_ids = ids[:keep] + pending
     new_ends = ends[:keep] + tuple(_ends(codec, pending, kept_end))
-    return Step(MemberText(text, new_ids, new_ends, floor), len(ids) - keep, pending)
+    return Step(MemberText(text, new_ids, new_ends, state.floor), len(ids) - keep, pending)
 
 
 __all__ = ["Codec", "MemberText", "Step", "encode_bytes", "from_ids", "make_codec", "reencode",
