@@ -163,35 +163,36 @@ def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, layer, pos_BxT, kpos_BxS,
     B, T, _ = x_BxTxD.shape
     E, H, K = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     w = lambda name: lp[name].astype(dtype)
-    h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.norm_eps)
-    q = (h @ w("wq")).reshape(B, T, H, E)
-    k = (h @ w("wk")).reshape(B, T, K, E)
-    v = (h @ w("wv")).reshape(B, T, K, E)
+    h_BxTxD = rms_norm(x_BxTxD, lp["attn_norm"], cfg.norm_eps)
+    q_BxTxHxE = (h_BxTxD @ w("wq")).reshape(B, T, H, E)
+    k_BxTxKxE = (h_BxTxD @ w("wk")).reshape(B, T, K, E)
+    v_BxTxKxE = (h_BxTxD @ w("wv")).reshape(B, T, K, E)
     if "q_norm" in lp:
-        q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
-    q = apply_rope(q, pos_BxT, inv_F)
-    k = apply_rope(k, pos_BxT, inv_F)
+        q_BxTxHxE = rms_norm(q_BxTxHxE, lp["q_norm"], cfg.norm_eps)
+        k_BxTxKxE = rms_norm(k_BxTxKxE, lp["k_norm"], cfg.norm_eps)
+    q_BxTxHxE = apply_rope(q_BxTxHxE, pos_BxT, inv_F)
+    k_BxTxKxE = apply_rope(k_BxTxKxE, pos_BxT, inv_F)
     if kv is None:  # no cache: attend over the new tokens only
-        k_all, v_all = k, v
+        k_BxSxKxE, v_BxSxKxE = k_BxTxKxE, v_BxTxKxE
     else:
         at = (layer, 0, write_at, 0, 0)
         kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype)[None], at)
-                   for c, new in zip(kv, (k, v)))
-        k_all, v_all = (c[layer] for c in kv)
+                   for c, new in zip(kv, (k_BxTxKxE, v_BxTxKxE)))
+        k_BxSxKxE, v_BxSxKxE = (c[layer] for c in kv)
     # Causal by position (not slot), restricted to valid slots and the layer's window.
     diff_BxTxS = pos_BxT[:, :, None] - kpos_BxS[:, None, :]
-    mask = (kpos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
-    o = _attention(cfg, q, k_all.astype(dtype), v_all.astype(dtype), mask) @ w("wo")
+    mask_BxTxS = (kpos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
+    o_BxTxD = _attention(cfg, q_BxTxHxE, k_BxSxKxE.astype(dtype), v_BxSxKxE.astype(dtype),
+                         mask_BxTxS) @ w("wo")
     if "post_attn_norm" in lp:
-        o = rms_norm(o, lp["post_attn_norm"], cfg.norm_eps)
-    x_BxTxD = x_BxTxD + o
-    h = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.norm_eps)
+        o_BxTxD = rms_norm(o_BxTxD, lp["post_attn_norm"], cfg.norm_eps)
+    x_BxTxD = x_BxTxD + o_BxTxD
+    h_BxTxD = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.norm_eps)
     act = jax.nn.silu if cfg.act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-    m = (act(h @ w("w_gate")) * (h @ w("w_up"))) @ w("w_down")
+    m_BxTxD = (act(h_BxTxD @ w("w_gate")) * (h_BxTxD @ w("w_up"))) @ w("w_down")
     if "post_mlp_norm" in lp:
-        m = rms_norm(m, lp["post_mlp_norm"], cfg.norm_eps)
-    return x_BxTxD + m, kv
+        m_BxTxD = rms_norm(m_BxTxD, lp["post_mlp_norm"], cfg.norm_eps)
+    return x_BxTxD + m_BxTxD, kv
 
 
 def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=None, *,
