@@ -44,10 +44,10 @@ def tiny_tokenizer(merges=DEFAULT_MERGES, specials=SPECIALS, eos: str = "</s>",
 def tiny_config(vocab_size: int, max_seq_len: int = 256, eos_id: int = 2) -> ModelConfig:
     return ModelConfig(arch="llama", vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=4,
                        n_kv_heads=2, head_dim=8, d_ff=64, norm_eps=1e-6, rope_theta=10000.0,
-                       max_seq_len=max_seq_len, bos_id=1, eos_ids=(eos_id,), pad_id=0)
+                       max_seq_len=max_seq_len, tie_embeddings=False, bos_id=1, eos_ids=(eos_id,), pad_id=0)
 
 
-def tiny_params(cfg: ModelConfig, seed: int, sharpness: float = 8.0):
+def tiny_params(cfg: ModelConfig, seed: int, sharpness: float = 20.0):
     """Random params with the final norm scaled so logits have std of a few nats."""
     params = init_params(cfg, jax.random.PRNGKey(seed))
     params["final_norm"] = params["final_norm"] * sharpness

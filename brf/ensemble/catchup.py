@@ -83,8 +83,9 @@ def start(member, prompts_ids: Sequence[Sequence[int]], *, slots: int | None = N
     Args:
         member: a :class:`brf.ensemble.member.Member`.
         prompts_ids: per sequence, the member's prompt token ids (non-empty).
-        slots: initial cache slots (default: the prompt bucket plus as many
-            again; the cache grows on demand).
+        slots: cache slots to allocate at least (the decoder asks for room
+            for the tokens it expects; the cache grows on demand anyway).
+            Rounded up to a power of two, so few cache shapes are compiled.
         dtype: compute dtype.
         cache_dtype: KV cache dtype (default: dtype).
         smallest_bucket: the smallest prompt bucket.
@@ -93,7 +94,7 @@ def start(member, prompts_ids: Sequence[Sequence[int]], *, slots: int | None = N
         A MemberState with nothing pending and the logits after each prompt.
     """
     T = bucket(max(len(p) for p in prompts_ids), smallest_bucket)
-    slots = max(slots or 0, 2 * T)
+    slots = bucket(max(slots or 0, 2 * T))
     cache = model_cache.init_cache(member.cfg, len(prompts_ids), slots, cache_dtype or dtype)
     tokens, valid = _padded(prompts_ids, T, 0)
     logits, cache = prefill_donated(member.params, member.cfg, jnp.asarray(tokens),

@@ -81,8 +81,9 @@ class Generation:
         n_events: events (tokens of the shared space) generated.
         members_run: per member, at how many steps it ran for this sequence
             (catch-ups included; fuse mode: every step).
-        trace: per step, a dict with 'logq' (the distribution the event was
-            drawn from, [U] numpy log-probs), 'member_logp' ({member index:
+        trace: per step, a dict with 'logq' ([U] numpy log-probs: the fused
+            distribution in mode 'fuse', before the sampler; the chosen member's
+            distribution, after the sampler in 'mixture_per_member'), 'member_logp' ({member index:
             [U] aligned log-probs} for the members that ran), 'event' and
             'member' (ME only); empty unless ``trace=True``.
     """
@@ -208,7 +209,10 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
     if results is not None:
         results[:] = gens
     streams = [TextStream(stop) for _ in range(B)]
-    states = [catchup.start(m, ids, dtype=dtype) for m, ids in zip(members, prompt_ids)]
+    # Room for the prompt bucket plus twice the expected tokens (catch-up padding).
+    states = [catchup.start(m, ids, dtype=dtype,
+                            slots=catchup.bucket(max(map(len, ids)), 8) + 2 * max_new_tokens)
+              for m, ids in zip(members, prompt_ids)]
     done = [False] * B
     w_dev = jnp.asarray(w, jnp.float32)
     base = jax.random.PRNGKey(seed)
@@ -260,7 +264,7 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
                                     member_logp={i: v[b] for i, v in logp_np.items()},
                                     member=None if member_B is None else int(member_B[b])))
             g.n_events += 1
-            reason = None
+            reason, piece = None, ""
             if space.is_eos(e):
                 reason = "eos"
             else:
@@ -276,7 +280,7 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
                          >= members[i].cfg.max_seq_len for i in range(n)):
                     reason = "context"
             if reason is not None:
-                piece = streams[b].update(space.text(b), final=True)
+                piece += streams[b].update(space.text(b), final=True)
                 done[b] = True
                 g.finish_reason = reason
                 for i in range(n):

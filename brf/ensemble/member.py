@@ -128,10 +128,14 @@ def same_vocabulary(a: Member, b: Member) -> bool:
 
 
 def special_tokens(m: Member) -> dict[str, Any]:
-    """The special-token facts that must agree between same-vocabulary members."""
+    """The tokenizer's special-token facts that must agree between same-vocabulary members.
+
+    The model config's extra EOS ids (``cfg.eos_ids``) may differ: generation
+    stops at the EOS of any member.
+    """
     tok = m.tokenizer
     return {"bos": getattr(tok, "bos_token_id", None),
-            "eos": sorted(m.eos_ids()),
+            "eos": getattr(tok, "eos_token_id", None),
             "pad": getattr(tok, "pad_token_id", None),
             "special": sorted(getattr(tok, "all_special_ids", []) or [])}
 
