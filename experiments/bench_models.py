@@ -1,0 +1,216 @@
+r"""Real-model speed: brf (JAX) vs transformers (PyTorch), float32, same thread count.
+
+For each model, in one run and interleaving the two frameworks' repeats:
+prefill tokens/s on a --prompt_len prompt (batch 1, logits of the last position
+only on both sides), greedy decode tokens/s over --new_tokens steps with a KV
+cache, and time to first token (TTFT) of a fresh process with a warm JAX
+persistent compilation cache (measured in two child processes: the first fills
+the cache, the second is timed; model loading is reported separately).
+
+  python experiments/bench_models.py                       # both models
+  python experiments/bench_models.py --models=smollm2-135m-instruct --threads=2
+
+The thread count goes to XLA (intra_op_parallelism_threads) and to torch
+(set_num_threads); it must be set before jax is imported, so it is read from
+the command line at import time.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def _threads_from_argv() -> int:
+    for a in sys.argv[1:]:
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return os.cpu_count() or 1
+
+
+THREADS = _threads_from_argv()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_cpu_multi_thread_eigen=true "
+                           f"intra_op_parallelism_threads={THREADS}")
+
+from absl import app, flags, logging  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from brf.benchmark import markdown_table  # noqa: E402
+from brf.checkpoints import registry  # noqa: E402
+from brf.models import decode_step, init_cache, prefill  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("models", "smollm2-135m-instruct,gemma3-270m", "comma-separated")
+flags.DEFINE_integer("threads", THREADS, "threads for XLA and torch (read at import)")
+flags.DEFINE_integer("prompt_len", 512, "prefill length")
+flags.DEFINE_integer("new_tokens", 32, "greedy decode steps timed")
+flags.DEFINE_integer("repeats", 3, "timed repeats per measurement (median)")
+flags.DEFINE_string("jax_cache", None, "persistent compilation cache dir "
+                    "(default $BRF_CACHE/jax_cache)")
+flags.DEFINE_string("ttft_child", None, "internal: run one TTFT measurement for this model")
+flags.DEFINE_bool("skip_torch", False, "JAX only")
+
+
+def _enable_compilation_cache():
+    path = FLAGS.jax_cache or os.path.join(registry.cache_dir(), "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
+def _prompt_ids(m, n):
+    text = ("The history of the Roman Empire spans many centuries, from the founding of the "
+            "city to the fall of Constantinople; its roads, laws and languages shaped Europe. ")
+    ids = m.tokenizer(text * (n // 8 + 8)).input_ids[:n]
+    assert len(ids) == n
+    return ids
+
+
+def _jax_prefill(m, ids, max_len):
+    cache = init_cache(m.cfg, 1, max_len)
+    return prefill(m.params, m.cfg, jnp.asarray([ids], jnp.int32), None, cache, logits="last")
+
+
+def _jax_decode(m, logits_BxV, cache, n):
+    for _ in range(n):
+        tok_B = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
+        logits_BxV, cache = decode_step(m.params, m.cfg, tok_B, cache)
+    return jax.block_until_ready(logits_BxV)
+
+
+def ttft_child(name):
+    """One fresh-process TTFT: load (cached checkpoint), then compile+prefill+1 token."""
+    _enable_compilation_cache()
+    t0 = time.perf_counter()
+    m = registry.load(name, progress=False)
+    jax.block_until_ready(m.params)
+    t1 = time.perf_counter()
+    ids = _prompt_ids(m, FLAGS.prompt_len)
+    logits_BxV, _ = _jax_prefill(m, ids, FLAGS.prompt_len + FLAGS.new_tokens)
+    int(jnp.argmax(logits_BxV[0]))
+    t2 = time.perf_counter()
+    print(json.dumps({"load_s": t1 - t0, "ttft_s": t2 - t1}))
+
+
+def _torch_reference(path, threads):
+    """transformers' own GGUF conversion -> float32 PyTorch model (as in the parity test)."""
+    import gguf
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    torch.set_num_threads(threads)
+    reader, real = gguf.GGUFReader(path), gguf.GGUFReader
+    gguf.GGUFReader = lambda p, *a, **k: reader if p == path else real(p, *a, **k)
+    try:
+        config = transformers.AutoConfig.for_model(
+            **load_gguf_checkpoint(path, return_tensors=False)["config"])
+        config._attn_implementation = "sdpa"
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    finally:
+        gguf.GGUFReader = real
+    model.load_state_dict(tensors, strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def _median_time(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def bench_model(name):
+    m = registry.load(name, progress=False)
+    ids = _prompt_ids(m, FLAGS.prompt_len)
+    n, T = FLAGS.new_tokens, FLAGS.prompt_len
+    row = {}
+    # JAX: warm up (compile) then time.
+    logits_BxV, cache = _jax_prefill(m, ids, T + n + 1)
+    _jax_decode(m, logits_BxV, cache, 1)
+    jax_pre = lambda: jax.block_until_ready(_jax_prefill(m, ids, T + n + 1))  # noqa: E731
+
+    def jax_dec():
+        lo, c = jax_pre()
+        t0 = time.perf_counter()
+        _jax_decode(m, lo, c, n)
+        return time.perf_counter() - t0
+
+    if not FLAGS.skip_torch:
+        import torch
+        ref = _torch_reference(registry.resolve(name), FLAGS.threads)
+        x = torch.tensor([ids])
+
+        def torch_pre():
+            with torch.no_grad():
+                return ref(x, use_cache=True, logits_to_keep=1)
+
+        def torch_dec():
+            with torch.no_grad():
+                out = torch_pre()
+                past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    out = ref(tok, past_key_values=past, use_cache=True)
+                    past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                return time.perf_counter() - t0
+
+        torch_pre()  # warm-up
+        tp, td = [], []
+    jp, jd = [], []
+    for _ in range(FLAGS.repeats):  # interleaved, so drift hits both sides alike
+        jp.append(_median_time(jax_pre, 1))
+        jd.append(jax_dec())
+        if not FLAGS.skip_torch:
+            tp.append(_median_time(torch_pre, 1))
+            td.append(torch_dec())
+    row["jax_prefill_tok_s"] = T / float(np.median(jp))
+    row["jax_decode_tok_s"] = n / float(np.median(jd))
+    if not FLAGS.skip_torch:
+        row["torch_prefill_tok_s"] = T / float(np.median(tp))
+        row["torch_decode_tok_s"] = n / float(np.median(td))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            int(torch_pre().logits[0, -1].argmax())
+            row["torch_ttft_s"] = time.perf_counter() - t0
+    # TTFT of fresh processes: the first fills the persistent cache, the second is timed.
+    runs = []
+    for _ in range(2):
+        res = subprocess.run([sys.executable, __file__, f"--ttft_child={name}",
+                              f"--threads={FLAGS.threads}", f"--prompt_len={T}",
+                              f"--new_tokens={n}"] +
+                             ([f"--jax_cache={FLAGS.jax_cache}"] if FLAGS.jax_cache else []),
+                             capture_output=True, text=True, check=True)
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    row["jax_ttft_cold_cache_s"] = runs[0]["ttft_s"]
+    row["jax_ttft_warm_cache_s"] = runs[1]["ttft_s"]
+    row["load_from_cache_s"] = runs[1]["load_s"]
+    return row
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if FLAGS.ttft_child:
+        return ttft_child(FLAGS.ttft_child)
+    cache = _enable_compilation_cache()
+    print(f"threads={FLAGS.threads} prompt_len={FLAGS.prompt_len} new_tokens={FLAGS.new_tokens} "
+          f"devices={jax.devices()} jax_cache={cache} loadavg={os.getloadavg()}")
+    rows = {name: bench_model(name) for name in FLAGS.models.split(",")}
+    keys = sorted({k for r in rows.values() for k in r})
+    print(markdown_table(["model"] + keys,
+                         [[name] + [r.get(k, "") for k in keys] for name, r in rows.items()]))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    app.run(main)
