@@ -110,6 +110,24 @@ def add_pending(state: MemberState, new: Sequence[Sequence[int]]) -> MemberState
     return state._replace(pending=pending)
 
 
+def edit_pending(state: MemberState, edits: Sequence[tuple[int, Sequence[int]]]
+                 ) -> MemberState:
+    """Per sequence, drops the last ``n_retract`` pending tokens, then appends tokens.
+
+    Args:
+        state: a MemberState.
+        edits: per sequence ``(n_retract, tokens)`` (a re-encoding step; only
+            tokens not yet read can be retracted).
+    """
+    pending = []
+    for p, (n_retract, new) in zip(state.pending, edits):
+        if n_retract > len(p):
+            raise ValueError(f"cannot retract {n_retract} tokens: only {len(p)} are pending "
+                             "(the rest are in the KV cache)")
+        pending.append(tuple(p[:len(p) - n_retract]) + tuple(int(t) for t in new))
+    return state._replace(pending=tuple(pending))
+
+
 def catch_up(member, state: MemberState, *, dtype=jnp.float32, donate: bool = True
              ) -> MemberState:
     """Reads every sequence's pending tokens in one forward pass.

@@ -37,6 +37,10 @@ class Member:
             members get it as the system message.
         chat: wrap the prompt in the tokenizer's chat template (with a
             generation prompt), so instruct models answer it.
+        template: for tokenizers without a chat template: a format string with
+            ``{prompt}`` (and optionally ``{prefix}``), e.g. Gemma's
+            ``"<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"``;
+            special-token literals in it become special tokens.
     """
 
     name: str
@@ -46,10 +50,17 @@ class Member:
     weight: float | None = None
     prefix: str = ""
     chat: bool = False
+    template: str | None = None
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The token ids this member conditions on for ``prompt`` (prefix and BOS included)."""
         tok = self.tokenizer
+        if self.template is not None:
+            if self.chat:
+                raise EnsembleInputError(f"member {self.name!r}: give chat=True or a template, "
+                                         "not both")
+            text = self.template.format(prompt=prompt, prefix=self.prefix)
+            return [int(i) for i in tok(text, add_special_tokens=True)["input_ids"]]
         if self.chat:
             if getattr(tok, "chat_template", None) is None:
                 raise EnsembleInputError(f"member {self.name!r}: chat=True but its tokenizer "

@@ -1,0 +1,134 @@
+"""Cross-vocabulary event spaces for the decoder, over ``brf.align``.
+
+Events are those of a ``brf.align`` aligner ('union': CONTROL plus every
+distinct byte string of a member token; 'topk_union': the union of the
+members' top-k events, re-scored by its backoff rule). The text is the
+concatenation of the chosen events' bytes. After each event every member
+re-encodes the text with ``brf.align.reencode`` with ``frozen`` = the tokens it
+has already read into its KV cache: a member that has not read its recent
+tokens yet (mixture sampling) gets them re-tokenized canonically together with
+the new bytes (only pending tokens are ever retracted), and a member that read
+everything appends. CONTROL ends the sequence (the members' EOS / end-of-turn
+tokens all map to it).
+
+Events a member cannot read back (bytes its vocabulary lacks, e.g. SmolLM2 has
+no token for 0xC0 or 0xF5..0xFF while Gemma's byte fallback has all 256) are
+excluded from sampling: ``mask_E`` is False for them and the decoder
+renormalises over the rest. The distribution a step *reports* (trace) is the
+aligned / fused one before that mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from brf import align
+from brf.ensemble.member import EnsembleInputError, Member
+
+
+def _expressible(strings: Sequence[bytes], codecs) -> np.ndarray:
+    """bool [U]: every member has a token for each byte of the string (CONTROL: True).
+
+    Conservative: a byte a member has no single token for (and so cannot be
+    produced by its byte-level fallback) makes the string unreadable for it.
+    """
+    ok_256 = np.ones(256, bool)
+    for c in codecs:
+        ok_256 &= c.byte_ids >= 0
+    lengths = np.array([len(s) for s in strings])
+    data = np.frombuffer(b"".join(strings), np.uint8)
+    bad = ~ok_256[data]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    out = np.ones(len(strings), bool)
+    nonempty = lengths > 0
+    if bad.size:
+        any_bad = np.logical_or.reduceat(bad, starts[nonempty]) if nonempty.any() else []
+        out[nonempty] = ~np.asarray(any_bad, bool)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("num_events",))
+def _union_one(logits_BxV, index_V, num_events):
+    return align.union_logprobs((logits_BxV,), (index_V,), num_events=num_events)[:, 0]
+
+
+class AlignedSpace:
+    """Events of a ``brf.align`` aligner; text as bytes; stable re-encoding per member."""
+
+    def __init__(self, aligner: str, members: Sequence[Member], batch: int,
+                 aligner_params: dict | None = None, prompt_ids=None):
+        if aligner not in align.ALIGNERS:
+            raise EnsembleInputError(f"unknown aligner {aligner!r}; known: "
+                                     f"{', '.join(align.ALIGNERS.names())}")
+        self.name = aligner
+        self.members = list(members)
+        self.params = dict(aligner_params or {})
+        try:
+            self.codecs = [align.make_codec(m.tokenizer) for m in members]
+            self.alignment = align.make_aligner(aligner, [c.table for c in self.codecs])
+        except ValueError as e:
+            raise EnsembleInputError(f"aligner {aligner!r}: {e}") from None
+        for m, c in zip(members, self.codecs):
+            if c.table.size > m.cfg.vocab_size:
+                raise EnsembleInputError(f"member {m.name!r}: tokenizer has {c.table.size} "
+                                         f"tokens, the model only {m.cfg.vocab_size} logits")
+        self.union = self.alignment.union
+        self.supports_mixture = aligner in ("union", "identity")
+        if self.union is not None:
+            self.size = self.union.size
+            self.mask_E = jnp.asarray(_expressible(self.union.strings, self.codecs))
+        else:
+            self.size = self.codecs[0].table.size
+            self.mask_E = None
+        self.bytes = [b""] * batch
+        self.states = None  # per member, per sequence: brf.align MemberText
+
+    def start(self, prompt_ids: Sequence[Sequence[Sequence[int]]]) -> None:
+        """Per member and sequence, the prompt tokens (frozen up to the last control token)."""
+        self.states = [[align.from_ids(c, ids) for ids in per_b]
+                       for c, per_b in zip(self.codecs, prompt_ids)]
+
+    def _vocab(self, i, logits_BxV):
+        return logits_BxV[:, :self.codecs[i].table.size]  # drop padding rows of the head
+
+    def align_all(self, logits: Sequence[jax.Array]):
+        out = self.alignment([self._vocab(i, l) for i, l in enumerate(logits)], **self.params)
+        events = None if self.name in ("union", "identity") else out.events_XE
+        return out.logp_XnE, events
+
+    def align_one(self, i: int, logits_BxV: jax.Array) -> jax.Array:
+        if self.name == "identity":
+            return jax.nn.log_softmax(self._vocab(i, logits_BxV), axis=-1)
+        if self.name != "union":
+            raise EnsembleInputError(f"aligner {self.name!r} scores events from every member's "
+                                     "distribution; mixture sampling needs 'union'")
+        dev = self.alignment.table
+        return _union_one(self._vocab(i, logits_BxV), dev.index[i], num_events=self.size)
+
+    def is_eos(self, event: int) -> bool:
+        return self.alignment.is_control(int(event))
+
+    def advance(self, b: int, event: int, n_read: Sequence[int]):
+        data = self.alignment.event_bytes(int(event))
+        self.bytes[b] += data
+        out = []
+        for i, c in enumerate(self.codecs):
+            st = align.reencode(c, self.states[i][b], data, frozen=n_read[i])
+            self.states[i][b] = st.state
+            out.append((st.n_retract, st.pending))
+        return out
+
+    def text(self, b: int) -> str:
+        return self.bytes[b].decode("utf-8", errors="replace")
+
+    def raw(self, b: int) -> bytes:
+        return self.bytes[b]
+
+    def member_ids(self, i: int, b: int) -> tuple[int, ...]:
+        """Member i's token ids for sequence b (prompt and generated text)."""
+        return self.states[i][b].ids

@@ -1,0 +1,36 @@
+"""Generates text with an ensemble of language models (fusion or mixture sampling).
+
+  python experiments/generate.py --config=configs/generate.py
+  python experiments/generate.py --config=configs/generate.py:prompts,me
+  python experiments/generate.py --config=configs/generate.py:tiny --config.output=/tmp/g.jsonl
+
+See configs/generate.py for every field.
+"""
+
+import json
+
+from absl import app
+from ml_collections import config_flags
+
+from brf.ensemble.run import print_stream, read_prompts, run
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py")
+
+
+def main(argv):
+    del argv
+    c = _CONFIG.value
+    n = len(read_prompts(c.prompts, c.prompts_file))
+    rows = run(c, on_piece=(lambda p: print_stream(p, n)) if c.stream else None)
+    if c.output:
+        with open(c.output, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        print(f"wrote {len(rows)} rows to {c.output}")
+    elif not c.stream:
+        for row in rows:
+            print(json.dumps(row, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    app.run(main)
