@@ -8,7 +8,7 @@ member scores stored there by an earlier (possibly interrupted) run.
 
 import sys
 
-from absl import app
+from absl import app, logging
 from ml_collections import config_flags
 
 from brf.eval.pipeline import ValidationError, run
@@ -19,6 +19,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     cfg = _CONFIG.value
     try:
         rep = run(cfg)

@@ -408,3 +408,31 @@ def test_chunked_gap_ties_across_and_within_chunks():
     x[3, 1], x[3, 12] = 5.0, 4.5  # runner-up in another chunk
     _, gap = chunked_top2_gap(jnp.asarray(x), chunk=4)
     np.testing.assert_array_equal(np.asarray(gap), [0.0, 0.0, 1.0, 0.5])
+
+
+@pytest.mark.parametrize("method,params", [
+    ("linear", {}), ("loglinear", {"temperature": 0.8}), ("power", {"alpha": 0.5}),
+    ("power", {"alpha": 0.0}), ("max", {}), ("min", {}), ("routing", {}),
+    ("entropy_gated", {"threshold": 0.5}), ("contrastive", {"beta": 0.5}),
+    ("born", {"phase": "tanh(offset=[0, 1])"}), ("born", {"phase": "token_tanh"}),
+])
+def test_gradients_finite_with_events_no_member_can_emit(method, params):
+    """Padded events (-inf for every member) must not poison gradients."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((4, 2, 10)).astype(np.float32)
+    x[:, :, 7:] = -np.inf  # padding: no member gives these events mass
+    x[1, 0, 3] = -np.inf   # one member rules out one event
+    gold = jnp.array([0, 1, 2, 4])
+
+    def loss(logit_w, scale):
+        w = jax.nn.softmax(logit_w)
+        p = dict(params)
+        if method == "born":
+            p["phase"] = phase_map(p["phase"], scale=scale)
+        lq = fuse(method, x, w, validate=False, **p)
+        return -jnp.take_along_axis(lq, gold[:, None], -1).mean()
+
+    g_w, g_s = jax.grad(loss, argnums=(0, 1))(jnp.array([0.3, -0.2]), jnp.float32(1.0))
+    assert np.isfinite(np.asarray(g_w)).all() and np.isfinite(float(g_s))
+    if method in ("linear", "loglinear", "power", "born"):
+        assert np.abs(np.asarray(g_w)).max() > 0, "weights must receive a gradient"

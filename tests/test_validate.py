@@ -100,11 +100,13 @@ def test_pipeline_end_to_end(tmp_path, text, members):
     cov = data["coverage"]
     assert 0.2 < cov["fraction_of_bytes"] <= 1.0
     assert data["split"]["calibration_positions"] > 0 and data["split"]["test_positions"] > 0
-    assert len(data["phase_coherence"]) == len(cfg.phase_maps)
+    assert len(data["phase_coherence"]) == 2  # tanh, token_tanh (constant maps left out)
     for r in data["phase_coherence"]:
         assert 0 <= r["rayleigh_p"] <= 1 and 0 < r["permutation_p"] <= 1
     assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll"}
     by = {m["label"]: m for m in data["methods"]}
+    # Tuned weights moved away from uniform (the fit has gradients).
+    assert by["linear (tuned)"]["weights"] != [0.5, 0.5]
     # The pi/2 reference point is the linear pool: same NLL with the same weights.
     born_lin = by["born linear pool (pi/2)"]
     from brf.eval.fitting import Fitted, evaluate

@@ -260,10 +260,10 @@ def run(cfg, load_member: Callable | None = None) -> dict:
     best_born_m, best_born = min(born, key=lambda mf: mf[1].calib_nll)
     base = [(m, f) for m, f in zip(methods, fits) if f.method in cfg.nll_baselines]
     best_base_m, best_base = min(base, key=lambda mf: mf[1].calib_nll)
-    phase_specs = {}
-    for m, f in born:
-        params = {k[6:]: v for k, v in f.params.items() if k.startswith("phase.")}
-        phase_specs[m["label"].removeprefix("born ")] = {"name": f.params["phase"], **params}
+    # The coherence test reads each phase map as configured (a property of the
+    # map, not of a fit); maps that ignore the logits (constant) are left out.
+    phase_specs = {label: spec for label, spec in dict(cfg.phase_maps).items()
+                   if phase_map(spec).name != "constant"}
     coherence = hypotheses.phase_coherence(test, phase_specs, n_perm=cfg.n_perm, seed=cfg.seed)
     cross = hypotheses.cross_term_test(test, best_born, n_boot=cfg.n_boot, seed=cfg.seed)
     comparison = {"brf": best_born.label, "baseline": best_base.label,

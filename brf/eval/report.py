@@ -124,9 +124,11 @@ def markdown(report: dict) -> str:
                      f"{t['bits_per_byte']:.4f} | {t['top1_accuracy']:.3f} | {t['ece']:.3f} | "
                      f"{w}; {params} |")
     lines += ["", "## Phase Coherence Test", "",
-              "Phase differences between members over the test positions. Rayleigh's "
-              "test asks whether they are uniform on the circle; the permutation null "
-              "(positions of one member shuffled) asks whether they are linked at all.", "",
+              "Phase differences between members over the test positions, for each "
+              "phase map as configured (maps that ignore the logits are left out). "
+              "Rayleigh's test asks whether the differences are uniform on the circle; "
+              "the permutation null (positions of one member shuffled) asks whether the "
+              "members' phases are linked at all.", "",
               "| phase map | pair | n | R̄ | Rayleigh z | Rayleigh p | permutation p |",
               "|---|---|---|---|---|---|---|"]
     for r in report["phase_coherence"]:

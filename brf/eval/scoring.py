@@ -61,21 +61,34 @@ class MemberScores(NamedTuple):
 ROW_FIELDS = ("topk_ids", "topk_logp", "gold_logp", "entropy", "gap", "log_norm")
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def _summarise(logits_CxV, gold_C, k):
+@jax.jit
+def _summarise(logits_CxV, gold_C):
     log_norm = jax.nn.logsumexp(logits_CxV, axis=-1)
     logp = logits_CxV - log_norm[:, None]
-    top_logp, top_ids = jax.lax.top_k(logp, k)
     gold = jnp.take_along_axis(logp, gold_C[:, None], axis=-1)[:, 0]
     p = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    gap = top_logp[:, 0] - top_logp[:, 1]
-    return top_ids.astype(jnp.int32), top_logp, gold, entropy, gap, log_norm
+    return logp, gold, entropy, log_norm
+
+
+def _top_k(logp_CxV: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k ids and values per row, descending (NumPy's partial sort on the host:
+    XLA:CPU's top_k costs seconds on a 256 x 262144 chunk)."""
+    idx = np.argpartition(-logp_CxV, k - 1, axis=-1)[:, :k]
+    val = np.take_along_axis(logp_CxV, idx, axis=-1)
+    order = np.argsort(-val, axis=-1, kind="stable")
+    return (np.take_along_axis(idx, order, -1).astype(np.int32),
+            np.take_along_axis(val, order, -1))
 
 
 def score_tokens_summary(params, cfg, token_ids: np.ndarray, *, top_k: int = 64,
-                         chunk: int = 256, dtype=jnp.float32, bar=None) -> dict:
-    """Summaries (the row arrays of :class:`MemberScores`) of one token sequence."""
+                         chunk: int = 256, dtype=jnp.float32, bar=None,
+                         pad_to: int | None = None) -> dict:
+    """Summaries (the row arrays of :class:`MemberScores`) of one token sequence.
+
+    ``pad_to`` right-pads the sequence (masked out) so that sequences of
+    different lengths share one KV-cache shape and one compilation.
+    """
     ids = np.asarray(token_ids, np.int32)
     n = ids.shape[0]
     if n < 2:
@@ -85,8 +98,11 @@ def score_tokens_summary(params, cfg, token_ids: np.ndarray, *, top_k: int = 64,
                          f"{cfg.max_seq_len}; use shorter segments")
     k = min(top_k, cfg.vocab_size)
     out = {name: [] for name in ROW_FIELDS}
-    for start, logits_1xCxV in iter_logits_chunks(params, cfg, ids[None], chunk=chunk,
-                                                  dtype=dtype):
+    padded = np.zeros(max(n, pad_to or 0), np.int32)
+    padded[:n] = ids
+    valid = np.arange(padded.shape[0]) < n
+    for start, logits_1xCxV in iter_logits_chunks(params, cfg, padded[None], valid[None],
+                                                  chunk=chunk, dtype=dtype):
         c = min(logits_1xCxV.shape[1], n - 1 - start)
         if c <= 0:
             break
@@ -95,9 +111,12 @@ def score_tokens_summary(params, cfg, token_ids: np.ndarray, *, top_k: int = 64,
         if c < chunk:  # keep one compiled shape: pad the last chunk
             logits = jnp.pad(logits, ((0, chunk - c), (0, 0)))
             gold = jnp.pad(gold, (0, chunk - c))
-        parts = jax.device_get(_summarise(logits, gold, k))
+        logp, gold_lp, entropy, log_norm = jax.device_get(_summarise(logits, gold))
+        ids_k, logp_k = _top_k(np.asarray(logp[:c]), k)
+        parts = (ids_k, logp_k, gold_lp[:c], entropy[:c], logp_k[:, 0] - logp_k[:, 1],
+                 log_norm[:c])
         for name, part in zip(out, parts):
-            out[name].append(np.asarray(part[:c]))
+            out[name].append(np.asarray(part))
         if bar is not None:
             bar.update(c)
     return {name: np.concatenate(v) for name, v in out.items()}
@@ -127,9 +146,11 @@ def score_segments(params, cfg, segments_ids: list[np.ndarray], *, top_k: int = 
     total = sum(len(s) - 1 for s in segments_ids)
     bar = tqdm(total=total, initial=sum(len(segments_ids[i]) - 1 for i in range(len(done))),
                desc=desc, unit="tok", dynamic_ncols=True)
+    longest = max(len(s) for s in segments_ids)
+    pad_to = -(-longest // chunk) * chunk  # one cache shape for every segment
     for ids in segments_ids[len(done):]:
         done.append(score_tokens_summary(params, cfg, ids, top_k=top_k, chunk=chunk,
-                                         dtype=dtype, bar=bar))
+                                         dtype=dtype, bar=bar, pad_to=pad_to))
         if store_path:
             save_partial(store_path, segments_ids[:len(done)], done, meta,
                          int(cfg.vocab_size))

@@ -34,10 +34,14 @@ def mmin(xs):
 
 def mlogsumexp(xs):
     """log sum_i exp(x_i) over a list of arrays; -inf where all are -inf."""
+    if len(xs) == 1:
+        return xs[0]
     top = mmax(xs)
     safe = jnp.where(jnp.isfinite(top), top, 0.0)
     total = msum([jnp.exp(x - safe) for x in xs])
-    return safe + jnp.log(total) if len(xs) > 1 else xs[0]
+    # log(0) = -inf with a gradient that stays finite (no 0 * inf in backprop).
+    pos = total > 0
+    return jnp.where(pos, safe + jnp.log(jnp.where(pos, total, 1.0)), -jnp.inf)
 
 
 def chunked_top2_gap(logits: jax.Array, chunk: int = 256):

@@ -1,0 +1,67 @@
+"""The validation pipeline on the real default pair (slow; a short corpus slice)."""
+
+import importlib.util
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from brf.checkpoints import registry  # noqa: E402
+from brf.eval import pipeline  # noqa: E402
+from brf.eval.corpus import load_default_corpus  # noqa: E402
+from brf.eval.scoring import score_segments  # noqa: E402
+
+from test_real_parity import _reference_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+_spec = importlib.util.spec_from_file_location(
+    "validate_config", pathlib.Path(__file__).parent.parent / "configs" / "validate.py")
+validate_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(validate_config)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_member_nll_matches_transformers(name):
+    """Our stored gold log-probs equal transformers' on the same tokens."""
+    text = load_default_corpus(min_chars=100)[:1500]
+    model = registry.load(name, progress=False)
+    ids = pipeline._encode(model.tokenizer, model.cfg, text)
+    scores = score_segments(model.params, model.cfg, [ids], top_k=8, chunk=256)
+    ref = _reference_model(registry.resolve(name))
+    with torch.no_grad():
+        logits = ref(torch.tensor(ids[None], dtype=torch.long)).logits[0].double()
+    logp = torch.log_softmax(logits, -1).numpy()
+    want = logp[np.arange(len(ids) - 1), ids[1:]]
+    got = scores.gold_logp.astype(np.float64)
+    # Per-token log-probs agree to float32 rounding of logits (~1e-3 at most,
+    # see test_real_parity); the mean NLL far tighter.
+    np.testing.assert_allclose(got, want, atol=5e-3)
+    assert abs(got.mean() - want.mean()) < 2e-4, (got.mean(), want.mean())
+    np.testing.assert_array_equal(scores.topk_ids[:, 0], logp[:-1].argmax(-1))
+
+
+def test_pipeline_on_the_default_pair(tmp_path):
+    cfg = validate_config.get_config("short")
+    cfg.max_chars = 2500
+    cfg.segment_chars = 1250
+    cfg.out_dir = str(tmp_path / "run")
+    cfg.methods = [m for m in cfg.methods if m["label"] in ("linear (tuned)",
+                                                            "loglinear (tuned)")]
+    cfg.phase_maps = {k: v for k, v in cfg.phase_maps.items()
+                      if k in ("hellinger (equal phases)", "linear pool (pi/2)", "tanh")}
+    cfg.sweep = cfg.sweep[:1]
+    rep = pipeline.run(cfg)
+    data = json.load(open(os.path.join(cfg.out_dir, "report.json")))
+    assert data["members"][0]["vocab_size"] == 49152
+    assert data["members"][1]["vocab_size"] == 262144
+    # Real tokenizers agree on most of plain English text.
+    assert data["coverage"]["fraction_of_bytes"] > 0.5, data["coverage"]
+    by = {m["label"]: m["test"]["nll"] for m in data["methods"]}
+    # Fusing two real models beats the weaker one alone on these positions.
+    assert by["linear (tuned)"] < max(by["member 0 alone"], by["member 1 alone"])
+    assert set(rep["verdict"]) == {"phase_coherence", "cross_term", "nll"}
