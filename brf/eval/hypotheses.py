@@ -11,7 +11,9 @@
   cos(phi_i - phi_j)`` of the gold event against that of every competitor
   event: AUROC with a bootstrap CI, for the raw term and for the relative
   term ``cross / linear`` (the fraction by which interference moves an event
-  away from the linear pool).
+  away from the linear pool), next to the same AUROC with equal phases (a
+  control: with equal phases the cross-term is pure member agreement
+  sqrt(p_i p_j), so only the difference is due to the phase map).
 * **NLL comparison** — paired (block) bootstrap CI of the per-position test
   NLL difference between the best BRF setting and the best tuned baseline.
 """
@@ -111,16 +113,21 @@ def cross_term_test(table: EventTable, fitted: Fitted, *, n_boot: int = 1000,
                     seed: int = 0, max_competitors: int = 200_000) -> dict:
     """AUROC (gold vs competitors) of the interference term, with bootstrap CIs."""
     s = cross_term_scores(table, fitted)
+    # Control: the same weights with equal phases. Its cross-term is the pure
+    # agreement term sqrt(p_i p_j); what the phase map adds is the difference.
+    control = cross_term_scores(table, Fitted("equal phases", "born",
+                                              {"phase": "constant"}, fitted.weights, 0.0))
     rng = np.random.default_rng(seed)
     out = {"setting": fitted.label}
-    for key in ("cross", "rel"):
-        comp = s[f"comp_{key}"]
+    for key, src in (("cross", s), ("rel", s), ("rel_equal_phases", control)):
+        k = "rel" if key == "rel_equal_phases" else key
+        comp = src[f"comp_{k}"]
         if comp.size > max_competitors:  # subsample competitors for the bootstrap
             comp = rng.choice(comp, max_competitors, replace=False)
-        ci = stats.auroc_bootstrap_ci(s[f"gold_{key}"], comp, n_boot=n_boot, rng=rng)
+        ci = stats.auroc_bootstrap_ci(src[f"gold_{k}"], comp, n_boot=n_boot, rng=rng)
         out[key] = {"auroc": float(ci.estimate), "ci": [float(ci.ci_low), float(ci.ci_high)],
-                    "p_value": float(ci.p_value), "n_gold": int(s[f"gold_{key}"].size),
-                    "n_competitors": int(s[f"comp_{key}"].size)}
+                    "p_value": float(ci.p_value), "n_gold": int(src[f"gold_{k}"].size),
+                    "n_competitors": int(src[f"comp_{k}"].size)}
     out["scores"] = s
     return out
 

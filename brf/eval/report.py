@@ -17,7 +17,7 @@ JSON schema (``report.json``), all NLLs in nats per co-aligned position:
                            "mean_direction", "rayleigh_z", "rayleigh_p",
                            "permutation_p", "null_mean_resultant_length"}],
       "cross_term": {"setting", "cross": {"auroc", "ci", "p_value", "n_gold",
-                     "n_competitors"}, "rel": {...}},
+                     "n_competitors"}, "rel": {...}, "rel_equal_phases": {...}},
       "nll_comparison": {"brf", "baseline", "mean_difference", "ci", "p_value",
                          "block", "n"},
       "sweep": [{"phase_map", "param", "values", "calib_nll", "test_nll"}],
@@ -68,8 +68,17 @@ def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
     side = ("separates gold from competitors (CI above 0.5)" if lo > 0.5 else
             "ranks gold below competitors (CI below 0.5)" if hi < 0.5 else
             "does not separate gold from competitors (CI contains 0.5)")
-    out["cross_term"] = (f"With {ct['setting']}, the relative interference term "
-                         f"{side}: AUROC {ct['rel']['auroc']:.3f} [{lo:.3f}, {hi:.3f}].")
+    c_lo, c_hi = ct["rel_equal_phases"]["ci"]
+    overlap = not (lo > c_hi or hi < c_lo)
+    out["cross_term"] = (
+        f"With {ct['setting']}, the relative interference term {side}: AUROC "
+        f"{ct['rel']['auroc']:.3f} [{lo:.3f}, {hi:.3f}]; with equal phases (pure member "
+        f"agreement, the control) {ct['rel_equal_phases']['auroc']:.3f} "
+        f"[{c_lo:.3f}, {c_hi:.3f}] -- "
+        + ("the intervals overlap, so the separation is not shown to come from the phases."
+           if overlap else
+           "the phase map improves the separation beyond member agreement." if lo > c_hi else
+           "the phase map separates gold WORSE than member agreement alone."))
     c = report["nll_comparison"]
     lo, hi = c["ci"]
     if hi < 0:
@@ -143,7 +152,10 @@ def markdown(report: dict) -> str:
               f"{ct['cross']['ci'][1]:.4f}] ({ct['cross']['n_gold']} gold, "
               f"{ct['cross']['n_competitors']} competitors)",
               f"- relative (cross / linear): {ct['rel']['auroc']:.4f} "
-              f"[{ct['rel']['ci'][0]:.4f}, {ct['rel']['ci'][1]:.4f}]", "",
+              f"[{ct['rel']['ci'][0]:.4f}, {ct['rel']['ci'][1]:.4f}]",
+              f"- control, relative term with equal phases (member agreement only): "
+              f"{ct['rel_equal_phases']['auroc']:.4f} [{ct['rel_equal_phases']['ci'][0]:.4f}, "
+              f"{ct['rel_equal_phases']['ci'][1]:.4f}]", "",
               "Plots: `nll_by_method.png`, `phase_differences.png`, `sweep.png`, "
               "`cross_terms.png`.", ""]
     return "\n".join(lines)
