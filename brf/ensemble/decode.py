@@ -279,6 +279,18 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
             logp = {i: logp_BxnxE[:, i] for i in range(n)}
             logq_BxE = fuse(method, logp_BxnxE, w_dev, validate=False, **method_params)
             col_B = _draw(k_token, logq_BxE, _column_mask(space.mask_E, events), sampler)
+        elif mode == "mixture_exact" and not trace:
+            # Exact ME without truncation: draw a token in the chosen member's own
+            # vocabulary and map it to its event. Same law as drawing from the
+            # member's aligned distribution (the event law is the push-forward of
+            # the token law), without aligning V_i logits onto all events.
+            events, col_B = None, np.zeros(B, np.int64)
+            for i in needed:
+                tok_B = np.asarray(_draw(jax.random.fold_in(k_token, i), states[i].logits_BxV,
+                                         space.token_mask(i), Sampler()))
+                ev_B = space.token_events(i, tok_B)
+                col_B = np.where(member_B == i, ev_B, col_B)
+            logq_BxE = None
         else:
             events = None
             logp = {i: space.align_one(i, states[i].logits_BxV) for i in needed}
@@ -290,6 +302,13 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
             s = sampler if mode == "mixture_per_member" else Sampler()
             col_B = _draw(k_token, rows_BxE, space.mask_E, s)
             logq_BxE = rows_BxE if s == Sampler() else _filtered(rows_BxE, s)
+            if mode == "mixture_exact":  # the same draw as the untraced path above
+                col_B = np.asarray(col_B)
+                for i in needed:
+                    tok_B = np.asarray(_draw(jax.random.fold_in(k_token, i),
+                                             states[i].logits_BxV, space.token_mask(i),
+                                             Sampler()))
+                    col_B = np.where(member_B == i, space.token_events(i, tok_B), col_B)
         col_B = np.asarray(col_B)
         if events is None:
             event_B = col_B

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from brf.ensemble.member import Member, check_shared_vocabulary
 
@@ -67,6 +68,14 @@ class IdentitySpace:
 
     def is_eos(self, event: int) -> bool:
         return int(event) in self.eos
+
+    def token_mask(self, i: int):
+        """Member i's tokens allowed for sampling (None: all)."""
+        return None
+
+    def token_events(self, i: int, tokens_B):
+        """Member i's token ids -> events (here the same ids)."""
+        return np.asarray(tokens_B)
 
     def advance(self, b: int, event: int, n_read: Sequence[int]):
         self.ids[b].append(int(event))
