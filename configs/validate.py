@@ -23,7 +23,7 @@ def get_config(arg=None):
     c.corpus = ""                      # a UTF-8 text file; "" = the default corpus
     c.default_plays = ("tragedies/hamlet",)
     c.min_chars = 2000
-    c.max_chars = 60_000               # of the default corpus (about 13K tokens)
+    c.max_chars = 42_000               # of the default corpus (~13K SmolLM2 tokens, ~10K co-aligned)
     c.segment_chars = 3000             # per forward context (SmolLM2's context is 8192)
     c.top_k = 64                       # per-position summaries kept per member
     c.chunk = 256                      # tokens per forward pass while scoring

@@ -185,3 +185,17 @@ def test_split_segments_keeps_every_character():
     segs = pipeline.split_segments(text, 100)
     assert "".join(segs) == text
     assert max(len(s) for s in segs) <= 100
+
+
+@pytest.mark.parametrize("v,k", [(4096, 8), (1000, 5), (2048, 64)])
+def test_chunked_top_k_is_exact(v, k):
+    from brf.eval.scoring import chunked_top_k
+    rng = np.random.default_rng(v)
+    x = rng.standard_normal((6, v)).astype(np.float32)
+    x[0, :300] = 5.0  # a plateau of ties in the first chunk
+    x[1, -1] = 9.0
+    vals, ids = chunked_top_k(jax.numpy.asarray(x), k, chunk=16)
+    want = -np.sort(-x, axis=1)[:, :k]
+    np.testing.assert_array_equal(np.asarray(vals), want)
+    np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), want)
+    assert all(len(set(r)) == k for r in np.asarray(ids).tolist())
