@@ -109,7 +109,13 @@ def save(directory: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer
             os.rename(tmp, directory)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.rename(tmp, directory)
+            try:
+                os.rename(tmp, directory)
+            except OSError:
+                if os.path.exists(directory):  # another process finished first
+                    raise FileExistsError(f"{directory} was written by another process "
+                                          "meanwhile") from None
+                raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
