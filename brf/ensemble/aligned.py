@@ -57,6 +57,38 @@ def _union_one(logits_BxV, index_V, num_events):
     return align.union_logprobs((logits_BxV,), (index_V,), num_events=num_events)[:, 0]
 
 
+# (aligner, tokenizer ids, head sizes) -> built tables; the value keeps the
+# tokenizers alive, so their ids cannot be reused while the entry exists.
+_BUILT: dict[tuple, tuple] = {}
+
+
+def _build(aligner: str, tokenizers: tuple, vocab_sizes: tuple[int, ...]):
+    """Codecs, alignment, event mask and token maps for a member set, built once."""
+    key = (aligner, tuple(id(t) for t in tokenizers), vocab_sizes)
+    if key in _BUILT:
+        return _BUILT[key][1]
+    try:
+        codecs = [align.make_codec(t) for t in tokenizers]
+        alignment = align.make_aligner(aligner, [c.table for c in codecs])
+    except ValueError as e:
+        raise EnsembleInputError(f"aligner {aligner!r}: {e}") from None
+    for j, (c, v) in enumerate(zip(codecs, vocab_sizes)):
+        if c.table.size > v:
+            raise EnsembleInputError(f"member {j}: tokenizer has {c.table.size} tokens, the "
+                                     f"model only {v} logits")
+    union = alignment.union
+    mask_E, index, token_mask = None, None, None
+    if union is not None:
+        mask_np = _expressible(union.strings, codecs)
+        mask_E = jnp.asarray(mask_np)
+        index = [np.asarray(ix) for ix in union.index]
+        token_mask = [jnp.asarray(np.pad(mask_np[ix], (0, v - len(ix))))
+                      for ix, v in zip(index, vocab_sizes)]
+    built = (codecs, alignment, mask_E, index, token_mask)
+    _BUILT[key] = (tokenizers, built)
+    return built
+
+
 class AlignedSpace:
     """Events of a ``brf.align`` aligner; text as bytes; stable re-encoding per member."""
 
@@ -68,29 +100,12 @@ class AlignedSpace:
         self.name = aligner
         self.members = list(members)
         self.params = dict(aligner_params or {})
-        try:
-            self.codecs = [align.make_codec(m.tokenizer) for m in members]
-            self.alignment = align.make_aligner(aligner, [c.table for c in self.codecs])
-        except ValueError as e:
-            raise EnsembleInputError(f"aligner {aligner!r}: {e}") from None
-        for m, c in zip(members, self.codecs):
-            if c.table.size > m.cfg.vocab_size:
-                raise EnsembleInputError(f"member {m.name!r}: tokenizer has {c.table.size} "
-                                         f"tokens, the model only {m.cfg.vocab_size} logits")
+        built = _build(aligner, tuple(m.tokenizer for m in members),
+                       tuple(m.cfg.vocab_size for m in members))
+        self.codecs, self.alignment, self.mask_E, self._index, self._token_mask = built
         self.union = self.alignment.union
         self.supports_mixture = aligner in ("union", "identity")
-        if self.union is not None:
-            self.size = self.union.size
-            self.mask_E = jnp.asarray(_expressible(self.union.strings, self.codecs))
-        else:
-            self.size = self.codecs[0].table.size
-            self.mask_E = None
-        if self.name == "union":
-            dev = self.alignment.table
-            self._index = [np.asarray(ix) for ix in dev.table.index]
-            self._token_mask = [jnp.asarray(np.pad(np.asarray(self.mask_E)[ix],
-                                                   (0, m.cfg.vocab_size - len(ix))))
-                                for ix, m in zip(self._index, members)]
+        self.size = self.union.size if self.union is not None else self.codecs[0].table.size
         self.bytes = [b""] * batch
         self.states = None  # per member, per sequence: brf.align MemberText
 

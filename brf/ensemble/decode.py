@@ -120,6 +120,18 @@ def _pick_rows(logp_NxBxE, member_B):
     return jnp.take_along_axis(logp_NxBxE, member_B[None, :, None], axis=0)[0]
 
 
+@functools.partial(jax.jit, static_argnames=("batch", "shared"))
+def _step_keys(base, step, weights_n, *, batch, shared):
+    """Step keys (member pick, token draw) and the mixture modes' member pick [B]."""
+    k_member, k_token = jax.random.split(jax.random.fold_in(base, step))
+    if shared:
+        member_B = jnp.broadcast_to(select_member(k_member, weights_n), (batch,))
+    else:
+        member_B = select_member(k_member, jnp.broadcast_to(weights_n,
+                                                            (batch,) + weights_n.shape))
+    return k_token, member_B
+
+
 def _column_mask(mask_E, events):
     """The sampling mask per column: events[..] maps columns to event ids (-1: invalid)."""
     if mask_E is None or events is None:
@@ -259,15 +271,12 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
         live = [b for b in range(B) if not done[b]]
         if not live:
             break
-        k_member, k_token = jax.random.split(jax.random.fold_in(base, step))
+        k_token, member_B = _step_keys(base, step, w_dev, batch=B, shared=choice == "shared")
         if mode == "fuse":
             needed = list(range(n))
             member_B = None
         else:
-            if choice == "shared":
-                member_B = np.full(B, int(select_member(k_member, w_dev)), np.int32)
-            else:
-                member_B = np.asarray(select_member(k_member, jnp.broadcast_to(w_dev, (B, n))))
+            member_B = np.asarray(member_B)
             needed = sorted({int(member_B[b]) for b in live})
         logp = {}
         for i in needed:
