@@ -24,6 +24,14 @@ sequence picked) or the batch shares one pick per step (``choice='shared'``:
 exactly one member runs per step, the ME speedup for batches; every sequence
 is still an exact draw, but the sequences are correlated).
 
+Event spaces: with ``aligner='identity'`` (shared vocabulary) events are token
+ids; with 'union' / 'topk_union' (``brf.align``) they are byte strings, each
+member re-encodes the chosen text into its own tokens (stably, see
+:mod:`brf.ensemble.aligned`) and CONTROL (any member's EOS / end of turn) ends
+the sequence. In mixture_exact the draw is made in the chosen member's own
+vocabulary and mapped to its event (the same law, without aligning every
+token each step).
+
 Reproducibility: step t of a run with ``seed`` uses ``fold_in(PRNGKey(seed), t)``
 split into a member-choice key and a token key; the same seed, members,
 prompts and settings give the same text.

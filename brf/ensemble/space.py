@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from brf.ensemble.member import Member, check_shared_vocabulary
+from brf.ensemble.member import EnsembleInputError, Member, check_shared_vocabulary
 
 
 @jax.jit
@@ -47,7 +47,7 @@ class IdentitySpace:
         self.size = members[0].cfg.vocab_size
         bad = [m.name for m in members if m.cfg.vocab_size != self.size]
         if bad:
-            raise ValueError(f"members {bad} have a different number of logits than "
+            raise EnsembleInputError(f"members {bad} have a different number of logits than "
                              f"{members[0].name!r} ({self.size}) despite one tokenizer")
         self.tokenizer = members[0].tokenizer
         self.eos = frozenset().union(*(m.eos_ids() for m in members))
