@@ -10,6 +10,9 @@ Overrides, JSONL output, prompts from a file:
   python experiments/generate.py --config=configs/generate.py \
       --config.method=linear --config.sampler=greedy --config.max_new_tokens=32 \
       --config.prompts_file=prompts.txt --config.output=/tmp/gen.jsonl
+Top-k union vocabulary instead of the full union:
+  python experiments/generate.py --config=configs/generate.py \
+      --config.aligner=topk_union --config.aligner_params.k=16
 
 The argument is a comma-separated list of: 'prompts' (one-model prompt
 ensemble), 'me' (mode mixture_exact), 'tiny' (tiny random members with the
@@ -41,7 +44,7 @@ def get_config(arg=None):
         c.members = [dict(model=DEFAULT_PAIR[0], chat=True, weight=0.5),
                      dict(model=DEFAULT_PAIR[1], template=GEMMA_TURN, weight=0.5)]
     c.aligner = "auto"            # identity when the vocabularies agree, else union
-    c.aligner_params = {}         # e.g. {"k": 16} for topk_union
+    c.aligner_params = {"k": 16}  # passed to aligners that declare them (topk_union: k)
     c.mode = "mixture_exact" if "me" in flags else "fuse"
     c.method = "born"             # brf.fusion.METHODS (mode 'fuse' only)
     c.phase = "tanh(rate=0.5, offset=[0, 0.5])"  # brf.fusion.PHASE_MAPS; '' = method default

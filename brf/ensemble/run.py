@@ -93,6 +93,15 @@ def read_prompts(prompts: Iterable[str], prompts_file: str = "") -> list[str]:
     return out
 
 
+def aligner_params(aligner: str, params) -> dict | None:
+    """The entries of ``params`` that aligner declares (configs keep e.g. k=16 always)."""
+    if aligner == "identity" or not params:
+        return None
+    from brf.align import ALIGNERS
+    declared = ALIGNERS.get(aligner.removeprefix("align:")).params
+    return {k: v for k, v in dict(params).items() if k in declared} or None
+
+
 def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     """Generates for a configs/generate.py config; returns one JSON-ready row per prompt."""
     members = load_members(c.members)
@@ -109,13 +118,16 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
         method=c.method if c.mode == "fuse" else "linear",
         method_params=method_params if c.mode == "fuse" else None,
         sampler=c.sampler, max_new_tokens=c.max_new_tokens, stop=tuple(c.stop), seed=c.seed,
-        aligner=aligner, aligner_params=dict(c.get("aligner_params", {}) or {}) or None,
+        aligner=aligner, aligner_params=aligner_params(aligner, c.get("aligner_params", {})),
         choice=c.choice, dtype=jnp.dtype(c.get("dtype", "float32")), on_piece=on_piece)
     seconds = time.perf_counter() - t0
     return [dict(prompt=g.prompt, text=g.text, finish_reason=g.finish_reason,
                  n_events=g.n_events, members=[m.name for m in members],
-                 members_run=g.members_run, mode=c.mode, method=c.method, aligner=aligner,
-                 method_params={k: str(v) for k, v in method_params.items()},
+                 members_run=g.members_run, mode=c.mode, aligner=aligner,
+                 method=c.method if c.mode == "fuse" else None,
+                 method_params={k: str(v) for k, v in method_params.items()}
+                 if c.mode == "fuse" else {},
+                 weights=[m.weight for m in members],
                  sampler=c.sampler, seed=c.seed, seconds_batch=round(seconds, 3))
             for g in gens]
 
