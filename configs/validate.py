@@ -32,6 +32,7 @@ def get_config(arg=None):
     c.out_dir = "runs/validate"
     c.fit_steps = 150
     c.learning_rate = 0.05
+    c.fit_batch = 2048                 # positions per Adam step (0 = all)
     c.n_perm = 2000
     c.n_boot = 2000
     # Baselines; member weights are always fitted unless fit_weights=False.

@@ -412,7 +412,7 @@ def test_chunked_gap_ties_across_and_within_chunks():
 
 @pytest.mark.parametrize("method,params", [
     ("linear", {}), ("loglinear", {"temperature": 0.8}), ("power", {"alpha": 0.5}),
-    ("power", {"alpha": 0.0}), ("max", {}), ("min", {}), ("routing", {}),
+    ("power", {"alpha": 0.0}), ("power", {"alpha": -0.5}), ("max", {}), ("min", {}), ("routing", {}),
     ("entropy_gated", {"threshold": 0.5}), ("contrastive", {"beta": 0.5}),
     ("born", {"phase": "tanh(offset=[0, 1])"}), ("born", {"phase": "token_tanh"}),
 ])
@@ -434,5 +434,14 @@ def test_gradients_finite_with_events_no_member_can_emit(method, params):
 
     g_w, g_s = jax.grad(loss, argnums=(0, 1))(jnp.array([0.3, -0.2]), jnp.float32(1.0))
     assert np.isfinite(np.asarray(g_w)).all() and np.isfinite(float(g_s))
+    # Every float parameter receives a finite gradient too.
+    floats = [k for k, p in brf.fusion.get_method(method).params.items()
+              if p.kind == "float" and k in params]
+    for key in floats:
+        def by_param(v, key=key):
+            lq = fuse(method, x, validate=False, **{**params, key: v})
+            return -jnp.take_along_axis(lq, gold[:, None], -1).mean()
+        g = jax.grad(by_param)(jnp.float32(params[key]))
+        assert np.isfinite(float(g)), (key, g)
     if method in ("linear", "loglinear", "power", "born"):
         assert np.abs(np.asarray(g_w)).max() > 0, "weights must receive a gradient"

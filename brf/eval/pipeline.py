@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import time
 from typing import Any, Callable, Sequence
 
@@ -156,7 +157,13 @@ class FitCache:
     def __init__(self, path: str, calib: EventTable, cfg):
         self.path = path
         h = hashlib.sha256(np.ascontiguousarray(calib.logp).tobytes())
-        h.update(repr((cfg.fit_steps, cfg.learning_rate)).encode())
+        h.update(repr((cfg.fit_steps, cfg.learning_rate, cfg.fit_batch)).encode())
+        # Fits made by other code (kernels or fitting changed) are not reused.
+        import brf.eval.fitting
+        import brf.fusion
+        src = pathlib.Path(brf.fusion.__file__).parent
+        for path in sorted(src.glob("*.py")) + [pathlib.Path(brf.eval.fitting.__file__)]:
+            h.update(path.read_bytes())
         self.key = h.hexdigest()[:16]
         try:
             with open(path) as f:
@@ -188,7 +195,8 @@ def _fit(spec, calib: EventTable, cfg) -> Fitted:
         f = Fitted(spec["label"], spec["method"], {}, w, float("nan"))
         return dataclasses.replace(f, calib_nll=float(np.mean(evaluate(f, calib)["nll"])))
     spec = {k: v for k, v in spec.items() if k != "fixed_weights"}
-    return fit_method(spec, calib, steps=cfg.fit_steps, learning_rate=cfg.learning_rate)
+    return fit_method(spec, calib, steps=cfg.fit_steps, learning_rate=cfg.learning_rate,
+                      batch=cfg.fit_batch or None, seed=cfg.seed)
 
 
 def metrics(ev: dict, gold_bytes: np.ndarray, seed: int) -> dict:

@@ -9,6 +9,8 @@ of members with disjoint supports) it returns the linear pool there and sets
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -50,8 +52,14 @@ def linear(logits, weights):
 def loglinear(logits, weights, *, temperature=1.0):
     """Log-linear pool / product of experts: q ∝ prod_i p_i^(w_i / T)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return _normalise_or_fallback(_geometric(logp, weights) / temperature,
+    return _normalise_or_fallback(_finite_scale(_geometric(logp, weights), 1.0 / temperature),
                                   logp, weights)
+
+
+def _finite_scale(x, c):
+    """c * x, keeping -inf entries -inf with a finite gradient in c."""
+    finite = jnp.isfinite(x)
+    return jnp.where(finite, c * jnp.where(finite, x, 0.0), x)
 
 
 def _geometric(logp, weights):
@@ -77,10 +85,17 @@ def power(logits, weights, *, alpha=0.5):
     w = unstack(jnp.broadcast_to(weights, logp.shape[:-1]), axis=-1)
     zero = alpha == 0
     safe_alpha = jnp.where(zero, 1.0, alpha)
-    terms = [jnp.where(wi[..., None] > 0,
-                       _log_weights(wi)[..., None] + safe_alpha * lp, -jnp.inf)
-             for lp, wi in zip(unstack(logp), w)]
-    powered = mlogsumexp(terms) / safe_alpha
+    # p_i = 0 contributes nothing for alpha > 0 and vetoes the token for
+    # alpha < 0; both written so that gradients stay finite.
+    active = [wi[..., None] > 0 for wi in w]
+    lps = unstack(logp)
+    dead = [a & jnp.isneginf(lp) for a, lp in zip(active, lps)]
+    terms = [jnp.where(a & ~d, _log_weights(wi)[..., None]
+                       + safe_alpha * jnp.where(d, 0.0, lp), -jnp.inf)
+             for a, d, lp, wi in zip(active, dead, lps, w)]
+    powered = _finite_scale(mlogsumexp(terms), 1.0 / safe_alpha)
+    veto = (safe_alpha < 0) & functools.reduce(jnp.logical_or, dead)
+    powered = jnp.where(veto, -jnp.inf, powered)
     score = jnp.where(zero, _geometric(logp, weights), powered)
     return _normalise_or_fallback(score, logp, weights)
 
