@@ -9,13 +9,15 @@ un-permutation and Gemma norm handling) feeding `LlamaForCausalLM` /
 insists on the `accelerate` package, which the test extras do not install.)
 
 Tolerance. Both sides run float32 on bitwise-identical weights (checked below),
-so logits differ only by float32 summation order (XLA's dot and reductions vs
-PyTorch's). Measured max |diff| over all positions of a 520-token prompt: about
-1e-4 for SmolLM2 and 1e-4 for Gemma 3, with logits of magnitude ~35, i.e. a
-few float32 ulps at that scale amplified through 18-30 residual layers. We
-allow ATOL = 2e-3: comfortably above rounding noise, and far below what any
-real mistake gives (a wrong norm offset, RoPE layout, window, scale or softcap
-each moves logits by O(1)).
+so logits differ only by float32 summation order (XLA's dots and reductions vs
+PyTorch's). Measured max |diff| on the 520-token prompt: SmolLM2 1.7e-4 over all
+positions (5.5e-5 at the last), Gemma 3 1.2e-3 (6.3e-5 at the last), with
+logits up to ~40. Gemma's is larger because its norm scales are large (final
+norm up to 301, post-FFN norm up to 153) and amplify rounding; its worst
+position is ~216, inside the window, and positions past 512 stay below 2e-4.
+We allow ATOL = 5e-3, 4x the worst measured, and still far below what a real
+mistake gives (a wrong norm offset, RoPE layout, window, scale or softcap each
+moves logits by 0.1 to 10).
 
 The 520-token prompt is longer than Gemma 3's 512-token sliding window, so the
 local layers' windows are exercised.
@@ -33,7 +35,7 @@ from brf.models import decode_step, init_cache, prefill  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-ATOL = 2e-3
+ATOL = 5e-3
 N_NEW = 32
 PROMPTS = [
     "The capital of France is",
