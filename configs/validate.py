@@ -39,6 +39,8 @@ def get_config(arg=None):
     c.methods = [
         dict(label="linear (tuned)", method="linear"),
         dict(label="loglinear (tuned)", method="loglinear", fit=dict(temperature=1.0)),
+        # Context for the tuned temperature: how much of its gain is calibration.
+        dict(label="loglinear (T=1)", method="loglinear", fixed=dict(temperature=1.0)),
         dict(label="power mean (tuned)", method="power", fit=dict(alpha=0.5)),
         dict(label="max pool", method="max"),
         dict(label="min pool", method="min"),
