@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from brf.benchmark import markdown_table  # noqa: E402
+from brf.benchmark import memory_bandwidth, markdown_table  # noqa: E402
 from brf.checkpoints import registry  # noqa: E402
 from brf.models import decode_step, init_cache, prefill  # noqa: E402
 
@@ -177,6 +177,11 @@ def bench_model(name):
             td.append(torch_dec())
     row["jax_prefill_tok_s"] = T / float(np.median(jp))
     row["jax_decode_tok_s"] = n / float(np.median(jd))
+    # Memory floor of decode: every weight is read once per token.
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(m.params))
+    floor_tok_s = memory_bandwidth() / weight_bytes
+    row["decode_floor_tok_s"] = floor_tok_s
+    row["jax_decode_vs_floor"] = row["jax_decode_tok_s"] / floor_tok_s
     if not FLAGS.skip_torch:
         row["torch_prefill_tok_s"] = T / float(np.median(tp))
         row["torch_decode_tok_s"] = n / float(np.median(td))

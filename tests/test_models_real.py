@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from brf.checkpoints import hf as hf_ckpt  # noqa: E402
 from brf.models import decode_step, init_cache, prefill  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 # Gemma's sequence is longer than its 512-token sliding window.
 LENGTHS = {"smollm2-135m-instruct": 48, "gemma3-270m": 530}
