@@ -100,26 +100,10 @@ def ttft_child(name):
 
 
 def _torch_reference(path, threads):
-    """transformers' own GGUF conversion -> float32 PyTorch model (as in the parity test)."""
-    import gguf
-    import torch
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    torch.set_num_threads(threads)
-    reader, real = gguf.GGUFReader(path), gguf.GGUFReader
-    gguf.GGUFReader = lambda p, *a, **k: reader if p == path else real(p, *a, **k)
-    try:
-        config = transformers.AutoConfig.for_model(
-            **load_gguf_checkpoint(path, return_tensors=False)["config"])
-        config._attn_implementation = "sdpa"
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    finally:
-        gguf.GGUFReader = real
-    model.load_state_dict(tensors, strict=False)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+    """The tests' PyTorch reference (tests/pt_reference.py), with SDPA attention."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from pt_reference import reference_model, torch
+    return reference_model(path, attn="sdpa", threads=threads), torch
 
 
 def _median_time(fn, repeats):
@@ -148,8 +132,7 @@ def bench_model(name):
         return time.perf_counter() - t0
 
     if not FLAGS.skip_torch:
-        import torch
-        ref = _torch_reference(registry.resolve(name), FLAGS.threads)
+        ref, torch = _torch_reference(registry.resolve(name), FLAGS.threads)
         x = torch.tensor([ids])
 
         def torch_pre():

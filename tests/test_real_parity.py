@@ -1,12 +1,8 @@
 """brf's JAX models on the two real GGUF checkpoints vs transformers (PyTorch, float32).
 
 Our side: `brf.checkpoints.registry.load(name)` (GGUF -> orbax cache -> params)
-and `brf.models` forward / prefill / decode_step. Reference side: transformers'
-own GGUF reader (`load_gguf_checkpoint`: gguf's dequantize, its own Q/K
-un-permutation and Gemma norm handling) feeding `LlamaForCausalLM` /
-`Gemma3ForCausalLM` built from the config transformers derives from the file.
-(`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` does the same but
-insists on the `accelerate` package, which the test extras do not install.)
+and `brf.models` forward / prefill / decode_step. Reference side:
+`pt_reference.reference_model` (transformers' own GGUF conversion).
 
 Tolerance. Both sides run float32 on bitwise-identical weights (checked below),
 so logits differ only by float32 summation order (XLA's dots and reductions vs
@@ -49,26 +45,8 @@ LONG_TEXT = (
 
 
 def _reference_model(path):
-    """transformers' GGUF conversion -> a float32 PyTorch model (eager attention)."""
-    import gguf
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    reader = gguf.GGUFReader(path)  # parse once; load_gguf_checkpoint asks for it twice
-    real = gguf.GGUFReader
-    gguf.GGUFReader = lambda p, *a, **k: reader if p == path else real(p, *a, **k)
-    try:
-        config = transformers.AutoConfig.for_model(
-            **load_gguf_checkpoint(path, return_tensors=False)["config"])
-        config._attn_implementation = "eager"
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    finally:
-        gguf.GGUFReader = real
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+    from pt_reference import reference_model
+    return reference_model(path, attn="eager")
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
