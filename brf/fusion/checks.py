@@ -25,7 +25,7 @@ def is_concrete(x) -> bool:
 
 def check_logits(logits) -> None:
     """Checks member logits of shape [..., n_members, V]."""
-    shape = jnp.shape(logits)
+    shape = np.shape(logits)
     if len(shape) < 2:
         raise FusionInputError(
             f"logits must have shape [..., n_members, V]; got shape {shape}")
@@ -55,7 +55,7 @@ def check_logits(logits) -> None:
 def check_where(where, logits_shape) -> None:
     if where is None:
         return
-    wshape = jnp.shape(where)
+    wshape = np.shape(where)
     try:
         np.broadcast_shapes(wshape, logits_shape)
     except ValueError:
@@ -75,7 +75,7 @@ def check_where(where, logits_shape) -> None:
 def check_weights(weights, logits_shape) -> None:
     """Checks member weights: shape [n] or [..., n], finite, >= 0, sum to 1."""
     n = logits_shape[-2]
-    wshape = jnp.shape(weights)
+    wshape = np.shape(weights)
     if len(wshape) < 1 or wshape[-1] != n:
         raise FusionInputError(
             f"weights must have shape [..., n_members] with n_members={n} (the "
@@ -106,7 +106,7 @@ def check_weights(weights, logits_shape) -> None:
 def check_inputs(logits, weights=None, where=None) -> None:
     """All checks of a fusion call, in order, before any computation."""
     check_logits(logits)
-    shape = tuple(jnp.shape(logits))
+    shape = tuple(np.shape(logits))
     check_where(where, shape)
     if weights is not None:
         check_weights(weights, shape)
