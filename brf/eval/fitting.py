@@ -71,7 +71,8 @@ class Fitted:
     calib_nll: float
 
 
-def _split_phase(params: Mapping[str, Any]):
+def split_phase(params: Mapping[str, Any]):
+    """(plain params, phase-map params): ``phase.k`` keys go to the second, unprefixed."""
     out, phase = {}, {}
     for k, v in params.items():
         if k.startswith("phase."):
@@ -84,7 +85,7 @@ def _split_phase(params: Mapping[str, Any]):
 def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
                phase_name: str | None = None):
     """log q [P, E] of a method with (possibly traced) parameter values."""
-    plain, phase = _split_phase(params)
+    plain, phase = split_phase(params)
     if phase_name is not None:
         plain["phase"] = phase_map(phase_name, **phase)
     return fuse(method, logp_PxNxE, weights, validate=False, **plain)

@@ -27,15 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.eval import stats
-from brf.eval.fitting import EventTable, Fitted
+from brf.eval.fitting import EventTable, Fitted, split_phase
 from brf.fusion import born_terms, phase_map
 from brf.fusion.phase import PhaseMap
-
-
-def _phase_params(fitted: Fitted | None, name: str) -> dict:
-    if fitted is None:
-        return {}
-    return {k[6:]: v for k, v in fitted.params.items() if k.startswith("phase.")}
 
 
 def member_phases(table: EventTable, pm: PhaseMap) -> np.ndarray:
@@ -95,7 +89,7 @@ def cross_term_scores(table: EventTable, fitted: Fitted) -> dict[str, np.ndarray
       and cross/linear of the gold event (one per position) and of every
       competitor event the members give mass to.
     """
-    pm = phase_map(fitted.params["phase"], **_phase_params(fitted, fitted.params["phase"]))
+    pm = phase_map(fitted.params["phase"], **split_phase(fitted.params)[1])
     terms = born_terms(jnp.asarray(table.logp), jnp.asarray(fitted.weights, jnp.float32),
                        phase=pm)
     cross = np.asarray(terms.cross, np.float64).sum(-2)

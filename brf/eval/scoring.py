@@ -12,7 +12,6 @@ written atomically; a run that finds it reuses it without running the model.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from typing import NamedTuple
 
@@ -207,7 +206,3 @@ def load_partial(path: str, meta: dict) -> list[dict]:
                     for s in range(len(rs) - 1)]
     except (OSError, ValueError, KeyError, EOFError):
         return []  # unreadable or partial file: rescore
-
-
-def text_fingerprint(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
