@@ -199,3 +199,30 @@ def test_chunked_top_k_is_exact(v, k):
     np.testing.assert_array_equal(np.asarray(vals), want)
     np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), want)
     assert all(len(set(r)) == k for r in np.asarray(ids).tolist())
+
+
+def test_chunk_summaries_match_float64_numpy():
+    from brf.eval.scoring import _summarise
+    rng = np.random.default_rng(7)
+    x = (4 * rng.standard_normal((5, 4096))).astype(np.float32)
+    x[0] = 0.0                      # flat: entropy log V, gap 0
+    x[1, 17] = 60.0                 # one token takes nearly all the mass
+    x[2, :100] = -np.inf            # masked tokens
+    x[3] += 1e4                     # huge offsets
+    gold = np.array([3, 17, 200, 5, 4095])
+    ids, top, gold_lp, ent, gap, lnorm = map(np.asarray, _summarise(jax.numpy.asarray(x),
+                                                                      jax.numpy.asarray(gold), 8))
+    x64 = x.astype(np.float64)
+    m = x64.max(1, keepdims=True)
+    ln = (m + np.log(np.exp(x64 - m).sum(1, keepdims=True)))[:, 0]
+    lp = x64 - ln[:, None]
+    p = np.exp(lp)
+    want_ent = -np.where(p > 0, p * np.where(p > 0, lp, 0.0), 0.0).sum(1)
+    np.testing.assert_allclose(lnorm, ln, rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(ent, want_ent, atol=2e-4)
+    np.testing.assert_allclose(gold_lp, lp[np.arange(5), gold], atol=2e-4)
+    want_top = -np.sort(-lp, axis=1)[:, :8]
+    np.testing.assert_allclose(top, want_top, atol=2e-4)
+    np.testing.assert_allclose(np.take_along_axis(lp, ids, 1), want_top, atol=2e-4)
+    np.testing.assert_allclose(gap, want_top[:, 0] - want_top[:, 1], atol=2e-4)
+    assert ent[0] == pytest.approx(np.log(4096), abs=1e-4)

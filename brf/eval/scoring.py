@@ -86,13 +86,28 @@ def chunked_top_k(x_CxV: jax.Array, k: int, chunk: int = 256):
 
 @functools.partial(jax.jit, static_argnames=("k",))
 def _summarise(logits_CxV, gold_C, k):
-    log_norm = jax.nn.logsumexp(logits_CxV, axis=-1)
-    logp = logits_CxV - log_norm[:, None]
-    gold = jnp.take_along_axis(logp, gold_C[:, None], axis=-1)[:, 0]
-    p = jnp.exp(logp)
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    top_logp, top_ids = chunked_top_k(logp, k)
-    return top_ids, top_logp, gold, entropy, top_logp[:, 0] - top_logp[:, 1], log_norm
+    """The per-position row fields of one chunk of logits, in one pass over V.
+
+    Everything is computed from the raw logits (top-k and the gap are shift
+    invariant; entropy = log Z - E_p[logit - max]); the log-normaliser is
+    subtracted only at the end, behind an optimization barrier. Without the
+    barrier XLA:CPU fuses the [C, V] log-sum-exp reduction into each small
+    [C, k] consumer and recomputes it per element: measured 1.31 s for
+    256 x 49152 that way, 0.14 s this way.
+    """
+    m = jnp.max(logits_CxV, axis=-1, keepdims=True)
+    z = logits_CxV - m
+    e = jnp.exp(z)
+    s0 = jnp.sum(e, axis=-1)
+    s1 = jnp.sum(jnp.where(e > 0, e * z, 0.0), axis=-1)  # -inf logits add nothing
+    log_s0 = jnp.log(s0)
+    log_norm = m[:, 0] + log_s0
+    entropy = log_s0 - s1 / s0
+    top, top_ids = chunked_top_k(logits_CxV, k)
+    gold = jnp.take_along_axis(logits_CxV, gold_C[:, None], axis=-1)[:, 0]
+    log_norm, top, gold = jax.lax.optimization_barrier((log_norm, top, gold))
+    return (top_ids, top - log_norm[:, None], gold - log_norm, entropy, top[:, 0] - top[:, 1],
+            log_norm)
 
 
 def score_tokens_summary(params, cfg, token_ids: np.ndarray, *, top_k: int = 64,
