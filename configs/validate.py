@@ -30,6 +30,9 @@ def get_config(arg=None):
     c.calibration_fraction = 0.5
     c.seed = 0
     c.out_dir = "runs/validate"
+    # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
+    c.compilation_cache = True
+    c.compilation_cache_dir = ""
     c.fit_steps = 150
     c.learning_rate = 0.05
     c.fit_batch = 2048                 # positions per Adam step (0 = all)

@@ -43,7 +43,9 @@ import numpy as np  # noqa: E402
 
 from brf.benchmark import memory_bandwidth, markdown_table  # noqa: E402
 from brf.checkpoints import registry  # noqa: E402
-from brf.models import decode_step, init_cache, prefill  # noqa: E402
+from brf.models import decode_step_donated, init_cache, prefill_donated  # noqa: E402
+from brf.models.transformer import stack_layers  # noqa: E402
+from brf.runtime import enable_compilation_cache  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("models", "smollm2-135m-instruct,gemma3-270m", "comma-separated")
@@ -58,11 +60,7 @@ flags.DEFINE_bool("skip_torch", False, "JAX only")
 
 
 def _enable_compilation_cache():
-    path = FLAGS.jax_cache or os.path.join(registry.cache_dir(), "jax_cache")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return path
+    return enable_compilation_cache(FLAGS.jax_cache)
 
 
 def _prompt_ids(m, n):
@@ -75,13 +73,14 @@ def _prompt_ids(m, n):
 
 def _jax_prefill(m, ids, max_len):
     cache = init_cache(m.cfg, 1, max_len)
-    return prefill(m.params, m.cfg, jnp.asarray([ids], jnp.int32), None, cache, logits="last")
+    return prefill_donated(m.params, m.cfg, jnp.asarray([ids], jnp.int32), None, cache,
+                           logits="last")
 
 
 def _jax_decode(m, logits_BxV, cache, n):
     for _ in range(n):
         tok_B = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
-        logits_BxV, cache = decode_step(m.params, m.cfg, tok_B, cache)
+        logits_BxV, cache = decode_step_donated(m.params, m.cfg, tok_B, cache)
     return jax.block_until_ready(logits_BxV)
 
 
@@ -125,11 +124,18 @@ def bench_model(name):
     _jax_decode(m, logits_BxV, cache, 1)
     jax_pre = lambda: jax.block_until_ready(_jax_prefill(m, ids, T + n + 1))  # noqa: E731
 
-    def jax_dec():
-        lo, c = jax_pre()
+    def jax_dec(model=m):
+        lo, c = _jax_prefill(model, ids, T + n + 1)
+        jax.block_until_ready(lo)
         t0 = time.perf_counter()
-        _jax_decode(m, lo, c, n)
+        _jax_decode(model, lo, c, n)
         return time.perf_counter() - t0
+
+    # The same weights in the stacked layout (one jitted lax.scan over layers),
+    # decoded in the same run for comparison.
+    m_stacked = m._replace(params=stack_layers(m.params, m.cfg))
+    jax_dec(m_stacked)
+    js = []
 
     if not FLAGS.skip_torch:
         ref, torch = _torch_reference(registry.resolve(name), FLAGS.threads)
@@ -155,11 +161,14 @@ def bench_model(name):
     for _ in range(FLAGS.repeats):  # interleaved, so drift hits both sides alike
         jp.append(_median_time(jax_pre, 1))
         jd.append(jax_dec())
+        js.append(jax_dec(m_stacked))
         if not FLAGS.skip_torch:
             tp.append(_median_time(torch_pre, 1))
             td.append(torch_dec())
     row["jax_prefill_tok_s"] = T / float(np.median(jp))
     row["jax_decode_tok_s"] = n / float(np.median(jd))
+    row["jax_decode_stacked_tok_s"] = n / float(np.median(js))
+    del m_stacked
     # Memory floor of decode: every weight is read once per token.
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(m.params))
     floor_tok_s = memory_bandwidth() / weight_bytes

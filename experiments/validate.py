@@ -13,6 +13,7 @@ from ml_collections import config_flags
 
 from brf.eval.pipeline import ValidationError, run
 from brf.eval.corpus import CorpusError
+from brf.runtime import enable_compilation_cache
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")
 
@@ -21,6 +22,8 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     cfg = _CONFIG.value
+    if cfg.compilation_cache:
+        enable_compilation_cache(cfg.compilation_cache_dir or None)
     try:
         rep = run(cfg)
     except (ValidationError, CorpusError) as e:

@@ -252,7 +252,8 @@ def test_mixture_per_member_truncation_differs_from_truncated_pool(pair):
 def _valid_kv(cache, b):
     pos = np.asarray(cache["pos"][b])
     order = np.argsort(np.where(pos >= 0, pos, np.iinfo(np.int32).max))[:int((pos >= 0).sum())]
-    return pos[order], np.asarray(cache["k"][:, b, order]), np.asarray(cache["v"][:, b, order])
+    k, v = np.stack(cache["k"]), np.stack(cache["v"])  # [L, B, K, S, E]
+    return pos[order], k[:, b][:, :, order], v[:, b][:, :, order]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

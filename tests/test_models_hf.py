@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from brf.checkpoints import hf as hf_ckpt  # noqa: E402
+from brf.models import transformer  # noqa: E402
 from brf.models import (ARCHITECTURES, ModelConfig, cast_params, decode_step,  # noqa: E402
                         decode_step_donated, init_cache, init_params, iter_logits_chunks,
                         param_shapes, prefill, prefill_donated, score_tokens)
@@ -72,12 +73,20 @@ def any_model(request, tmp_path_factory):
     return name, cfg, jax.device_put(params), _ref_logits(ref, _tokens(0, (1, T))), ref
 
 
-@pytest.fixture(scope="module")
-def model(any_model):
-    """The models the slower tests run on (llama_linear differs only in its RoPE)."""
-    if any_model[0] == "llama_linear":
+@pytest.fixture(scope="module", params=["stacked", "layers"])
+def model(request, any_model):
+    """The models the slower tests run on (llama_linear differs only in its RoPE), in
+    both params layouts: stacked layers (one jitted scan) and per-layer (one jitted
+    call per layer, what `registry.load` returns)."""
+    name, cfg, params, want, ref = any_model
+    if name == "llama_linear":
         pytest.skip("RoPE variant: checked by test_logits_match_transformers only")
-    return any_model
+    if request.param == "layers":
+        params = transformer.unstack_layers(params)
+        assert transformer.is_unstacked(params)
+        restacked = transformer.stack_layers(params, cfg)
+        assert jax.tree.all(jax.tree.map(np.array_equal, restacked, any_model[2]))
+    return f"{name}/{request.param}", cfg, params, want, ref
 
 
 def _ref_logits(ref, tokens_BxT):
@@ -125,8 +134,8 @@ def test_kv_cache_decode_equals_full_forward(model):
         step, cache = decode_step_donated(params, cfg, jnp.asarray(tokens[:, t]), cache)
         steps.append(np.asarray(step))
         if t == p:
-            n_compiled = decode_step_donated._cache_size()
-    assert decode_step_donated._cache_size() <= n_compiled + 1, "decode_step retraced"
+            n_compiled = transformer.compiled_count()
+    assert transformer.compiled_count() <= n_compiled + 1, "decode_step retraced"
     got = np.concatenate(steps, 0)
     err = float(np.max(np.abs(got - want[0])))
     assert err < ATOL, f"{name}: cached decode vs full forward, max abs diff {err:.2e}"

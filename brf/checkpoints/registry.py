@@ -151,6 +151,10 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bo
         out_dir: the checkpoint directory to write.
         overwrite: replace an existing checkpoint.
         progress: tqdm bar while dequantizing.
+        layout: 'layers' (default): ``params['layers']`` is a tuple of per-layer
+            dicts, the fast layout for `brf.models.prefill` / `decode_step`
+            (`brf.models.transformer.unstack_layers`); 'stacked': the [L, ...]
+            arrays of notes/MODEL_CONTRACT.md (as stored).
 
     Returns:
         The absolute checkpoint path.
@@ -171,7 +175,8 @@ class Model(NamedTuple):
 
 
 def load(source: str | os.PathLike, dtype=None, cache: bool = True,
-         cache_root: str | None = None, progress: bool = True) -> Model:
+         cache_root: str | None = None, progress: bool = True,
+         layout: str = "layers") -> Model:
     """Loads a model, converting it into the cache on first use.
 
     Args:
@@ -185,6 +190,16 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
         Model(cfg, params, tokenizer, path); path is the checkpoint directory
         (or the source itself when cache=False).
     """
+    if layout not in ("layers", "stacked"):
+        raise ValueError(f"layout={layout!r}; use 'layers' or 'stacked'")
+    m = _load(source, dtype, cache, cache_root, progress)
+    if layout == "layers":
+        from brf.models.transformer import unstack_layers
+        m = m._replace(params=unstack_layers(m.params))
+    return m
+
+
+def _load(source, dtype, cache, cache_root, progress) -> Model:
     source = os.fspath(source)
     if os.path.isdir(source) and store.is_checkpoint(source):
         cfg, params, tokenizer = store.restore(source, dtype)

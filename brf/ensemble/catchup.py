@@ -55,17 +55,6 @@ class MemberState(NamedTuple):
     n_read: tuple[int, ...]
 
 
-def _grow(cache: dict, slots: int) -> dict:
-    """The same cache with ``slots`` slots (>= current), new slots empty (pos -1)."""
-    extra = slots - cache["pos"].shape[1]
-    if extra <= 0:
-        return cache
-    pad_kv = [(0, 0), (0, 0), (0, extra), (0, 0), (0, 0)]
-    return dict(k=jnp.pad(cache["k"], pad_kv), v=jnp.pad(cache["v"], pad_kv),
-                pos=jnp.pad(cache["pos"], [(0, 0), (0, extra)], constant_values=-1),
-                end=cache["end"], next_pos=cache["next_pos"])
-
-
 def _padded(token_lists: Sequence[Sequence[int]], T: int, pad_id: int):
     B = len(token_lists)
     tokens_BxT = np.full((B, T), pad_id, np.int32)
@@ -151,7 +140,7 @@ def catch_up(member, state: MemberState, *, dtype=jnp.float32, donate: bool = Tr
     cache = state.cache
     S = cache["pos"].shape[1]
     if state.end + T > S:
-        cache = _grow(cache, bucket(state.end + T))
+        cache = model_cache.grow(cache, bucket(state.end + T))
     tokens, valid = _padded(state.pending, T, 0)
     fn = prefill_donated if donate else prefill
     logits_BxV, cache = fn(member.params, member.cfg, jnp.asarray(tokens), jnp.asarray(valid),

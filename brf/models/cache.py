@@ -1,6 +1,8 @@
 """KV cache: a plain dict pytree with a static number of slots.
 
-    k, v      [L, B, S, K, E]  keys (after RoPE) and values, in the cache dtype
+    k, v      L-tuples of [B, K, S, E]: per layer, keys (after RoPE) and values,
+              in the cache dtype; heads before slots, the layout attention
+              reads, and one buffer per layer, so a layer updates its own in place
     pos       [B, S] int32      position of the token in each slot; -1 = empty/padding
     end       [] int32          next slot to write (shared by the batch)
     next_pos  [B] int32         position the next valid token of each sequence gets
@@ -29,14 +31,26 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     Returns:
         The cache dict described in the module docstring.
     """
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
     return dict(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
         pos=jnp.full((batch, max_len), -1, jnp.int32),
         end=jnp.zeros((), jnp.int32),
         next_pos=jnp.zeros((batch,), jnp.int32),
     )
+
+
+def grow(cache: dict, slots: int) -> dict:
+    """The same cache with ``slots`` slots (>= current); new slots are empty (pos -1)."""
+    extra = slots - cache["pos"].shape[1]
+    if extra <= 0:
+        return cache
+    pad_kv = [(0, 0), (0, 0), (0, extra), (0, 0)]
+    return dict(k=tuple(jnp.pad(c, pad_kv) for c in cache["k"]),
+                v=tuple(jnp.pad(c, pad_kv) for c in cache["v"]),
+                pos=jnp.pad(cache["pos"], [(0, 0), (0, extra)], constant_values=-1),
+                end=cache["end"], next_pos=cache["next_pos"])
 
 
 def room(cache: dict) -> int:

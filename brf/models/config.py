@@ -67,9 +67,14 @@ class ModelConfig:
         self.validate()
 
     def __hash__(self):
-        fields = dataclasses.astuple(self)
-        return hash(tuple(
-                tuple(sorted(f.items())) if isinstance(f, dict) else f for f in fields))
+        # Computed once: a config is a static jit argument, hashed on every call.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+            h = hash(tuple(tuple(sorted(f.items())) if isinstance(f, dict) else f
+                           for f in fields))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def validate(self) -> None:
         """Raises ValueError naming the first field that is inconsistent."""

@@ -7,7 +7,6 @@ has the same shape (one compilation).
 
 from __future__ import annotations
 
-import functools
 from typing import Iterator
 
 import jax
@@ -16,7 +15,7 @@ import numpy as np
 
 from brf.models.cache import init_cache
 from brf.models.config import ModelConfig
-from brf.models.transformer import forward
+from brf.models.transformer import prefill_donated
 
 
 def iter_logits_chunks(params: dict, cfg: ModelConfig, tokens_BxN, valid_BxN=None, *,
@@ -49,14 +48,10 @@ def iter_logits_chunks(params: dict, cfg: ModelConfig, tokens_BxN, valid_BxN=Non
     cache = init_cache(cfg, B, n_chunks * chunk, cache_dtype or dtype)
     for c in range(n_chunks):
         sl = slice(c * chunk, (c + 1) * chunk)
-        logits, cache = _chunk(params, cfg, tokens_BxN[:, sl], valid_BxN[:, sl], cache,
-                               dtype=jnp.dtype(dtype))
+        logits, cache = prefill_donated(params, cfg, jnp.asarray(tokens_BxN[:, sl]),
+                                        jnp.asarray(valid_BxN[:, sl]), cache,
+                                        dtype=jnp.dtype(dtype), logits="all")
         yield c * chunk, logits[:, :min(chunk, N - c * chunk)]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def _chunk(params, cfg, tokens_BxC, valid_BxC, cache, *, dtype):
-    return forward(params, cfg, tokens_BxC, valid_BxC, cache, dtype=dtype)
 
 
 def score_tokens(params: dict, cfg: ModelConfig, tokens_BxN, valid_BxN=None, *,

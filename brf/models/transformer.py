@@ -141,58 +141,194 @@ def _softcap(x, cap):
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def _attention(cfg, q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS):
+def _attention(cfg, q_BxTxHxE, parts):
+    """Grouped-query attention over one or more key/value sets.
+
+    Args:
+        cfg: the architecture.
+        q_BxTxHxE: queries (after RoPE).
+        parts: [(k_BxKxSxE, v_BxKxSxE, mask_BxTxS), ...]: e.g. the cache as it
+            was before this call and the T new keys. One softmax runs over all
+            of them, so this equals attention over their concatenation.
+
+    Returns:
+        o_BxTx(H*E).
+    """
     B, T, H, E = q_BxTxHxE.shape
-    K = k_BxSxKxE.shape[2]
-    q_BxTxKxGxE = q_BxTxHxE.reshape(B, T, K, H // K, E)
-    s_BxKxGxTxS = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k_BxSxKxE,
-                             preferred_element_type=jnp.float32) * cfg.attn_scale
-    s_BxKxGxTxS = _softcap(s_BxKxGxTxS, cfg.attn_logit_softcap)
-    s_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, _NEG)
-    p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1).astype(v_BxSxKxE.dtype)
-    o_BxTxKxGxE = jnp.einsum("bkgts,bske->btkge", p_BxKxGxTxS, v_BxSxKxE)
+    K = parts[0][0].shape[1]
+    G = H // K
+    # Queries grouped by kv head, [B, K, G*T, E]: one batched matmul per kv head
+    # against keys stored [B, K, S, E] (the cache's layout: no transpose).
+    q_BxKxGTxE = q_BxTxHxE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(
+        B, K, G * T, E)
+    scores = []
+    for k_BxKxSxE, _, mask_BxTxS in parts:
+        s_BxKxGTxS = jnp.einsum("bkqe,bkse->bkqs", q_BxKxGTxE, k_BxKxSxE.astype(q_BxTxHxE.dtype),
+                                preferred_element_type=jnp.float32) * cfg.attn_scale
+        s_BxKxGxTxS = _softcap(s_BxKxGTxS, cfg.attn_logit_softcap).reshape(B, K, G, T, -1)
+        scores.append(jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, _NEG))
+    sizes = [s.shape[-1] for s in scores]
+    p_BxKxGxTxS = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    o_BxKxGTxE = 0.0
+    for (_, v_BxKxSxE, _), p_part in zip(parts, jnp.split(p_BxKxGxTxS, np.cumsum(sizes)[:-1],
+                                                          axis=-1)):
+        v = v_BxKxSxE.astype(q_BxTxHxE.dtype)
+        o_BxKxGTxE = o_BxKxGTxE + jnp.einsum(
+            "bkqs,bkse->bkqe", p_part.astype(v.dtype).reshape(B, K, G * T, -1), v)
+    o_BxTxKxGxE = o_BxKxGTxE.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)
     return o_BxTxKxGxE.reshape(B, T, H * E)
 
 
-def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, layer, pos_BxT, kpos_BxS, write_at):
-    """One decoder layer; returns the new residual stream and the updated kv caches.
+def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_at):
+    """One decoder layer: returns the new residual stream and the T new keys and values.
 
-    kv is None (no cache) or the whole (k_LxBxSxKxE, v_LxBxSxKxE); only the T new
-    slots of `layer` are written, so with a donated cache the update is in place.
+    kv is None (no cache) or this layer's (k_BxKxSxE, v_BxKxSxE) before this
+    call; it is only read. The caller writes the returned (k_BxKxTxE, v_BxKxTxE)
+    at slot write_at (`_write_cache`): an in-place update inside a computation
+    that also reads the cache makes XLA:CPU copy the whole cache per layer.
     """
     B, T, _ = x_BxTxD.shape
     E, H, K = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     w = lambda name: lp[name].astype(dtype)
     h_BxTxD = rms_norm(x_BxTxD, lp["attn_norm"], cfg.norm_eps)
-    q_BxTxHxE = (h_BxTxD @ w("wq")).reshape(B, T, H, E)
-    k_BxTxKxE = (h_BxTxD @ w("wk")).reshape(B, T, K, E)
-    v_BxTxKxE = (h_BxTxD @ w("wv")).reshape(B, T, K, E)
+    if "wqkv" in lp:  # fused by unstack_layers
+        q, k, v = jnp.split(h_BxTxD @ w("wqkv"), [H * E, (H + K) * E], axis=-1)
+    else:
+        q, k, v = (h_BxTxD @ w(name) for name in ("wq", "wk", "wv"))
+    q_BxTxHxE = q.reshape(B, T, H, E)
+    k_BxTxKxE = k.reshape(B, T, K, E)
+    v_BxTxKxE = v.reshape(B, T, K, E)
     if "q_norm" in lp:
         q_BxTxHxE = rms_norm(q_BxTxHxE, lp["q_norm"], cfg.norm_eps)
         k_BxTxKxE = rms_norm(k_BxTxKxE, lp["k_norm"], cfg.norm_eps)
     q_BxTxHxE = apply_rope(q_BxTxHxE, pos_BxT, inv_F)
     k_BxTxKxE = apply_rope(k_BxTxKxE, pos_BxT, inv_F)
-    if kv is None:  # no cache: attend over the new tokens only
-        k_BxSxKxE, v_BxSxKxE = k_BxTxKxE, v_BxTxKxE
-    else:
-        at = (layer, 0, write_at, 0, 0)
-        kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype)[None], at)
-                   for c, new in zip(kv, (k_BxTxKxE, v_BxTxKxE)))
-        k_BxSxKxE, v_BxSxKxE = (c[layer] for c in kv)
-    # Causal by position (not slot), restricted to valid slots and the layer's window.
-    diff_BxTxS = pos_BxT[:, :, None] - kpos_BxS[:, None, :]
-    mask_BxTxS = (kpos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
-    o_BxTxD = _attention(cfg, q_BxTxHxE, k_BxSxKxE.astype(dtype), v_BxSxKxE.astype(dtype),
-                         mask_BxTxS) @ w("wo")
+    k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
+    v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3)
+
+    def mask(q_pos_BxT, k_pos_BxS):
+        # Causal by position (not slot), valid keys only, within the layer's window.
+        diff_BxTxS = q_pos_BxT[:, :, None] - k_pos_BxS[:, None, :]
+        return (k_pos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
+
+    # The new tokens attend to each other directly and to the cache as it was
+    # before this call (its slots from write_at on are not theirs yet).
+    parts = [(k_BxKxTxE, v_BxKxTxE, mask(pos_BxT, pos_BxT))]
+    if kv is not None:
+        S = kpos_BxS.shape[1]
+        old_BxS = jnp.where(jnp.arange(S) < write_at, kpos_BxS, -1)
+        parts.insert(0, (kv[0], kv[1], mask(pos_BxT, old_BxS)))
+    o_BxTxD = _attention(cfg, q_BxTxHxE.astype(dtype), parts) @ w("wo")
     if "post_attn_norm" in lp:
         o_BxTxD = rms_norm(o_BxTxD, lp["post_attn_norm"], cfg.norm_eps)
     x_BxTxD = x_BxTxD + o_BxTxD
     h_BxTxD = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.norm_eps)
     act = jax.nn.silu if cfg.act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-    m_BxTxD = (act(h_BxTxD @ w("w_gate")) * (h_BxTxD @ w("w_up"))) @ w("w_down")
+    if "w_gate_up" in lp:  # fused by unstack_layers
+        gate, up = jnp.split(h_BxTxD @ w("w_gate_up"), 2, axis=-1)
+    else:
+        gate, up = h_BxTxD @ w("w_gate"), h_BxTxD @ w("w_up")
+    m_BxTxD = (act(gate) * up) @ w("w_down")
     if "post_mlp_norm" in lp:
         m_BxTxD = rms_norm(m_BxTxD, lp["post_mlp_norm"], cfg.norm_eps)
-    return x_BxTxD + m_BxTxD, kv
+    return x_BxTxD + m_BxTxD, (k_BxKxTxE, v_BxKxTxE)
+
+
+def _write_cache(k_L, v_L, new_k_L, new_v_L, write_at):
+    """Writes each layer's new keys/values [B, K, T, E] at slot write_at."""
+    put = lambda c, new: jax.lax.dynamic_update_slice(c, new.astype(c.dtype),
+                                                      (0, 0, write_at, 0))
+    return tuple(map(put, k_L, new_k_L)), tuple(map(put, v_L, new_v_L))
+
+
+def unstack_layers(params: dict) -> dict:
+    """The per-layer layout: ``params['layers']`` as a tuple of per-layer dicts.
+
+    Each layer's weights become buffers of their own, so a layer reads them in
+    place. With the stacked layout, `lax.scan` slices each layer's weights out
+    of the [L, ...] arrays, and on XLA:CPU that slice is a copy feeding the
+    matmul: decoding then moves about three times the weight bytes.
+    `prefill` / `decode_step` run the per-layer layout one layer per call
+    (see `_run_layers`); `forward` accepts both layouts.
+
+    The projections that read the same input are also concatenated along their
+    output axis (``wqkv`` = [wq | wk | wv], ``w_gate_up`` = [w_gate | w_up]):
+    one larger matrix-vector product per group instead of three or two small
+    ones, which matters when decoding is bound by reading the weights.
+    """
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    n = len(next(iter(layers.values())))
+    stacked = dict(layers)
+    for name, parts in _FUSED.items():
+        stacked[name] = jnp.concatenate([stacked.pop(k) for k in parts], axis=-1)
+    per_layer = tuple({k: v[i] for k, v in stacked.items()} for i in range(n))
+    return {**params, "layers": per_layer}
+
+
+# Projections concatenated by `unstack_layers` (name -> parts, in order).
+_FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def _split_fused(lp: dict, cfg_or_sizes) -> dict:
+    """The separate projections of a per-layer dict made by `unstack_layers`."""
+    out = dict(lp)
+    for name, parts in _FUSED.items():
+        if name in out:
+            sizes = [cfg_or_sizes[k] for k in parts]
+            out.update(zip(parts, jnp.split(out.pop(name), np.cumsum(sizes)[:-1], axis=-1)))
+    return out
+
+
+def stack_layers(params: dict, cfg: ModelConfig) -> dict:
+    """Inverse of `unstack_layers`: the stacked layout of notes/MODEL_CONTRACT.md."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    E = cfg.head_dim
+    sizes = dict(wq=cfg.n_heads * E, wk=cfg.n_kv_heads * E, wv=cfg.n_kv_heads * E,
+                 w_gate=cfg.d_ff, w_up=cfg.d_ff)
+    layers = [_split_fused(lp, sizes) for lp in layers]
+    return {**params, "layers": {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}}
+
+
+def is_unstacked(params: dict) -> bool:
+    """True for the per-layer layout of `unstack_layers`."""
+    return isinstance(params["layers"], (tuple, list))
+
+
+def _embed(embed_VxD, cfg, tokens_BxT, valid_BxT, cache, dtype):
+    """Token embeddings, positions, and the cache's slot positions after this call."""
+    B, T = tokens_BxT.shape
+    if valid_BxT is None:
+        valid_BxT = jnp.ones((B, T), bool)
+    valid_BxT = valid_BxT.astype(bool)
+    start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache["next_pos"]
+    pos_BxT = start_B[:, None] + jnp.cumsum(valid_BxT, axis=1, dtype=jnp.int32) - 1
+    pos_BxT = jnp.where(valid_BxT, pos_BxT, -1)
+    x_BxTxD = embed_VxD[tokens_BxT].astype(dtype)
+    if cfg.embed_scale:
+        x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+    if cache is None:
+        return x_BxTxD, valid_BxT, pos_BxT, pos_BxT, None
+    kpos_BxS = jax.lax.dynamic_update_slice(cache["pos"], pos_BxT, (0, cache["end"]))
+    meta = dict(pos=kpos_BxS, end=cache["end"] + T,
+                next_pos=cache["next_pos"] + valid_BxT.sum(axis=1, dtype=jnp.int32))
+    return x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta
+
+
+def _logits(params, cfg, x_BxTxD, valid_BxT, logits):
+    if logits == "none":
+        return None
+    if logits == "last":
+        T = x_BxTxD.shape[1]
+        last_B = jnp.max(jnp.where(valid_BxT, jnp.arange(T), 0), axis=1)
+        x_BxTxD = jnp.take_along_axis(x_BxTxD, last_B[:, None, None], axis=1)
+        return unembed(params, cfg, x_BxTxD)[:, 0]
+    if logits != "all":
+        raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
+    return unembed(params, cfg, x_BxTxD)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=None, *,
@@ -200,7 +336,8 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
     """Runs T new tokens through the model, optionally against a KV cache.
 
     Args:
-        params: params pytree (notes/MODEL_CONTRACT.md).
+        params: params pytree (notes/MODEL_CONTRACT.md), stacked layers (run
+            with `lax.scan`) or per-layer (`unstack_layers`, unrolled).
         cfg: the architecture.
         tokens_BxT: int token ids.
         valid_BxT: bool, True for real tokens (default: all True). Padding may be
@@ -217,49 +354,37 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
         when no cache was given). The cache must have room for T more slots;
         writes past its end are not checked inside jit (see cache.room).
     """
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
     dtype = jnp.dtype(dtype)
-    B, T = tokens_BxT.shape
-    if valid_BxT is None:
-        valid_BxT = jnp.ones((B, T), bool)
-    valid_BxT = valid_BxT.astype(bool)
-    start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache["next_pos"]
-    pos_BxT = start_B[:, None] + jnp.cumsum(valid_BxT, axis=1, dtype=jnp.int32) - 1
-    pos_BxT = jnp.where(valid_BxT, pos_BxT, -1)
-
-    x_BxTxD = params["embed"][tokens_BxT].astype(dtype)
-    if cfg.embed_scale:
-        x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
-
+    x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta = _embed(params["embed"], cfg, tokens_BxT,
+                                                         valid_BxT, cache, dtype)
+    write_at = 0 if cache is None else cache["end"]
     inv_LxF, window_L = layer_tables(cfg)
-    if cache is None:
-        kpos_BxS, write_at, kv = pos_BxT, 0, None
+    kv_L = [None] * cfg.n_layers if cache is None else list(zip(cache["k"], cache["v"]))
+    if is_unstacked(params):
+        new_L = []
+        for layer, lp in enumerate(params["layers"]):
+            x_BxTxD, new = _block(cfg, dtype, x_BxTxD, lp, inv_LxF[layer], window_L[layer],
+                                  kv_L[layer], pos_BxT, kpos_BxS, write_at)
+            new_L.append(new)
     else:
-        write_at = cache["end"]
-        kpos_BxS = jax.lax.dynamic_update_slice(cache["pos"], pos_BxT, (0, write_at))
-        kv = (cache["k"], cache["v"])
+        # The per-layer caches are stacked for the scan.
+        kv_stacked = None if cache is None else tuple(jnp.stack(c) for c in zip(*kv_L))
 
-    def step(carry, xs):
-        x, kv = carry
-        lp, inv_F, window, layer = xs
-        return _block(cfg, dtype, x, lp, inv_F, window, kv, layer, pos_BxT, kpos_BxS,
-                      write_at), None
+        def step(x, xs):
+            lp, inv_F, window, kv = xs
+            return _block(cfg, dtype, x, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_at)
 
-    xs = (params["layers"], inv_LxF, window_L, jnp.arange(cfg.n_layers))
-    (x_BxTxD, new_kv), _ = jax.lax.scan(step, (x_BxTxD, kv), xs)
-
+        xs = (params["layers"], inv_LxF, window_L, kv_stacked)
+        x_BxTxD, new_stacked = jax.lax.scan(step, x_BxTxD, xs)
+        new_L = list(zip(*(tuple(c) for c in new_stacked)))
     new_cache = None
     if cache is not None:
-        new_cache = dict(k=new_kv[0], v=new_kv[1], pos=kpos_BxS, end=cache["end"] + T,
-                         next_pos=cache["next_pos"] + valid_BxT.sum(axis=1, dtype=jnp.int32))
-    if logits == "none":
-        return None, new_cache
-    if logits == "last":
-        last_B = jnp.max(jnp.where(valid_BxT, jnp.arange(T), 0), axis=1)
-        x_BxTxD = jnp.take_along_axis(x_BxTxD, last_B[:, None, None], axis=1)
-    elif logits != "all":
-        raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
-    out = unembed(params, cfg, x_BxTxD)
-    return (out[:, 0] if logits == "last" else out), new_cache
+        k_L, v_L = _write_cache(cache["k"], cache["v"], [n[0] for n in new_L],
+                                [n[1] for n in new_L], write_at)
+        new_cache = dict(k=k_L, v=v_L, **meta)
+    return _logits(params, cfg, x_BxTxD, valid_BxT, logits), new_cache
 
 
 def unembed(params: dict, cfg: ModelConfig, x_BxTxD):
@@ -271,9 +396,70 @@ def unembed(params: dict, cfg: ModelConfig, x_BxTxD):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "logits"))
+def _forward_jit(params, cfg, tokens_BxT, valid_BxT, cache, *, dtype, logits):
+    return forward(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype, logits=logits)
+
+
+_forward_jit_donated = jax.jit(_forward_jit.__wrapped__, static_argnames=("cfg", "dtype", "logits"),
+                               donate_argnames="cache")
+_embed_jit = jax.jit(_embed, static_argnames=("cfg", "dtype"))
+
+
+def _layer(lp, cfg, dtype, x_BxTxD, inv_F, window, kv, pos_BxT, kpos_BxS, write_at):
+    return _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_at)
+
+
+_layer_jit = jax.jit(_layer, static_argnames=("cfg", "dtype"))
+_write_jit = jax.jit(_write_cache)
+_write_jit_donated = jax.jit(_write_cache, donate_argnames=("k_L", "v_L"))
+_logits_jit = jax.jit(_logits, static_argnames=("cfg", "logits"))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_layer_tables(cfg: ModelConfig):
+    inv_LxF, window_L = layer_tables(cfg)
+    return [(jnp.asarray(inv_LxF[i]), jnp.asarray(window_L[i])) for i in range(cfg.n_layers)]
+
+
+def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate):
+    """`forward` for the per-layer layout, one jitted call per layer.
+
+    Every layer has the same shapes, so one executable serves them all (compile
+    time does not grow with depth) and each call reads its layer's weight
+    buffers in place. Layers only read the cache; one more call writes every
+    layer's new keys and values, in place when `donate`.
+    """
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
+    dtype = jnp.dtype(dtype)
+    tokens_BxT = jnp.asarray(tokens_BxT)
+    meta_in = None if cache is None else {k: cache[k] for k in ("pos", "end", "next_pos")}
+    x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta = _embed_jit(
+        params["embed"], cfg, tokens_BxT, valid_BxT, meta_in, dtype=dtype)
+    write_at = jnp.zeros((), jnp.int32) if cache is None else cache["end"]
+    kv_L = [None] * cfg.n_layers if cache is None else list(zip(cache["k"], cache["v"]))
+    new_L = []
+    for lp, kv, (inv_F, window) in zip(params["layers"], kv_L, _device_layer_tables(cfg)):
+        x_BxTxD, new = _layer_jit(lp, cfg, dtype, x_BxTxD, inv_F, window, kv, pos_BxT,
+                                  kpos_BxS, write_at)
+        new_L.append(new)
+    new_cache = None
+    if cache is not None:
+        write = _write_jit_donated if donate else _write_jit
+        k_L, v_L = write(cache["k"], cache["v"], tuple(n[0] for n in new_L),
+                         tuple(n[1] for n in new_L), write_at)
+        new_cache = dict(k=k_L, v=v_L, **meta)
+    head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
+    out = None if logits == "none" else _logits_jit(head, cfg, x_BxTxD, valid_BxT, logits)
+    return out, new_cache
+
+
 def prefill(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT, cache, *,
             dtype=jnp.float32, logits: str = "all"):
-    """Jitted `forward` with a cache: prompt prefill, or catching up on pending tokens.
+    """`forward` with a cache: prompt prefill, or catching up on pending tokens.
+
+    Stacked params run as one jitted scan; per-layer params (`unstack_layers`,
+    what `brf.checkpoints.registry.load` returns) one jitted call per layer.
 
     Args:
         params: params pytree.
@@ -287,16 +473,27 @@ def prefill(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT, cache, *,
     Returns:
         (logits_BxTxV or logits_BxV or None, cache).
     """
-    return forward(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype, logits=logits)
+    if is_unstacked(params):
+        return _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, False)
+    return _forward_jit(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype, logits=logits)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def prefill_donated(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT, cache, *,
+                    dtype=jnp.float32, logits: str = "all"):
+    """`prefill` with the cache donated: XLA updates it in place instead of
+    copying it (about 2x faster decoding); the cache passed in is invalidated."""
+    if is_unstacked(params):
+        return _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, True)
+    return _forward_jit_donated(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype,
+                                logits=logits)
+
+
 def decode_step(params: dict, cfg: ModelConfig, token_B, cache, valid_B=None, *,
                 dtype=jnp.float32):
     """One decoding step: appends token_B to the cache and returns next-token logits.
 
     Args:
-        params: params pytree.
+        params: params pytree (either layout; see `prefill`).
         cfg: the architecture (static).
         token_B: int token ids, one per sequence.
         cache: KV cache with at least one free slot.
@@ -307,17 +504,27 @@ def decode_step(params: dict, cfg: ModelConfig, token_B, cache, valid_B=None, *,
     Returns:
         (logits_BxV float32, cache).
     """
-    valid_Bx1 = None if valid_B is None else valid_B[:, None]
-    out, cache = forward(params, cfg, token_B[:, None], valid_Bx1, cache, dtype=dtype)
-    return out[:, 0], cache
+    valid_Bx1 = None if valid_B is None else jnp.asarray(valid_B)[:, None]
+    return prefill(params, cfg, jnp.asarray(token_B)[:, None], valid_Bx1, cache,
+                   dtype=dtype, logits="last")
 
 
-# Same functions with the cache donated: XLA updates it in place instead of copying
-# it every call (about 2x faster decoding). The cache passed in is invalidated.
-prefill_donated = jax.jit(prefill, static_argnames=("cfg", "dtype", "logits"),
-                          donate_argnames="cache")
-decode_step_donated = jax.jit(decode_step, static_argnames=("cfg", "dtype"),
-                              donate_argnames="cache")
+def decode_step_donated(params: dict, cfg: ModelConfig, token_B, cache, valid_B=None, *,
+                        dtype=jnp.float32):
+    """`decode_step` with the cache donated (updated in place; the input is invalidated)."""
+    valid_Bx1 = None if valid_B is None else jnp.asarray(valid_B)[:, None]
+    return prefill_donated(params, cfg, jnp.asarray(token_B)[:, None], valid_Bx1, cache,
+                           dtype=dtype, logits="last")
 
-__all__ = ["cast_params", "prefill_donated", "decode_step_donated", "param_shapes", "init_params", "forward", "prefill", "decode_step", "unembed",
-           "rope_inv_freq", "layer_tables", "rms_norm", "apply_rope"]
+
+def compiled_count() -> int:
+    """Executables compiled so far by this module's jitted pieces (retrace checks)."""
+    return sum(f._cache_size() for f in (_forward_jit, _forward_jit_donated, _embed_jit,
+                                         _layer_jit, _write_jit, _write_jit_donated,
+                                         _logits_jit))
+
+
+__all__ = ["cast_params", "compiled_count", "decode_step", "decode_step_donated", "forward",
+           "init_params", "is_unstacked", "param_shapes", "prefill", "prefill_donated",
+           "rope_inv_freq", "layer_tables", "rms_norm", "apply_rope", "stack_layers",
+           "unembed", "unstack_layers"]

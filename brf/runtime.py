@@ -1,0 +1,30 @@
+"""Process-level JAX settings shared by the experiment mains."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from brf.checkpoints.registry import cache_dir
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+    """Turns on JAX's persistent compilation cache (every executable is kept).
+
+    A second run of the same job then loads its executables instead of
+    compiling them again (the models' prefill and decode, the scoring chunks,
+    the fusion fits).
+
+    Args:
+        path: cache directory (default ``$BRF_CACHE/jax_cache``).
+
+    Returns:
+        The directory used.
+    """
+    path = os.path.abspath(os.path.expanduser(path or os.path.join(cache_dir(), "jax_cache")))
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
