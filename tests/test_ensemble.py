@@ -252,7 +252,8 @@ def test_mixture_per_member_truncation_differs_from_truncated_pool(pair):
 def _valid_kv(cache, b):
     pos = np.asarray(cache["pos"][b])
     order = np.argsort(np.where(pos >= 0, pos, np.iinfo(np.int32).max))[:int((pos >= 0).sum())]
-    k, v = np.stack(cache["k"]), np.stack(cache["v"])  # [L, B, K, S, E]
+    k = np.stack(cache["k"]).swapaxes(-1, -2)  # [L, B, K, S, E] (stored [L][B, K, E, S])
+    v = np.stack(cache["v"])
     return pos[order], k[:, b][:, :, order], v[:, b][:, :, order]
 
 

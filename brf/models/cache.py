@@ -1,8 +1,9 @@
 """KV cache: a plain dict pytree with a static number of slots.
 
-    k, v      L-tuples of [B, K, S, E]: per layer, keys (after RoPE) and values,
-              in the cache dtype; heads before slots, the layout attention
-              reads, and one buffer per layer, so a layer updates its own in place
+    k         L-tuple of [B, K, E, S]: per layer, keys (after RoPE), transposed
+              so that scores are a plain matmul q @ k
+    v         L-tuple of [B, K, S, E]: per layer, values
+              (cache dtype; one buffer per layer, updated in place)
     pos       [B, S] int32      position of the token in each slot; -1 = empty/padding
     end       [] int32          next slot to write (shared by the batch)
     next_pos  [B] int32         position the next valid token of each sequence gets
@@ -31,10 +32,11 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     Returns:
         The cache dict described in the module docstring.
     """
-    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    v_shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    k_shape = (batch, cfg.n_kv_heads, cfg.head_dim, max_len)
     return dict(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+        k=tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.n_layers)),
+        v=tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.n_layers)),
         pos=jnp.full((batch, max_len), -1, jnp.int32),
         end=jnp.zeros((), jnp.int32),
         next_pos=jnp.zeros((batch,), jnp.int32),
@@ -46,9 +48,9 @@ def grow(cache: dict, slots: int) -> dict:
     extra = slots - cache["pos"].shape[1]
     if extra <= 0:
         return cache
-    pad_kv = [(0, 0), (0, 0), (0, extra), (0, 0)]
-    return dict(k=tuple(jnp.pad(c, pad_kv) for c in cache["k"]),
-                v=tuple(jnp.pad(c, pad_kv) for c in cache["v"]),
+    pad_k, pad_v = [(0, 0), (0, 0), (0, 0), (0, extra)], [(0, 0), (0, 0), (0, extra), (0, 0)]
+    return dict(k=tuple(jnp.pad(c, pad_k) for c in cache["k"]),
+                v=tuple(jnp.pad(c, pad_v) for c in cache["v"]),
                 pos=jnp.pad(cache["pos"], [(0, 0), (0, extra)], constant_values=-1),
                 end=cache["end"], next_pos=cache["next_pos"])
 

@@ -147,9 +147,10 @@ def _attention(cfg, q_BxTxHxE, parts):
     Args:
         cfg: the architecture.
         q_BxTxHxE: queries (after RoPE).
-        parts: [(k_BxKxSxE, v_BxKxSxE, mask_BxTxS), ...]: e.g. the cache as it
-            was before this call and the T new keys. One softmax runs over all
-            of them, so this equals attention over their concatenation.
+        parts: [(kT_BxKxExS, v_BxKxSxE, mask_BxTxS), ...]: e.g. the cache as it
+            was before this call and the new keys. One softmax runs over all
+            of them, so this equals attention over their concatenation. Keys
+            are stored transposed, so q @ kT is a plain matmul.
 
     Returns:
         o_BxTx(H*E).
@@ -162,19 +163,22 @@ def _attention(cfg, q_BxTxHxE, parts):
     q_BxKxGTxE = q_BxTxHxE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(
         B, K, G * T, E)
     scores = []
-    for k_BxKxSxE, _, mask_BxTxS in parts:
-        s_BxKxGTxS = jnp.einsum("bkqe,bkse->bkqs", q_BxKxGTxE, k_BxKxSxE.astype(q_BxTxHxE.dtype),
+    for kT_BxKxExS, _, mask_BxTxS in parts:
+        s_BxKxGTxS = jnp.einsum("bkqe,bkes->bkqs", q_BxKxGTxE, kT_BxKxExS.astype(q_BxTxHxE.dtype),
                                 preferred_element_type=jnp.float32) * cfg.attn_scale
         s_BxKxGxTxS = _softcap(s_BxKxGTxS, cfg.attn_logit_softcap).reshape(B, K, G, T, -1)
         scores.append(jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, _NEG))
-    sizes = [s.shape[-1] for s in scores]
-    p_BxKxGxTxS = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    # One softmax over all parts without concatenating them: shared max, summed
+    # denominators, outputs accumulated part by part.
+    m_BxKxGxTx1 = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True)
+                                                  for s in scores])
+    exps = [jnp.exp(s - m_BxKxGxTx1) for s in scores]
+    denom_BxKxGxTx1 = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
     o_BxKxGTxE = 0.0
-    for (_, v_BxKxSxE, _), p_part in zip(parts, jnp.split(p_BxKxGxTxS, np.cumsum(sizes)[:-1],
-                                                          axis=-1)):
+    for (_, v_BxKxSxE, _), e in zip(parts, exps):
         v = v_BxKxSxE.astype(q_BxTxHxE.dtype)
-        o_BxKxGTxE = o_BxKxGTxE + jnp.einsum(
-            "bkqs,bkse->bkqe", p_part.astype(v.dtype).reshape(B, K, G * T, -1), v)
+        p_part = (e / denom_BxKxGxTx1).astype(v.dtype).reshape(B, K, G * T, -1)
+        o_BxKxGTxE = o_BxKxGTxE + jnp.einsum("bkqs,bkse->bkqe", p_part, v)
     o_BxTxKxGxE = o_BxKxGTxE.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)
     return o_BxTxKxGxE.reshape(B, T, H * E)
 
@@ -182,8 +186,8 @@ def _attention(cfg, q_BxTxHxE, parts):
 def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_at):
     """One decoder layer: returns the new residual stream and the T new keys and values.
 
-    kv is None (no cache) or this layer's (k_BxKxSxE, v_BxKxSxE) before this
-    call; it is only read. The caller writes the returned (k_BxKxTxE, v_BxKxTxE)
+    kv is None (no cache) or this layer's (kT_BxKxExS, v_BxKxSxE) before this
+    call; it is only read. The caller writes the returned (kT_BxKxExT, v_BxKxTxE)
     at slot write_at (`_write_cache`): an in-place update inside a computation
     that also reads the cache makes XLA:CPU copy the whole cache per layer.
     """
@@ -203,21 +207,26 @@ def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_
         k_BxTxKxE = rms_norm(k_BxTxKxE, lp["k_norm"], cfg.norm_eps)
     q_BxTxHxE = apply_rope(q_BxTxHxE, pos_BxT, inv_F)
     k_BxTxKxE = apply_rope(k_BxTxKxE, pos_BxT, inv_F)
-    k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
-    v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3)
+    new = (k_BxTxKxE.transpose(0, 2, 3, 1), v_BxTxKxE.transpose(0, 2, 1, 3))  # kT_BxKxExT, v_BxKxTxE
 
     def mask(q_pos_BxT, k_pos_BxS):
         # Causal by position (not slot), valid keys only, within the layer's window.
         diff_BxTxS = q_pos_BxT[:, :, None] - k_pos_BxS[:, None, :]
         return (k_pos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
 
-    # The new tokens attend to each other directly and to the cache as it was
-    # before this call (its slots from write_at on are not theirs yet).
-    parts = [(k_BxKxTxE, v_BxKxTxE, mask(pos_BxT, pos_BxT))]
-    if kv is not None:
+    if kv is None:
+        parts = [(*new, mask(pos_BxT, pos_BxT))]
+    elif T == 1:
+        # Decoding: attend to the cache as it was before this call (slots from
+        # write_at on are not this token's yet) and to the new token, apart.
+        # Reading an updated cache here would copy the whole cache per layer.
         S = kpos_BxS.shape[1]
         old_BxS = jnp.where(jnp.arange(S) < write_at, kpos_BxS, -1)
-        parts.insert(0, (kv[0], kv[1], mask(pos_BxT, old_BxS)))
+        parts = [(*kv, mask(pos_BxT, old_BxS)), (*new, mask(pos_BxT, pos_BxT))]
+    else:
+        # Several tokens: one attention over a local copy of the updated cache
+        # (cheaper than a second score matrix against the new tokens).
+        parts = [(*_write_layer(kv, new, write_at), mask(pos_BxT, kpos_BxS))]
     o_BxTxD = _attention(cfg, q_BxTxHxE.astype(dtype), parts) @ w("wo")
     if "post_attn_norm" in lp:
         o_BxTxD = rms_norm(o_BxTxD, lp["post_attn_norm"], cfg.norm_eps)
@@ -231,14 +240,22 @@ def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_
     m_BxTxD = (act(gate) * up) @ w("w_down")
     if "post_mlp_norm" in lp:
         m_BxTxD = rms_norm(m_BxTxD, lp["post_mlp_norm"], cfg.norm_eps)
-    return x_BxTxD + m_BxTxD, (k_BxKxTxE, v_BxKxTxE)
+    return x_BxTxD + m_BxTxD, new
+
+
+def _write_layer(kv, new, write_at):
+    """One layer's cache (kT_BxKxExS, v_BxKxSxE) with `new` (T slots) written at write_at."""
+    kT, v = kv
+    new_kT, new_v = new
+    return (jax.lax.dynamic_update_slice(kT, new_kT.astype(kT.dtype), (0, 0, 0, write_at)),
+            jax.lax.dynamic_update_slice(v, new_v.astype(v.dtype), (0, 0, write_at, 0)))
 
 
 def _write_cache(k_L, v_L, new_k_L, new_v_L, write_at):
-    """Writes each layer's new keys/values [B, K, T, E] at slot write_at."""
-    put = lambda c, new: jax.lax.dynamic_update_slice(c, new.astype(c.dtype),
-                                                      (0, 0, write_at, 0))
-    return tuple(map(put, k_L, new_k_L)), tuple(map(put, v_L, new_v_L))
+    """Writes each layer's new keys and values at slot write_at."""
+    out = [_write_layer(kv, new, write_at)
+           for kv, new in zip(zip(k_L, v_L), zip(new_k_L, new_v_L))]
+    return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
 def unstack_layers(params: dict) -> dict:
