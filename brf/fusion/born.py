@@ -116,16 +116,19 @@ def born(logits: jax.Array, weights: jax.Array, *, phase=None,
     a = [jnp.exp(ui - top) for ui in u]
     re = msum([ai * ci for ai, ci in zip(a, cos_phi)])
     im = msum([ai * si for ai, si in zip(a, sin_phi)])
-    log_born = 2.0 * top + _log(re * re + im * im)
-    log_lin = 2.0 * top + _log(msum([ai * ai for ai in a]))
     if phase.kind == "token":
+        log_born = 2.0 * top + _log(re * re + im * im)
         log_z = jax.nn.logsumexp(log_born, axis=-1)
         z = jnp.exp(log_z)
-    else:
-        log_z = _log(z)
+        fallback = ~(z >= z_min)
+        log_lin = 2.0 * top + _log(msum([ai * ai for ai in a]))
+        log_q = jnp.where(fallback[..., None], log_lin, log_born - log_z[..., None])
+        return log_q, {"fallback": fallback, "z": z}
+    # Per-position maps: Z is known before the output pass, so the fallback
+    # picks the squared amplitude to take the log of (one log per token).
     fallback = ~(z >= z_min)
-    log_q = jnp.where(fallback[..., None], log_lin,
-                      log_born - jnp.where(fallback, 0.0, log_z)[..., None])
+    sq = jnp.where(fallback[..., None], msum([ai * ai for ai in a]), re * re + im * im)
+    log_q = 2.0 * top + _log(sq) - jnp.where(fallback, 0.0, _log(z))[..., None]
     return log_q, {"fallback": fallback, "z": z}
 
 
