@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from brf.checkpoints import registry  # noqa: E402
-from brf.models import decode_step, init_cache, prefill  # noqa: E402
+from brf.models import decode_step, init_cache, prefill, transformer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -62,15 +62,19 @@ def test_weights_bitwise_identical(pair):
     name, ours, ref = pair
     sd = ref.state_dict()
     gemma = name.startswith("gemma")
+    # registry.load gives the per-layer layout (Q/K/V, gate/up fused); stacking
+    # it back must give the reader's tensors bit for bit.
+    assert transformer.is_unstacked(ours.params)
+    layers = transformer.stack_layers(ours.params, ours.cfg)["layers"]
     for i in (0, ours.cfg.n_layers - 1):
         p = f"model.layers.{i}."
         for our_key, hf_key in [("wq", "self_attn.q_proj"), ("wk", "self_attn.k_proj"),
                                 ("wo", "self_attn.o_proj"), ("w_down", "mlp.down_proj")]:
-            np.testing.assert_array_equal(np.asarray(ours.params["layers"][our_key][i]),
+            np.testing.assert_array_equal(np.asarray(layers[our_key][i]),
                                           sd[p + hf_key + ".weight"].numpy().T)
         hf_norm = sd[p + "input_layernorm.weight"].numpy()
         # transformers' Gemma applies (1 + w) and its GGUF reader subtracts 1 on load.
-        np.testing.assert_allclose(np.asarray(ours.params["layers"]["attn_norm"][i]),
+        np.testing.assert_allclose(np.asarray(layers["attn_norm"][i]),
                                    hf_norm + 1 if gemma else hf_norm, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(ours.params["embed"]),
                                   sd["model.embed_tokens.weight"].numpy())
