@@ -59,10 +59,6 @@ flags.DEFINE_string("ttft_child", None, "internal: run one TTFT measurement for 
 flags.DEFINE_bool("skip_torch", False, "JAX only")
 
 
-def _enable_compilation_cache():
-    return enable_compilation_cache(FLAGS.jax_cache)
-
-
 def _prompt_ids(m, n):
     text = ("The history of the Roman Empire spans many centuries, from the founding of the "
             "city to the fall of Constantinople; its roads, laws and languages shaped Europe. ")
@@ -86,7 +82,7 @@ def _jax_decode(m, logits_BxV, cache, n):
 
 def ttft_child(name):
     """One fresh-process TTFT: load (cached checkpoint), then compile+prefill+1 token."""
-    _enable_compilation_cache()
+    enable_compilation_cache(FLAGS.jax_cache)
     t0 = time.perf_counter()
     m = registry.load(name, progress=False)
     jax.block_until_ready(m.params)
@@ -202,7 +198,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if FLAGS.ttft_child:
         return ttft_child(FLAGS.ttft_child)
-    cache = _enable_compilation_cache()
+    cache = enable_compilation_cache(FLAGS.jax_cache)
     print(f"threads={FLAGS.threads} prompt_len={FLAGS.prompt_len} new_tokens={FLAGS.new_tokens} "
           f"devices={jax.devices()} jax_cache={cache} loadavg={os.getloadavg()}")
     rows = {name: bench_model(name) for name in FLAGS.models.split(",")}

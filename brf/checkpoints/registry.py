@@ -151,10 +151,6 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bo
         out_dir: the checkpoint directory to write.
         overwrite: replace an existing checkpoint.
         progress: tqdm bar while dequantizing.
-        layout: 'layers' (default): ``params['layers']`` is a tuple of per-layer
-            dicts, the fast layout for `brf.models.prefill` / `decode_step`
-            (`brf.models.transformer.unstack_layers`); 'stacked': the [L, ...]
-            arrays of notes/MODEL_CONTRACT.md (as stored).
 
     Returns:
         The absolute checkpoint path.
@@ -185,6 +181,10 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
         cache: use (and fill) the cache; False reads the source directly.
         cache_root: cache directory (default `cache_dir()`).
         progress: tqdm bar while dequantizing.
+        layout: 'layers' (default): ``params['layers']`` is a tuple of per-layer
+            dicts, the fast layout for `brf.models.prefill` / `decode_step`
+            (`brf.models.transformer.unstack_layers`); 'stacked': the [L, ...]
+            arrays of notes/MODEL_CONTRACT.md (as stored).
 
     Returns:
         Model(cfg, params, tokenizer, path); path is the checkpoint directory

@@ -113,8 +113,8 @@ def cross_term_test(table: EventTable, fitted: Fitted, *, n_boot: int = 1000,
                                               {"phase": "constant"}, fitted.weights, 0.0))
     rng = np.random.default_rng(seed)
     out = {"setting": fitted.label}
-    for key, src in (("cross", s), ("rel", s), ("rel_equal_phases", control)):
-        k = "rel" if key == "rel_equal_phases" else key
+    for key, src, k in (("cross", s, "cross"), ("rel", s, "rel"),
+                        ("rel_equal_phases", control, "rel")):
         comp = src[f"comp_{k}"]
         if comp.size > max_competitors:  # subsample competitors for the bootstrap
             comp = rng.choice(comp, max_competitors, replace=False)

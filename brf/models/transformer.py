@@ -159,7 +159,7 @@ def _attention(cfg, q_BxTxHxE, parts):
     K = parts[0][0].shape[1]
     G = H // K
     # Queries grouped by kv head, [B, K, G*T, E]: one batched matmul per kv head
-    # against keys stored [B, K, S, E] (the cache's layout: no transpose).
+    # against keys stored transposed, [B, K, E, S] (the cache's layout).
     q_BxKxGTxE = q_BxTxHxE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(
         B, K, G * T, E)
     scores = []
@@ -288,13 +288,16 @@ def unstack_layers(params: dict) -> dict:
 _FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
-def _split_fused(lp: dict, cfg_or_sizes) -> dict:
+def _split_fused(lp: dict, cfg: ModelConfig) -> dict:
     """The separate projections of a per-layer dict made by `unstack_layers`."""
+    E = cfg.head_dim
+    width = dict(wq=cfg.n_heads * E, wk=cfg.n_kv_heads * E, wv=cfg.n_kv_heads * E,
+                 w_gate=cfg.d_ff, w_up=cfg.d_ff)
     out = dict(lp)
     for name, parts in _FUSED.items():
         if name in out:
-            sizes = [cfg_or_sizes[k] for k in parts]
-            out.update(zip(parts, jnp.split(out.pop(name), np.cumsum(sizes)[:-1], axis=-1)))
+            cuts = np.cumsum([width[k] for k in parts])[:-1]
+            out.update(zip(parts, jnp.split(out.pop(name), cuts, axis=-1)))
     return out
 
 
@@ -303,10 +306,7 @@ def stack_layers(params: dict, cfg: ModelConfig) -> dict:
     layers = params["layers"]
     if isinstance(layers, dict):
         return params
-    E = cfg.head_dim
-    sizes = dict(wq=cfg.n_heads * E, wk=cfg.n_kv_heads * E, wv=cfg.n_kv_heads * E,
-                 w_gate=cfg.d_ff, w_up=cfg.d_ff)
-    layers = [_split_fused(lp, sizes) for lp in layers]
+    layers = [_split_fused(lp, cfg) for lp in layers]
     return {**params, "layers": {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}}
 
 
@@ -335,7 +335,13 @@ def _embed(embed_VxD, cfg, tokens_BxT, valid_BxT, cache, dtype):
     return x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta
 
 
+def _check_logits(logits: str) -> None:
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
+
+
 def _logits(params, cfg, x_BxTxD, valid_BxT, logits):
+    """The logits `forward` returns for its `logits` choice (checked by the caller)."""
     if logits == "none":
         return None
     if logits == "last":
@@ -343,9 +349,16 @@ def _logits(params, cfg, x_BxTxD, valid_BxT, logits):
         last_B = jnp.max(jnp.where(valid_BxT, jnp.arange(T), 0), axis=1)
         x_BxTxD = jnp.take_along_axis(x_BxTxD, last_B[:, None, None], axis=1)
         return unembed(params, cfg, x_BxTxD)[:, 0]
-    if logits != "all":
-        raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
     return unembed(params, cfg, x_BxTxD)
+
+
+def _updated_cache(cache, new_L, write_at, meta, write=_write_cache):
+    """The cache after a call: every layer's new keys/values written, `meta` from `_embed`."""
+    if cache is None:
+        return None
+    k_L, v_L = write(cache["k"], cache["v"], tuple(n[0] for n in new_L),
+                     tuple(n[1] for n in new_L), write_at)
+    return dict(k=k_L, v=v_L, **meta)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=None, *,
@@ -371,8 +384,7 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
         when no cache was given). The cache must have room for T more slots;
         writes past its end are not checked inside jit (see cache.room).
     """
-    if logits not in ("all", "last", "none"):
-        raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
+    _check_logits(logits)
     dtype = jnp.dtype(dtype)
     x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta = _embed(params["embed"], cfg, tokens_BxT,
                                                          valid_BxT, cache, dtype)
@@ -396,12 +408,8 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
         xs = (params["layers"], inv_LxF, window_L, kv_stacked)
         x_BxTxD, new_stacked = jax.lax.scan(step, x_BxTxD, xs)
         new_L = list(zip(*(tuple(c) for c in new_stacked)))
-    new_cache = None
-    if cache is not None:
-        k_L, v_L = _write_cache(cache["k"], cache["v"], [n[0] for n in new_L],
-                                [n[1] for n in new_L], write_at)
-        new_cache = dict(k=k_L, v=v_L, **meta)
-    return _logits(params, cfg, x_BxTxD, valid_BxT, logits), new_cache
+    return (_logits(params, cfg, x_BxTxD, valid_BxT, logits),
+            _updated_cache(cache, new_L, write_at, meta))
 
 
 def unembed(params: dict, cfg: ModelConfig, x_BxTxD):
@@ -422,11 +430,7 @@ _forward_jit_donated = jax.jit(_forward_jit.__wrapped__, static_argnames=("cfg",
 _embed_jit = jax.jit(_embed, static_argnames=("cfg", "dtype"))
 
 
-def _layer(lp, cfg, dtype, x_BxTxD, inv_F, window, kv, pos_BxT, kpos_BxS, write_at):
-    return _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_at)
-
-
-_layer_jit = jax.jit(_layer, static_argnames=("cfg", "dtype"))
+_block_jit = jax.jit(_block, static_argnames=("cfg", "dtype"))
 _write_jit = jax.jit(_write_cache)
 _write_jit_donated = jax.jit(_write_cache, donate_argnames=("k_L", "v_L"))
 _logits_jit = jax.jit(_logits, static_argnames=("cfg", "logits"))
@@ -446,8 +450,7 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
     buffers in place. Layers only read the cache; one more call writes every
     layer's new keys and values, in place when `donate`.
     """
-    if logits not in ("all", "last", "none"):
-        raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
+    _check_logits(logits)
     dtype = jnp.dtype(dtype)
     tokens_BxT = jnp.asarray(tokens_BxT)
     meta_in = None if cache is None else {k: cache[k] for k in ("pos", "end", "next_pos")}
@@ -457,15 +460,11 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
     kv_L = [None] * cfg.n_layers if cache is None else list(zip(cache["k"], cache["v"]))
     new_L = []
     for lp, kv, (inv_F, window) in zip(params["layers"], kv_L, _device_layer_tables(cfg)):
-        x_BxTxD, new = _layer_jit(lp, cfg, dtype, x_BxTxD, inv_F, window, kv, pos_BxT,
+        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT,
                                   kpos_BxS, write_at)
         new_L.append(new)
-    new_cache = None
-    if cache is not None:
-        write = _write_jit_donated if donate else _write_jit
-        k_L, v_L = write(cache["k"], cache["v"], tuple(n[0] for n in new_L),
-                         tuple(n[1] for n in new_L), write_at)
-        new_cache = dict(k=k_L, v=v_L, **meta)
+    new_cache = _updated_cache(cache, new_L, write_at, meta,
+                               _write_jit_donated if donate else _write_jit)
     head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
     out = None if logits == "none" else _logits_jit(head, cfg, x_BxTxD, valid_BxT, logits)
     return out, new_cache
@@ -537,7 +536,7 @@ def decode_step_donated(params: dict, cfg: ModelConfig, token_B, cache, valid_B=
 def compiled_count() -> int:
     """Executables compiled so far by this module's jitted pieces (retrace checks)."""
     return sum(f._cache_size() for f in (_forward_jit, _forward_jit_donated, _embed_jit,
-                                         _layer_jit, _write_jit, _write_jit_donated,
+                                         _block_jit, _write_jit, _write_jit_donated,
                                          _logits_jit))
 
 
