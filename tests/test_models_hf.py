@@ -141,6 +141,19 @@ def test_kv_cache_decode_equals_full_forward(model):
     assert err < ATOL, f"{name}: cached decode vs full forward, max abs diff {err:.2e}"
 
 
+def test_prefill_keeping_no_or_last_logits(model):
+    """logits='none' still fills every layer's cache (the last layer computes only
+    its keys and values) and logits='last' on a later chunk sees all of it."""
+    name, cfg, params, want, _ = model
+    tokens = _tokens(0, (1, T))
+    cache = init_cache(cfg, 1, T)
+    out, cache = prefill(params, cfg, jnp.asarray(tokens[:, :12]), None, cache, logits="none")
+    assert out is None
+    last, cache = prefill(params, cfg, jnp.asarray(tokens[:, 12:]), None, cache, logits="last")
+    err = float(np.max(np.abs(np.asarray(last)[0] - want[0, -1])))
+    assert err < ATOL, f"{name}: last logits after a logits='none' chunk, max abs diff {err:.2e}"
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_singles(model, side):
     name, cfg, params, _, ref = model
@@ -166,6 +179,41 @@ def test_padded_batch_equals_singles(model, side):
         errs = [np.max(np.abs(got - single[:n])), np.max(np.abs(np.asarray(last)[b] - single[n - 1]))]
         errs += [np.max(np.abs(steps[j][b] - single[n + j])) for j in range(n_new)]
         assert max(errs) < ATOL, f"{name} {side}-padded seq {b}: max abs diffs {errs}"
+
+
+@pytest.fixture
+def small_query_blocks(monkeypatch):
+    """Causal attention in query blocks of 4 tokens (traced afresh, then restored)."""
+    jax.clear_caches()
+    monkeypatch.setattr(transformer, "_Q_BLOCK", 4)
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_query_blocks_padded_two_chunk_prefill(model, side, small_query_blocks):
+    """Prompts prefilled in two chunks, the first into an empty cache and the
+    second against it, with attention in query blocks smaller than the chunks:
+    every valid position's logits equal transformers' on each sequence alone."""
+    name, cfg, params, _, ref = model
+    lengths, width = [13, 6, 10], 13
+    seqs = [_tokens(i + 11, (n,)) for i, n in enumerate(lengths)]
+    tokens = np.zeros((3, width), np.int32)
+    valid = np.zeros((3, width), bool)
+    for b, (n, s) in enumerate(zip(lengths, seqs)):
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        tokens[b, cols], valid[b, cols] = s, True
+    cache = init_cache(cfg, 3, width)
+    cut = 7  # chunks of 7 and 6 tokens: blocks of 4 + 3, and 4 + 2
+    first, cache = prefill(params, cfg, jnp.asarray(tokens[:, :cut]),
+                           jnp.asarray(valid[:, :cut]), cache)
+    second, cache = prefill(params, cfg, jnp.asarray(tokens[:, cut:]),
+                            jnp.asarray(valid[:, cut:]), cache)
+    got_BxTxV = np.concatenate([np.asarray(first), np.asarray(second)], axis=1)
+    for b, s in enumerate(seqs):
+        err = np.max(np.abs(got_BxTxV[b][valid[b]] - _ref_logits(ref, s[None])[0]))
+        assert err < ATOL, f"{name} {side}-padded seq {b}: max abs diff {err:.2e}"
 
 
 def test_bfloat16_close(model):

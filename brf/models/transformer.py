@@ -3,8 +3,13 @@
 One code path serves both families; the differences are fields of ModelConfig
 (activation, embedding scale, per-layer window and RoPE base) and the presence
 of the Gemma-only parameters (q/k norms, post-attention / post-MLP norms).
-Layers are stacked on a leading axis and run with `lax.scan`, so compile time
-does not grow with depth.
+Either params layout keeps compile time independent of depth: stacked layers
+run as one `lax.scan`, per-layer params (`unstack_layers`) as one jitted call
+per layer that every layer shares.
+
+Attention is causal by position. New tokens attend to the cache as it was and
+to each other as two parts of one softmax; with several new tokens the queries
+run in blocks that skip the causally hidden later keys (`_causal_attention`).
 
 Shapes: B batch, T new tokens, S cache slots, D d_model, H query heads,
 K kv heads, G = H // K, E head_dim, F d_ff, V vocab, L layers.
@@ -111,13 +116,28 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> n
 
 def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """Per-layer RoPE inverse frequencies [L, E/2] and attention windows [L] (scanned)."""
-    inv_global = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    inv_local = (rope_inv_freq(cfg.head_dim, cfg.rope_local_theta)
-                 if cfg.rope_local_theta is not None else inv_global)
+    inv_RxF, rope_L, window_L = _rope_layout(cfg)
+    return inv_RxF[rope_L], window_L
+
+
+def _rope_layout(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct RoPE tables [R, E/2] (global, then local if it differs), each
+    layer's table index [L], and each layer's attention window [L]."""
+    inv_RxF = [rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)]
+    if cfg.rope_local_theta is not None:
+        inv_RxF.append(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta))
     local = np.array([t == "local" for t in cfg.layer_types])
-    inv_LxF = np.where(local[:, None], inv_local[None], inv_global[None]).astype(np.float32)
+    rope_L = np.where(local, len(inv_RxF) - 1, 0).astype(np.int32)
     window_L = np.where(local, cfg.sliding_window or _NO_WINDOW, _NO_WINDOW).astype(np.int32)
-    return inv_LxF, window_L
+    return np.stack(inv_RxF), rope_L, window_L
+
+
+def _rope_angles(pos_BxT, inv_RxF):
+    """(cos, sin) of position * inv_freq, [R, B, T, E/2]: computed once per call and
+    shared by every layer that uses the same table (recomputing them inside each
+    layer's fused rotation cost more than the rotation itself)."""
+    ang_RxBxTxF = pos_BxT.astype(jnp.float32)[None, :, :, None] * inv_RxF[:, None, None, :]
+    return jnp.cos(ang_RxBxTxF), jnp.sin(ang_RxBxTxF)
 
 
 def rms_norm(x, scale, eps: float):
@@ -129,9 +149,13 @@ def rms_norm(x, scale, eps: float):
 
 def apply_rope(x_BxTxNxE, pos_BxT, inv_F):
     """Rotates half-split (rotate_half) feature pairs by position * inv_freq."""
-    ang_BxTxF = pos_BxT.astype(jnp.float32)[..., None] * inv_F
-    cos = jnp.cos(ang_BxTxF)[:, :, None, :]
-    sin = jnp.sin(ang_BxTxF)[:, :, None, :]
+    cos_1xBxTxF, sin_1xBxTxF = _rope_angles(pos_BxT, jnp.asarray(inv_F)[None])
+    return _rotate(x_BxTxNxE, cos_1xBxTxF[0], sin_1xBxTxF[0])
+
+
+def _rotate(x_BxTxNxE, cos_BxTxF, sin_BxTxF):
+    """`apply_rope` with the angles' cosines and sines given."""
+    cos, sin = cos_BxTxF[:, :, None, :], sin_BxTxF[:, :, None, :]
     x1, x2 = jnp.split(x_BxTxNxE.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxNxE.dtype)
@@ -158,38 +182,78 @@ def _attention(cfg, q_BxTxHxE, parts):
     B, T, H, E = q_BxTxHxE.shape
     K = parts[0][0].shape[1]
     G = H // K
-    # Queries grouped by kv head, [B, K, G*T, E]: one batched matmul per kv head
+    # Queries grouped by kv head, [B, K, T*G, E]: one batched matmul per kv head
     # against keys stored transposed, [B, K, E, S] (the cache's layout).
-    q_BxKxGTxE = q_BxTxHxE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(
-        B, K, G * T, E)
+    q_BxKxTGxE = q_BxTxHxE.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(
+        B, K, T * G, E)
+    def matmul(a_BxKxRxI, b_BxKxIxJ):  # -> [B, K, R, J], float32 accumulation
+        # A decoding step's own key and value (J or I = 1) need no matmul call.
+        a, b = a_BxKxRxI.astype(jnp.float32), b_BxKxIxJ.astype(jnp.float32)
+        if b.shape[3] == 1:
+            return jnp.sum(a * b[..., 0][:, :, None], axis=-1, keepdims=True)
+        if b.shape[2] == 1:
+            return a * b
+        return jnp.einsum("bkri,bkij->bkrj", a_BxKxRxI, b_BxKxIxJ,
+                          preferred_element_type=jnp.float32)
+
     scores = []
     for kT_BxKxExS, _, mask_BxTxS in parts:
-        s_BxKxGTxS = jnp.einsum("bkqe,bkes->bkqs", q_BxKxGTxE, kT_BxKxExS.astype(q_BxTxHxE.dtype),
-                                preferred_element_type=jnp.float32) * cfg.attn_scale
-        s_BxKxGxTxS = _softcap(s_BxKxGTxS, cfg.attn_logit_softcap).reshape(B, K, G, T, -1)
-        scores.append(jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, _NEG))
+        s_BxKxTGxS = matmul(q_BxKxTGxE, kT_BxKxExS.astype(q_BxTxHxE.dtype)) * cfg.attn_scale
+        s_BxKxTxGxS = _softcap(s_BxKxTGxS, cfg.attn_logit_softcap).reshape(B, K, T, G, -1)
+        scores.append(jnp.where(mask_BxTxS[:, None, :, None], s_BxKxTxGxS, _NEG))
     # One softmax over all parts without concatenating them: shared max, summed
     # denominators, outputs accumulated part by part.
-    m_BxKxGxTx1 = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True)
+    m_BxKxTxGx1 = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True)
                                                   for s in scores])
-    exps = [jnp.exp(s - m_BxKxGxTx1) for s in scores]
-    denom_BxKxGxTx1 = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
-    o_BxKxGTxE = 0.0
+    exps = [jnp.exp(s - m_BxKxTxGx1) for s in scores]
+    denom_BxKxTxGx1 = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+    o_BxKxTGxE = 0.0
     for (_, v_BxKxSxE, _), e in zip(parts, exps):
         v = v_BxKxSxE.astype(q_BxTxHxE.dtype)
-        p_part = (e / denom_BxKxGxTx1).astype(v.dtype).reshape(B, K, G * T, -1)
-        o_BxKxGTxE = o_BxKxGTxE + jnp.einsum("bkqs,bkse->bkqe", p_part, v)
-    o_BxTxKxGxE = o_BxKxGTxE.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)
+        p_part = (e / denom_BxKxTxGx1).astype(v.dtype).reshape(B, K, T * G, -1)
+        o_BxKxTGxE = o_BxKxTGxE + matmul(p_part, v).astype(v.dtype)
+    o_BxTxKxGxE = o_BxKxTGxE.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4)
     return o_BxTxKxGxE.reshape(B, T, H * E)
 
 
-def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_at):
+# Query block of causal attention over the new tokens (see `_causal_attention`).
+_Q_BLOCK = 128
+
+
+def _causal_attention(cfg, q_BxTxHxE, old, new):
+    """Attention of the T new queries to the cache as it was (`old`, or None when
+    it holds nothing) and to the new keys (`new`), each (kT, v, mask).
+
+    The queries run in blocks of `_Q_BLOCK`; block [t0, t1) meets the new keys
+    [0, t1) only. Valid tokens' positions grow along T (padding has position -1
+    and is masked), so a later new key is causally hidden from these queries
+    anyway: skipping it is exact and saves about half of the new-key work.
+    """
+    T = q_BxTxHxE.shape[1]
+    kT_BxKxExT, v_BxKxTxE, mask_BxTxT = new
+    out = []
+    for t0 in range(0, T, _Q_BLOCK):
+        t1 = min(T, t0 + _Q_BLOCK)
+        parts = [] if old is None else [(old[0], old[1], old[2][:, t0:t1])]
+        parts.append((kT_BxKxExT[..., :t1], v_BxKxTxE[:, :, :t1], mask_BxTxT[:, t0:t1, :t1]))
+        out.append(_attention(cfg, q_BxTxHxE[:, t0:t1], parts))
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
+
+
+def _block(cfg, dtype, x_BxTxD, lp, rope, window, kv, pos_BxT, kpos_BxS, write_at,
+           keep="all"):
     """One decoder layer: returns the new residual stream and the T new keys and values.
 
-    kv is None (no cache) or this layer's (kT_BxKxExS, v_BxKxSxE) before this
-    call; it is only read. The caller writes the returned (kT_BxKxExT, v_BxKxTxE)
-    at slot write_at (`_write_cache`): an in-place update inside a computation
-    that also reads the cache makes XLA:CPU copy the whole cache per layer.
+    keep='last' carries on only each sequence's last valid token (the residual
+    stream comes back as B x 1 x D) and keep='none' only computes the keys and
+    values: for the last layer when only the last logits, or none, are wanted.
+
+    rope is this layer's (cos_BxTxF, sin_BxTxF) from `_rope_angles`. kv is None
+    (no cache, or a cache known to be empty) or this layer's (kT_BxKxExS,
+    v_BxKxSxE) before this call; it is only read. The caller writes the returned
+    (kT_BxKxExT, v_BxKxTxE) at slot write_at (`_write_cache`): an in-place update
+    inside a computation that also reads the cache makes XLA:CPU copy the whole
+    cache per layer.
     """
     B, T, _ = x_BxTxD.shape
     E, H, K = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -205,8 +269,8 @@ def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_
     if "q_norm" in lp:
         q_BxTxHxE = rms_norm(q_BxTxHxE, lp["q_norm"], cfg.norm_eps)
         k_BxTxKxE = rms_norm(k_BxTxKxE, lp["k_norm"], cfg.norm_eps)
-    q_BxTxHxE = apply_rope(q_BxTxHxE, pos_BxT, inv_F)
-    k_BxTxKxE = apply_rope(k_BxTxKxE, pos_BxT, inv_F)
+    q_BxTxHxE = _rotate(q_BxTxHxE, *rope)
+    k_BxTxKxE = _rotate(k_BxTxKxE, *rope)
     new = (k_BxTxKxE.transpose(0, 2, 3, 1), v_BxTxKxE.transpose(0, 2, 1, 3))  # kT_BxKxExT, v_BxKxTxE
 
     def mask(q_pos_BxT, k_pos_BxS):
@@ -214,20 +278,28 @@ def _block(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_
         diff_BxTxS = q_pos_BxT[:, :, None] - k_pos_BxS[:, None, :]
         return (k_pos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
 
-    if kv is None:
-        parts = [(*new, mask(pos_BxT, pos_BxT))]
-    elif T == 1:
-        # Decoding: attend to the cache as it was before this call (slots from
-        # write_at on are not this token's yet) and to the new token, apart.
-        # Reading an updated cache here would copy the whole cache per layer.
+    if keep == "none":
+        return x_BxTxD, new
+    q_pos_BxT = pos_BxT
+    if keep == "last":
+        last_Bx1 = _last_valid(pos_BxT >= 0)[:, None]
+        x_BxTxD = jnp.take_along_axis(x_BxTxD, last_Bx1[:, :, None], axis=1)
+        q_BxTxHxE = jnp.take_along_axis(q_BxTxHxE, last_Bx1[:, :, None, None], axis=1)
+        q_pos_BxT = jnp.take_along_axis(pos_BxT, last_Bx1, axis=1)
+    old = None
+    if kv is not None:
+        # The cache as it was before this call: slots from write_at on are not
+        # these tokens' yet. The new keys are a second part of the same softmax
+        # (attending to an updated cache would copy the whole cache per layer).
         S = kpos_BxS.shape[1]
-        old_BxS = jnp.where(jnp.arange(S) < write_at, kpos_BxS, -1)
-        parts = [(*kv, mask(pos_BxT, old_BxS)), (*new, mask(pos_BxT, pos_BxT))]
+        old = (*kv, mask(q_pos_BxT, jnp.where(jnp.arange(S) < write_at, kpos_BxS, -1)))
+    new_part = (*new, mask(q_pos_BxT, pos_BxT))
+    q_BxTxHxE = q_BxTxHxE.astype(dtype)
+    if keep == "last":
+        o_BxTxHE = _attention(cfg, q_BxTxHxE, ([] if old is None else [old]) + [new_part])
     else:
-        # Several tokens: one attention over a local copy of the updated cache
-        # (cheaper than a second score matrix against the new tokens).
-        parts = [(*_write_layer(kv, new, write_at), mask(pos_BxT, kpos_BxS))]
-    o_BxTxD = _attention(cfg, q_BxTxHxE.astype(dtype), parts) @ w("wo")
+        o_BxTxHE = _causal_attention(cfg, q_BxTxHxE, old, new_part)
+    o_BxTxD = o_BxTxHE @ w("wo")
     if "post_attn_norm" in lp:
         o_BxTxD = rms_norm(o_BxTxD, lp["post_attn_norm"], cfg.norm_eps)
     x_BxTxD = x_BxTxD + o_BxTxD
@@ -335,6 +407,11 @@ def _embed(embed_VxD, cfg, tokens_BxT, valid_BxT, cache, dtype):
     return x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta
 
 
+def _last_valid(valid_BxT):
+    """Index of each row's last True (0 for a row with none)."""
+    return jnp.max(jnp.where(valid_BxT, jnp.arange(valid_BxT.shape[1]), 0), axis=1)
+
+
 def _check_logits(logits: str) -> None:
     if logits not in ("all", "last", "none"):
         raise ValueError(f"logits={logits!r}; use 'all', 'last' or 'none'")
@@ -345,9 +422,9 @@ def _logits(params, cfg, x_BxTxD, valid_BxT, logits):
     if logits == "none":
         return None
     if logits == "last":
-        T = x_BxTxD.shape[1]
-        last_B = jnp.max(jnp.where(valid_BxT, jnp.arange(T), 0), axis=1)
-        x_BxTxD = jnp.take_along_axis(x_BxTxD, last_B[:, None, None], axis=1)
+        if x_BxTxD.shape[1] > 1:
+            last_B = _last_valid(valid_BxT)
+            x_BxTxD = jnp.take_along_axis(x_BxTxD, last_B[:, None, None], axis=1)
         return unembed(params, cfg, x_BxTxD)[:, 0]
     return unembed(params, cfg, x_BxTxD)
 
@@ -389,12 +466,14 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
     x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta = _embed(params["embed"], cfg, tokens_BxT,
                                                          valid_BxT, cache, dtype)
     write_at = 0 if cache is None else cache["end"]
-    inv_LxF, window_L = layer_tables(cfg)
+    inv_RxF, rope_L, window_L = _rope_layout(cfg)
+    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(pos_BxT, inv_RxF)
     kv_L = [None] * cfg.n_layers if cache is None else list(zip(cache["k"], cache["v"]))
     if is_unstacked(params):
         new_L = []
         for layer, lp in enumerate(params["layers"]):
-            x_BxTxD, new = _block(cfg, dtype, x_BxTxD, lp, inv_LxF[layer], window_L[layer],
+            rope = (cos_RxBxTxF[rope_L[layer]], sin_RxBxTxF[rope_L[layer]])
+            x_BxTxD, new = _block(cfg, dtype, x_BxTxD, lp, rope, window_L[layer],
                                   kv_L[layer], pos_BxT, kpos_BxS, write_at)
             new_L.append(new)
     else:
@@ -402,10 +481,11 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
         kv_stacked = None if cache is None else tuple(jnp.stack(c) for c in zip(*kv_L))
 
         def step(x, xs):
-            lp, inv_F, window, kv = xs
-            return _block(cfg, dtype, x, lp, inv_F, window, kv, pos_BxT, kpos_BxS, write_at)
+            lp, r, window, kv = xs
+            rope = (cos_RxBxTxF[r], sin_RxBxTxF[r])
+            return _block(cfg, dtype, x, lp, rope, window, kv, pos_BxT, kpos_BxS, write_at)
 
-        xs = (params["layers"], inv_LxF, window_L, kv_stacked)
+        xs = (params["layers"], rope_L, window_L, kv_stacked)
         x_BxTxD, new_stacked = jax.lax.scan(step, x_BxTxD, xs)
         new_L = list(zip(*(tuple(c) for c in new_stacked)))
     return (_logits(params, cfg, x_BxTxD, valid_BxT, logits),
@@ -430,16 +510,22 @@ _forward_jit_donated = jax.jit(_forward_jit.__wrapped__, static_argnames=("cfg",
 _embed_jit = jax.jit(_embed, static_argnames=("cfg", "dtype"))
 
 
-_block_jit = jax.jit(_block, static_argnames=("cfg", "dtype"))
+_block_jit = jax.jit(_block, static_argnames=("cfg", "dtype", "keep"))
 _write_jit = jax.jit(_write_cache)
 _write_jit_donated = jax.jit(_write_cache, donate_argnames=("k_L", "v_L"))
 _logits_jit = jax.jit(_logits, static_argnames=("cfg", "logits"))
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
+def _rope_jit(cfg, pos_BxT):
+    """`_rope_angles` for the per-layer path: one (cos, sin) per distinct table."""
+    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(pos_BxT, _rope_layout(cfg)[0])
+    return tuple(zip(cos_RxBxTxF, sin_RxBxTxF))
+
+
 @functools.lru_cache(maxsize=None)
-def _device_layer_tables(cfg: ModelConfig):
-    inv_LxF, window_L = layer_tables(cfg)
-    return [(jnp.asarray(inv_LxF[i]), jnp.asarray(window_L[i])) for i in range(cfg.n_layers)]
+def _device_windows(cfg: ModelConfig):
+    return [jnp.asarray(w) for w in _rope_layout(cfg)[2]]
 
 
 def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate):
@@ -448,7 +534,8 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
     Every layer has the same shapes, so one executable serves them all (compile
     time does not grow with depth) and each call reads its layer's weight
     buffers in place. Layers only read the cache; one more call writes every
-    layer's new keys and values, in place when `donate`.
+    layer's new keys and values, in place when `donate`. A prompt (T > 1) into
+    an empty cache attends to its own keys only, not to the empty slots.
     """
     _check_logits(logits)
     dtype = jnp.dtype(dtype)
@@ -456,12 +543,25 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
     meta_in = None if cache is None else {k: cache[k] for k in ("pos", "end", "next_pos")}
     x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta = _embed_jit(
         params["embed"], cfg, tokens_BxT, valid_BxT, meta_in, dtype=dtype)
-    write_at = jnp.zeros((), jnp.int32) if cache is None else cache["end"]
-    kv_L = [None] * cfg.n_layers if cache is None else list(zip(cache["k"], cache["v"]))
+    end = None if cache is None else cache["end"]
+    write_at = jnp.zeros((), jnp.int32) if end is None else end
+    # One host read per prompt (not per decoding step) to know the cache is empty.
+    if end is None or (tokens_BxT.shape[1] > 1 and not isinstance(end, jax.core.Tracer)
+                       and int(end) == 0):
+        kv_L = [None] * cfg.n_layers
+    else:
+        kv_L = list(zip(cache["k"], cache["v"]))
+    ropes = _rope_jit(cfg, pos_BxT)
+    rope_L = _rope_layout(cfg)[1]
+    # With several tokens, the last layer carries on only what the logits need.
+    keep_L = ["all"] * cfg.n_layers
+    if tokens_BxT.shape[1] > 1 and logits != "all":
+        keep_L[-1] = logits
     new_L = []
-    for lp, kv, (inv_F, window) in zip(params["layers"], kv_L, _device_layer_tables(cfg)):
-        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, inv_F, window, kv, pos_BxT,
-                                  kpos_BxS, write_at)
+    for lp, kv, r, window, keep in zip(params["layers"], kv_L, rope_L, _device_windows(cfg),
+                                       keep_L):
+        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, ropes[r], window, kv, pos_BxT,
+                                  kpos_BxS, write_at, keep=keep)
         new_L.append(new)
     new_cache = _updated_cache(cache, new_L, write_at, meta,
                                _write_jit_donated if donate else _write_jit)
@@ -536,8 +636,8 @@ def decode_step_donated(params: dict, cfg: ModelConfig, token_B, cache, valid_B=
 def compiled_count() -> int:
     """Executables compiled so far by this module's jitted pieces (retrace checks)."""
     return sum(f._cache_size() for f in (_forward_jit, _forward_jit_donated, _embed_jit,
-                                         _block_jit, _write_jit, _write_jit_donated,
-                                         _logits_jit))
+                                         _rope_jit, _block_jit, _write_jit,
+                                         _write_jit_donated, _logits_jit))
 
 
 __all__ = ["cast_params", "compiled_count", "decode_step", "decode_step_donated", "forward",
