@@ -127,7 +127,6 @@ def bench_model(name):
         _jax_decode(model, lo, c, n)
         return time.perf_counter() - t0
 
-
     if not FLAGS.skip_torch:
         ref, torch = _torch_reference(registry.resolve(name), FLAGS.threads)
         x = torch.tensor([ids])

@@ -186,12 +186,13 @@ def _attention(cfg, q_BxTxHxE, parts):
     # against keys stored transposed, [B, K, E, S] (the cache's layout).
     q_BxKxTGxE = q_BxTxHxE.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(
         B, K, T * G, E)
+
     def matmul(a_BxKxRxI, b_BxKxIxJ):  # -> [B, K, R, J], float32 accumulation
-        # A decoding step's own key and value (J or I = 1) need no matmul call.
-        a, b = a_BxKxRxI.astype(jnp.float32), b_BxKxIxJ.astype(jnp.float32)
-        if b.shape[3] == 1:
-            return jnp.sum(a * b[..., 0][:, :, None], axis=-1, keepdims=True)
-        if b.shape[2] == 1:
+        # A decoding step's own key (J = 1) or value (I = 1) needs no matmul call.
+        if 1 in b_BxKxIxJ.shape[2:]:
+            a, b = a_BxKxRxI.astype(jnp.float32), b_BxKxIxJ.astype(jnp.float32)
+            if b.shape[3] == 1:
+                return jnp.sum(a * b[..., 0][:, :, None], axis=-1, keepdims=True)
             return a * b
         return jnp.einsum("bkri,bkij->bkrj", a_BxKxRxI, b_BxKxIxJ,
                           preferred_element_type=jnp.float32)
@@ -524,8 +525,11 @@ def _rope_jit(cfg, pos_BxT):
 
 
 @functools.lru_cache(maxsize=None)
-def _device_windows(cfg: ModelConfig):
-    return [jnp.asarray(w) for w in _rope_layout(cfg)[2]]
+def _layer_plan(cfg: ModelConfig):
+    """Per layer: its RoPE table's index and its window (a device scalar), built
+    once per config rather than on every decoding step."""
+    _, rope_L, window_L = _rope_layout(cfg)
+    return [(int(r), jnp.asarray(w)) for r, w in zip(rope_L, window_L)]
 
 
 def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate):
@@ -552,14 +556,12 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
     else:
         kv_L = list(zip(cache["k"], cache["v"]))
     ropes = _rope_jit(cfg, pos_BxT)
-    rope_L = _rope_layout(cfg)[1]
     # With several tokens, the last layer carries on only what the logits need.
     keep_L = ["all"] * cfg.n_layers
     if tokens_BxT.shape[1] > 1 and logits != "all":
         keep_L[-1] = logits
     new_L = []
-    for lp, kv, r, window, keep in zip(params["layers"], kv_L, rope_L, _device_windows(cfg),
-                                       keep_L):
+    for lp, kv, (r, window), keep in zip(params["layers"], kv_L, _layer_plan(cfg), keep_L):
         x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, ropes[r], window, kv, pos_BxT,
                                   kpos_BxS, write_at, keep=keep)
         new_L.append(new)
