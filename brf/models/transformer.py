@@ -3,9 +3,9 @@
 One code path serves both families; the differences are fields of ModelConfig
 (activation, embedding scale, per-layer window and RoPE base) and the presence
 of the Gemma-only parameters (q/k norms, post-attention / post-MLP norms).
-Either params layout keeps compile time independent of depth: stacked layers
-run as one `lax.scan`, per-layer params (`unstack_layers`) as one jitted call
-per layer that every layer shares.
+Stacked layers run as one `lax.scan`; per-layer params (`unstack_layers`) run
+a prompt as one jitted call per layer that every layer shares (compile time
+independent of depth) and a decoding step as one call over all layers.
 
 Attention is causal by position. New tokens attend to the cache as it was and
 to each other as two parts of one softmax; with several new tokens the queries
@@ -343,8 +343,8 @@ def unstack_layers(params: dict) -> dict:
     place. With the stacked layout, `lax.scan` slices each layer's weights out
     of the [L, ...] arrays, and on XLA:CPU that slice is a copy feeding the
     matmul: decoding then moves about three times the weight bytes.
-    `prefill` / `decode_step` run the per-layer layout one layer per call
-    (see `_run_layers`); `forward` accepts both layouts.
+    `prefill` / `decode_step` run the per-layer layout (see `_run_layers`);
+    `forward` accepts both layouts.
 
     The projections that read the same input are also concatenated along their
     output axis (``wqkv`` = [wq | wk | wv], ``w_gate_up`` = [w_gate | w_up]):
@@ -615,7 +615,8 @@ def prefill(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT, cache, *,
     """`forward` with a cache: prompt prefill, or catching up on pending tokens.
 
     Stacked params run as one jitted scan; per-layer params (`unstack_layers`,
-    what `brf.checkpoints.registry.load` returns) one jitted call per layer.
+    what `brf.checkpoints.registry.load` returns) one jitted call per layer for
+    several tokens and one call for all layers for a single token.
 
     Args:
         params: params pytree.
