@@ -677,8 +677,7 @@ def decode_step_donated(params: dict, cfg: ModelConfig, token_B, cache, valid_B=
 def compiled_count() -> int:
     """Executables compiled so far by this module's jitted pieces (retrace checks)."""
     return sum(f._cache_size() for f in (_forward_jit, _forward_jit_donated, _compute_jit,
-                                         _embed_jit,
-                                         _rope_jit, _block_jit, _write_jit,
+                                         _embed_jit, _rope_jit, _block_jit, _write_jit,
                                          _write_jit_donated, _logits_jit))
 
 
