@@ -10,6 +10,7 @@ separately.
 
   python experiments/bench_models.py                       # both models
   python experiments/bench_models.py --models=smollm2-135m-instruct --threads=2
+  python experiments/bench_models.py --threads=2 --prefill_parts   # + where prefill time goes
 
 The thread count goes to XLA (intra_op_parallelism_threads) and to torch
 (set_num_threads); it must be set before jax is imported, so it is read from
@@ -56,6 +57,9 @@ flags.DEFINE_integer("repeats", 3, "timed repeats per measurement (median)")
 flags.DEFINE_string("jax_cache", None, "persistent compilation cache dir "
                     "(default $BRF_CACHE/jax_cache)")
 flags.DEFINE_string("ttft_child", None, "internal: run one TTFT measurement for this model")
+flags.DEFINE_bool("prefill_parts", False, "also time the prefill's pieces on both sides: "
+                  "its projection matmuls (same shapes and weights in XLA and torch) and "
+                  "brf's causal attention, interleaved with whole prefills")
 flags.DEFINE_bool("skip_torch", False, "JAX only")
 
 
@@ -110,6 +114,68 @@ def _median_time(fn, repeats):
     return float(np.median(times))
 
 
+def prefill_parts(m, ids, jax_pre, torch_pre, torch):
+    """Where a prefill's time goes, and what that bounds.
+
+    Times, interleaved over --repeats: every layer's projection matmuls for a
+    --prompt_len prompt in XLA (one call per matmul, as the model runs them) and
+    in torch (`F.linear` on copies of the same weights), brf's causal attention
+    over the prompt once per layer, and both whole prefills. Matmuls are most of
+    either side's prefill, so `prefill_bound_vs_torch` (torch's prefill over
+    brf's matmuls plus attention alone, everything else free) is the most any
+    change outside the matmul kernels could reach.
+    """
+    from brf.models import transformer as tr
+    cfg, layers, T = m.cfg, m.params["layers"], len(ids)
+    rng = np.random.RandomState(0)
+    names = sorted(k for k in layers[0] if k.endswith("_t"))  # [out, in] projections
+    xs = {k: rng.standard_normal((1, T, layers[0][k].shape[1])).astype(np.float32)
+          for k in names}
+    jxs = {k: jnp.asarray(v) for k, v in xs.items()}
+    mm = jax.jit(lambda x, w: jnp.einsum("bti,oi->bto", x, w))
+
+    def jax_gemms():
+        return jax.block_until_ready([mm(jxs[k], lp[k]) for lp in layers for k in names])
+
+    F = torch.nn.functional
+    txs = {k: torch.from_numpy(v) for k, v in xs.items()}
+    tws = [{k: torch.from_numpy(np.array(lp[k])) for k in names} for lp in layers]
+
+    def torch_gemms():
+        with torch.no_grad():
+            return [F.linear(txs[k], w[k]) for w in tws for k in names]
+
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q, k, v = (jnp.asarray(rng.standard_normal((1, T, n, E)).astype(np.float32))
+               for n in (H, K, K))
+    causal = jnp.tril(jnp.ones((1, T, T), bool))
+    att = jax.jit(lambda q, k, v: tr._causal_attention(
+        cfg, q, None, (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), causal)))
+
+    def jax_attention():
+        return jax.block_until_ready([att(q, k, v) for _ in layers])
+
+    fns = dict(jax_prefill=jax_pre, torch_prefill=torch_pre, jax_matmuls=jax_gemms,
+               torch_matmuls=torch_gemms, jax_attention=jax_attention)
+    for f in fns.values():
+        f()
+    times = {n: [] for n in fns}
+    for _ in range(FLAGS.repeats):
+        for n, f in fns.items():
+            times[n].append(_median_time(f, 1))
+    s = {n: float(np.median(t)) for n, t in times.items()}
+    gflop = sum(2 * T * int(np.prod(lp[k].shape)) for lp in layers for k in names) / 1e9
+    return {
+        "parts_jax_prefill_s": s["jax_prefill"], "parts_torch_prefill_s": s["torch_prefill"],
+        "parts_jax_matmul_s": s["jax_matmuls"], "parts_torch_matmul_s": s["torch_matmuls"],
+        "parts_jax_attention_s": s["jax_attention"],
+        "matmul_gflop_s_jax": gflop / s["jax_matmuls"],
+        "matmul_gflop_s_torch": gflop / s["torch_matmuls"],
+        "torch_prefill_matmul_share": s["torch_matmuls"] / s["torch_prefill"],
+        "prefill_bound_vs_torch": s["torch_prefill"] / (s["jax_matmuls"] + s["jax_attention"]),
+    }
+
+
 def bench_model(name):
     m = registry.load(name, progress=False)
     ids = _prompt_ids(m, FLAGS.prompt_len)
@@ -154,6 +220,8 @@ def bench_model(name):
         if not FLAGS.skip_torch:
             tp.append(_median_time(torch_pre, 1))
             td.append(torch_dec())
+    if FLAGS.prefill_parts and not FLAGS.skip_torch:
+        row.update(prefill_parts(m, ids, jax_pre, torch_pre, torch))
     row["jax_prefill_tok_s"] = T / float(np.median(jp))
     row["jax_decode_tok_s"] = n / float(np.median(jd))
     # The same weights in the stacked layout (one jitted lax.scan over layers),

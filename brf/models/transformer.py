@@ -184,6 +184,13 @@ def _attention(cfg, q_BxTxHxE, parts):
     G = H // K
     # Queries grouped by kv head, [B, K, T*G, E]: one batched matmul per kv head
     # against keys stored transposed, [B, K, E, S] (the cache's layout).
+    # With several queries the scale goes on them (T*H*E products rather than one
+    # per score) and the output is normalised after the value matmul (E divisions
+    # a query rather than S). A decoding step's attention is a few small ops,
+    # and one more op per layer costs more there than the products it saves.
+    several = T > 1
+    if several:
+        q_BxTxHxE = (q_BxTxHxE.astype(jnp.float32) * cfg.attn_scale).astype(q_BxTxHxE.dtype)
     q_BxKxTGxE = q_BxTxHxE.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(
         B, K, T * G, E)
 
@@ -199,11 +206,13 @@ def _attention(cfg, q_BxTxHxE, parts):
 
     scores = []
     for kT_BxKxExS, _, mask_BxTxS in parts:
-        s_BxKxTGxS = matmul(q_BxKxTGxE, kT_BxKxExS.astype(q_BxTxHxE.dtype)) * cfg.attn_scale
+        s_BxKxTGxS = matmul(q_BxKxTGxE, kT_BxKxExS.astype(q_BxTxHxE.dtype))
+        if not several:
+            s_BxKxTGxS = s_BxKxTGxS * cfg.attn_scale
         s_BxKxTxGxS = _softcap(s_BxKxTGxS, cfg.attn_logit_softcap).reshape(B, K, T, G, -1)
         scores.append(jnp.where(mask_BxTxS[:, None, :, None], s_BxKxTxGxS, _NEG))
     # One softmax over all parts without concatenating them: shared max, summed
-    # denominators, outputs accumulated part by part.
+    # denominators, outputs accumulated part by part (in float32).
     m_BxKxTxGx1 = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True)
                                                   for s in scores])
     exps = [jnp.exp(s - m_BxKxTxGx1) for s in scores]
@@ -211,9 +220,12 @@ def _attention(cfg, q_BxTxHxE, parts):
     o_BxKxTGxE = 0.0
     for (_, v_BxKxSxE, _), e in zip(parts, exps):
         v = v_BxKxSxE.astype(q_BxTxHxE.dtype)
-        p_part = (e / denom_BxKxTxGx1).astype(v.dtype).reshape(B, K, T * G, -1)
-        o_BxKxTGxE = o_BxKxTGxE + matmul(p_part, v).astype(v.dtype)
-    o_BxTxKxGxE = o_BxKxTGxE.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4)
+        p = e if several else e / denom_BxKxTxGx1
+        o_BxKxTGxE = o_BxKxTGxE + matmul(p.astype(v.dtype).reshape(B, K, T * G, -1), v)
+    o_BxKxTxGxE = o_BxKxTGxE.reshape(B, K, T, G, E)
+    if several:
+        o_BxKxTxGxE = o_BxKxTxGxE / denom_BxKxTxGx1
+    o_BxTxKxGxE = o_BxKxTxGxE.astype(q_BxTxHxE.dtype).transpose(0, 2, 1, 3, 4)
     return o_BxTxKxGxE.reshape(B, T, H * E)
 
 
