@@ -1,0 +1,159 @@
+"""Specs written as text: ``name`` or ``name(key=value, ...)``, and lists of them.
+
+Configs and command-line flags name members, fusion methods and phase maps as
+strings, so that flags can set them (ml_collections cannot override a list of
+dicts from the command line):
+
+    --config.members='smollm2-135m-instruct, gemma3-270m(prefix="You are terse.")'
+    --config.methods='linear, loglinear(temperature=0.8)'
+
+Grammar: a spec is a *name* optionally followed by keyword arguments in
+parentheses. The name is any text without top-level parentheses or commas (model
+names such as ``smollm2-135m-instruct`` and file paths are names). Values are
+Python literals (numbers, quoted strings, True/False/None, lists), arithmetic on
+numbers and ``pi``, or a nested spec such as ``phase=tanh(rate=0.5)``, which is
+kept as its source text. A list of specs is separated by top-level commas.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+from typing import Any, Iterable, Mapping
+
+
+class SpecError(ValueError):
+    """A spec string that does not parse (the message quotes it)."""
+
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.Pow: operator.pow}
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def split_list(text: str) -> list[str]:
+    """Splits ``text`` at commas outside brackets and quotes; drops empty items.
+
+    Raises:
+        SpecError: unbalanced brackets or an unterminated quote.
+    """
+    items, depth, quote, start = [], [], None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == "\\":
+                continue
+            if ch == quote and text[i - 1] != "\\":
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in _OPEN:
+            depth.append(_CLOSE[_OPEN.index(ch)])
+        elif ch in _CLOSE:
+            if not depth or depth.pop() != ch:
+                raise SpecError(f"unbalanced {ch!r} at character {i} of {text!r}")
+        elif ch == "," and not depth:
+            items.append(text[start:i])
+            start = i + 1
+    if quote:
+        raise SpecError(f"unterminated quote in {text!r}")
+    if depth:
+        raise SpecError(f"missing {''.join(reversed(depth))!r} in {text!r}")
+    items.append(text[start:])
+    return [s.strip() for s in items if s.strip()]
+
+
+def _value(node: ast.AST, source: str) -> Any:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str, bool)):
+        return node.value
+    if isinstance(node, ast.Constant) and node.value is None:
+        return None
+    if isinstance(node, ast.Name) and node.id == "pi":
+        return math.pi
+    if isinstance(node, ast.Name) and node.id in ("true", "false"):
+        return node.id == "true"
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _value(node.operand, source)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        a, b = _value(node.left, source), _value(node.right, source)
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+            return _BINOPS[type(node.op)](a, b)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_value(e, source) for e in node.elts]
+    if isinstance(node, (ast.Call, ast.Name)):  # a nested spec: keep its text
+        return ast.get_source_segment(source, node)
+    raise SpecError(f"cannot read the value {ast.get_source_segment(source, node)!r}: use "
+                    f"numbers, quoted strings, True/False/None, lists, arithmetic with pi, "
+                    f"or a nested spec like tanh(rate=0.5)")
+
+
+def parse_spec(text: str, what: str = "spec") -> tuple[str, dict[str, Any]]:
+    """``"name(k=v, ...)"`` -> ``("name", {"k": v, ...})``.
+
+    Args:
+        text: the spec.
+        what: what the spec names, for error messages ("member", "method").
+
+    Raises:
+        SpecError: an empty name, positional arguments, duplicate keys, a value
+            that is not a literal, or unbalanced brackets (the message quotes the spec).
+    """
+    if not isinstance(text, str):
+        raise SpecError(f"a {what} spec must be a string; got {text!r}")
+    text = text.strip()
+    split_list(text)  # bracket and quote balance, with a clear message
+    i = text.find("(")
+    if i < 0:
+        if not text:
+            raise SpecError(f"empty {what} spec")
+        return text, {}
+    name, args = text[:i].strip(), text[i + 1:]
+    if not name:
+        raise SpecError(f"{what} spec {text!r} has no name before '('")
+    if not args.endswith(")"):
+        raise SpecError(f"{what} spec {text!r} must end with ')'")
+    source = f"f({args}"
+    try:
+        call = ast.parse(source, mode="eval").body
+    except SyntaxError:
+        raise SpecError(f"cannot parse {what} spec {text!r}; write e.g. "
+                        f"name(key=1.5, other=\"text\")") from None
+    if not isinstance(call, ast.Call) or call.args:
+        raise SpecError(f"{what} spec {text!r}: give keyword arguments only (key=value)")
+    params = {}
+    for kw in call.keywords:
+        if kw.arg is None:
+            raise SpecError(f"{what} spec {text!r}: '**' is not allowed")
+        params[kw.arg] = _value(kw.value, source)
+    return name, params
+
+
+def parse_list(value: str | Iterable[Any], what: str = "spec") -> list[tuple[str, dict]]:
+    """A list of specs from a comma-separated string or a sequence.
+
+    Sequence items may be spec strings or mappings with a ``name`` key (the
+    rest are parameters).
+
+    Raises:
+        SpecError: an item that does not parse.
+    """
+    items = split_list(value) if isinstance(value, str) else list(value)
+    out = []
+    for item in items:
+        if isinstance(item, Mapping):
+            item = dict(item)
+            if "name" not in item:
+                raise SpecError(f"a {what} given as a mapping needs a 'name' key; got {item}")
+            out.append((str(item.pop("name")), item))
+        else:
+            out.append(parse_spec(item, what))
+    return out
+
+
+def format_spec(name: str, params: Mapping[str, Any] | None = None) -> str:
+    """The inverse of :func:`parse_spec` for literal values."""
+    if not params:
+        return name
+    return f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in params.items()) + ")"

@@ -1,0 +1,45 @@
+"""brf.specs: the text grammar that configs and flags use to name things."""
+
+import math
+
+import pytest
+
+from brf.specs import SpecError, format_spec, parse_list, parse_spec, split_list
+
+
+def test_names_with_dashes_paths_and_no_arguments():
+    assert parse_spec("smollm2-135m-instruct") == ("smollm2-135m-instruct", {})
+    assert parse_spec(" /tmp/m odel.gguf ") == ("/tmp/m odel.gguf", {})
+    assert parse_spec("linear()") == ("linear", {})
+
+
+def test_literal_values_arithmetic_and_nested_specs():
+    name, p = parse_spec('born(phase=tanh(rate=0.5, offset=[0, pi/2]), z_min=1e-3, '
+                         'flag=True, label="a, b (c)", w=[0.25, -0.5], none=None)')
+    assert name == "born"
+    assert p["phase"] == "tanh(rate=0.5, offset=[0, pi/2])"
+    assert p["z_min"] == 1e-3 and p["flag"] is True and p["none"] is None
+    assert p["label"] == "a, b (c)" and p["w"] == [0.25, -0.5]
+    assert parse_spec("x(a=2*pi)")[1]["a"] == pytest.approx(2 * math.pi)
+
+
+def test_lists_split_at_top_level_commas_only():
+    text = 'smollm2-135m-instruct(prefix="Hi, there (friend)"), gemma3-270m, loglinear(w=[1, 2])'
+    assert split_list(text) == ['smollm2-135m-instruct(prefix="Hi, there (friend)")',
+                                "gemma3-270m", "loglinear(w=[1, 2])"]
+    out = parse_list(text, "member")
+    assert out[0] == ("smollm2-135m-instruct", {"prefix": "Hi, there (friend)"})
+    assert out[2] == ("loglinear", {"w": [1, 2]})
+    assert parse_list(["a", {"name": "b", "k": 1}]) == [("a", {}), ("b", {"k": 1})]
+
+
+@pytest.mark.parametrize("bad", ["", "(x=1)", "f(1)", "f(x=1", "f(x=a.b)", "f(x={1: 2})",
+                                 "f(x='unterminated)", "f(x=1))", "f(x=[1)", "f(**d)"])
+def test_bad_specs_raise_one_clear_error(bad):
+    with pytest.raises(SpecError):
+        parse_spec(bad, "method")
+
+
+def test_format_round_trips():
+    spec = format_spec("loglinear", {"temperature": 0.8, "label": "x"})
+    assert parse_spec(spec) == ("loglinear", {"temperature": 0.8, "label": "x"})
