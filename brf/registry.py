@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
 
+from brf.errors import UserError
+
 T = TypeVar("T")
 
 
-class UnknownNameError(KeyError, ValueError):
+class UnknownNameError(UserError, KeyError):
     """A name that no registry entry answers to (lists the known names)."""
 
     def __str__(self) -> str:  # KeyError quotes its message; we do not want that.

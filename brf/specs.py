@@ -22,8 +22,10 @@ import math
 import operator
 from typing import Any, Iterable, Mapping
 
+from brf.errors import UserError
 
-class SpecError(ValueError):
+
+class SpecError(UserError):
     """A spec string that does not parse (the message quotes it)."""
 
 

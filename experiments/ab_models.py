@@ -20,11 +20,12 @@ import subprocess
 import tempfile
 import time
 
-from absl import app, flags, logging
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brf import cli
 from brf.checkpoints import registry
 from brf.models import init_cache
 from brf.models import transformer as work_tr
@@ -56,7 +57,6 @@ def load_at(ref: str):
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
     mods = {"ref": load_at(FLAGS.ref), "work": work_tr}
     m = registry.load(FLAGS.model, progress=False)
     T, n = FLAGS.prompt_len, FLAGS.new_tokens
@@ -97,4 +97,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

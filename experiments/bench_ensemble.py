@@ -9,9 +9,10 @@ Prints a markdown table (see brf/ensemble/bench.py for what each row means).
 
 import platform
 
-from absl import app, flags
+from absl import flags
 import jax
 
+from brf import cli
 from brf.ensemble.bench import bench
 from brf.ensemble.run import auto_aligner, load_members
 
@@ -43,4 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -13,11 +13,12 @@ import functools
 import os
 import platform
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brf import cli
 import brf
 from brf.benchmark import markdown_table, memory_bandwidth, time_call
 
@@ -102,4 +103,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -37,11 +37,12 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_cpu_multi_thread_eigen=true "
                            f"intra_op_parallelism_threads={THREADS}")
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from brf import cli  # noqa: E402
 from brf.benchmark import memory_bandwidth, markdown_table  # noqa: E402
 from brf.checkpoints import registry  # noqa: E402
 from brf.models import decode_step_donated, init_cache, prefill_donated  # noqa: E402
@@ -262,7 +263,6 @@ def bench_model(name):
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
     if FLAGS.ttft_child:
         return ttft_child(FLAGS.ttft_child)
     cache = enable_compilation_cache(FLAGS.jax_cache)
@@ -276,4 +276,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -10,9 +10,10 @@ file or a Hugging Face directory. Without --out the checkpoint goes to the cache
 
 import time
 
-from absl import app, flags, logging
+from absl import flags
 import jax
 
+from brf import cli
 from brf.checkpoints import registry, store
 
 FLAGS = flags.FLAGS
@@ -24,7 +25,6 @@ flags.DEFINE_string("prompt", "The capital of France is", "tokenized as a smoke 
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
     out = FLAGS.out or registry.cache_path(FLAGS.source)
     t0 = time.perf_counter()
     registry.convert(FLAGS.source, out, overwrite=FLAGS.overwrite)
@@ -42,4 +42,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

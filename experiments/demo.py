@@ -3,9 +3,9 @@
   python experiments/demo.py --config=configs/demo.py
 """
 
-from absl import app
 from ml_collections import config_flags
 
+from brf import cli
 from brf.eval.tables import cross_terms_table, fusion_table
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py")
@@ -22,4 +22,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -9,9 +9,9 @@ See configs/generate.py for every field.
 
 import json
 
-from absl import app
 from ml_collections import config_flags
 
+from brf import cli
 from brf.ensemble.run import print_stream, read_prompts, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py")
@@ -33,4 +33,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

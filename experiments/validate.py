@@ -6,13 +6,10 @@ Writes report.json, report.md and PNG plots to --config.out_dir, reusing the
 member scores stored there by an earlier (possibly interrupted) run.
 """
 
-import sys
-
-from absl import app, logging
 from ml_collections import config_flags
 
-from brf.eval.pipeline import ValidationError, run
-from brf.eval.corpus import CorpusError
+from brf import cli
+from brf.eval.pipeline import run
 from brf.runtime import enable_compilation_cache
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")
@@ -20,18 +17,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     cfg = _CONFIG.value
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache_dir or None)
-    try:
-        rep = run(cfg)
-    except (ValidationError, CorpusError) as e:
-        sys.exit(f"validate: {e}")
+    rep = run(cfg)
     print(f"\nReport: {cfg.out_dir}/report.md ({rep['seconds']:.0f} s)\n")
     for k, v in rep["verdict"].items():
         print(f"- {k}: {v}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

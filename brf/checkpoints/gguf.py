@@ -37,6 +37,7 @@ import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
+from brf.errors import UserError
 from brf.models.config import ModelConfig
 from brf.models.transformer import param_shapes
 
@@ -51,7 +52,7 @@ SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_
 ARCHS = ("llama", "gemma3")
 
 
-class GGUFError(ValueError):
+class GGUFError(UserError):
     """A GGUF file that is unreadable or holds something this reader does not support."""
 
 

@@ -16,10 +16,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from brf.errors import UserError
 from brf.models.config import ModelConfig
 
 
-class EnsembleInputError(ValueError):
+class EnsembleInputError(UserError):
     """Bad ensemble input (members, weights, prompts, method); raised before decoding."""
 
 

@@ -22,6 +22,8 @@ import os
 import pathlib
 import re
 
+from brf.errors import UserError
+
 # ~10K tokens at roughly 4 characters per token (English BPE vocabularies).
 MIN_CHARS = 40_000
 
@@ -30,7 +32,7 @@ DEFAULT_PACKAGE_VERSION = "3.0.0"
 DEFAULT_PLAYS = ("tragedies/hamlet",)
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """A corpus is missing, unreadable, not UTF-8, or too short."""
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
+from brf.errors import UserError
 
 from brf.eval import corpus as corpus_lib
 from brf.eval import hypotheses, report as report_lib, stats
@@ -33,7 +34,7 @@ from brf.eval.scoring import score_segments
 from brf.fusion import PHASE_MAPS, get_method, phase_map
 
 
-class ValidationError(ValueError):
+class ValidationError(UserError):
     """A bad validation config or corpus, reported before any model runs."""
 
 

@@ -12,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brf.errors import UserError
+
 WEIGHT_SUM_ATOL = 1e-5
 
 
-class FusionInputError(ValueError):
+class FusionInputError(UserError):
     """Bad input to a fusion kernel: shapes, values or parameters."""
 
 

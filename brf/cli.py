@@ -1,0 +1,71 @@
+"""What every experiment main shares: user errors as one line, quiet libraries.
+
+Usage, at the bottom of a main::
+
+    if __name__ == "__main__":
+        cli.run(main)
+
+``run`` is ``absl.app.run`` with three additions:
+
+- a :class:`brf.errors.UserError` raised anywhere under ``main`` (an unknown
+  model, method or phase map, a bad file, a bad value) ends the program with one
+  line ``<program>: error: <message>`` on stderr and exit status 2, no
+  traceback. Any other exception is a bug and keeps its traceback;
+- absl and orbax INFO logging is turned off (set ``BRF_VERBOSE=1`` to keep it);
+- a bad ``--config`` override or flag value (absl's flag parser refuses it)
+  also ends in one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from absl import app, flags, logging
+
+from brf.errors import UserError
+
+
+def quiet() -> None:
+    """Turns absl (and orbax, which logs through absl) INFO chatter off."""
+    if not os.environ.get("BRF_VERBOSE"):
+        logging.set_verbosity(logging.WARNING)
+        import logging as pylogging
+
+        for name in ("absl", "orbax", "jax._src.xla_bridge"):
+            pylogging.getLogger(name).setLevel(pylogging.WARNING)
+
+
+def fail(message: str, prog: str | None = None) -> None:
+    """Prints one error line naming the program and exits with status 2."""
+    prog = prog or os.path.basename(sys.argv[0] or "brf")
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except UserError as e:  # a config file's get_config refusing its argument
+        fail(str(e))
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        # ml_collections' config overrides: an unknown field or a value of the
+        # wrong type, raised while absl parses --config.<field>=<value>.
+        args = " ".join(a for a in argv[1:] if a.startswith("--config"))
+        fail(f"bad --config override ({args}): {type(e).__name__}: {e}")
+
+
+def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> None:
+    """``absl.app.run(main)`` with user errors as one line (exit 2) and quiet logs."""
+
+    def wrapped(args):
+        quiet()
+        try:
+            return main(args)
+        except UserError as e:
+            fail(str(e))
+
+    app.run(wrapped, argv=argv, flags_parser=_parse_flags)
