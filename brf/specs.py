@@ -159,3 +159,26 @@ def format_spec(name: str, params: Mapping[str, Any] | None = None) -> str:
     if not params:
         return name
     return f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in params.items()) + ")"
+
+
+def parse_call(text: str, what: str = "value") -> tuple[str, list[Any], dict[str, Any]]:
+    """``"f(1, 'a', k=2)"`` -> ``("f", [1, "a"], {"k": 2})``, values read as in :func:`parse_spec`.
+
+    Configs use calls as markers inside a spec's values, e.g. ``temperature=fit(1.0)``
+    or ``criterion=grid("max_prob", "gap")`` in a validation method spec.
+
+    Raises:
+        SpecError: not a call of a plain name, or a value that is not a literal.
+    """
+    source = str(text).strip()
+    try:
+        call = ast.parse(source, mode="eval").body
+    except SyntaxError:
+        call = None
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+        raise SpecError(f"cannot read {what} {source!r}; write e.g. name(1.0, key=2)")
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(
+            kw.arg is None for kw in call.keywords):
+        raise SpecError(f"{what} {source!r}: '*' and '**' are not allowed")
+    return (call.func.id, [_value(a, source) for a in call.args],
+            {kw.arg: _value(kw.value, source) for kw in call.keywords})

@@ -10,6 +10,11 @@ Overrides, JSONL output, prompts from a file:
   python experiments/generate.py --config=configs/generate.py \
       --config.method=linear --config.sampler=greedy --config.max_new_tokens=32 \
       --config.prompts_file=prompts.txt --config.output=/tmp/gen.jsonl
+Members, method and weighting from flags (spec strings; PackLLM weights per prompt):
+  python experiments/generate.py --config=configs/generate.py \
+      --config.members='smollm2-135m-instruct(chat=True), gemma3-270m' \
+      --config.method='loglinear(temperature=0.8)' --config.phase='' \
+      --config.weighting='perplexity(temperature=1.0)'
 Top-k union vocabulary instead of the full union:
   python experiments/generate.py --config=configs/generate.py \
       --config.aligner=topk_union --config.aligner_params.k=16
@@ -21,6 +26,14 @@ SmolLM2 tokenizer, 8 tokens).
 
 import ml_collections
 
+from brf.errors import UserError
+from brf.specs import format_spec
+
+
+class ConfigArgError(UserError):
+    """An unknown config argument (configs/generate.py:<arg>)."""
+
+
 DEFAULT_PAIR = ("smollm2-135m-instruct", "gemma3-270m")
 # The Gemma 3 GGUF carries no chat template; this is Gemma's turn format.
 GEMMA_TURN = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"
@@ -30,25 +43,33 @@ def get_config(arg=None):
     flags = {a.strip() for a in (arg or "").split(",") if a.strip()}
     unknown = flags - {"prompts", "me", "tiny"}
     if unknown:
-        raise ValueError(f"unknown config argument(s) {sorted(unknown)}; "
+        raise ConfigArgError(f"unknown config argument(s) {sorted(unknown)}; "
                          "use prompts, me, tiny")
     c = ml_collections.ConfigDict()
+    # Members are one spec string (brf.specs), so a flag can set them:
+    #   --config.members='smollm2-135m-instruct(chat=True), gemma3-270m(template="...")'
+    # Keys: weight, prefix (system prompt), chat, template, name.
     if "prompts" in flags:
-        c.members = [
-            dict(model=DEFAULT_PAIR[0], chat=True, weight=0.5,
-                 prefix="You are a concise assistant. Answer in one sentence."),
-            dict(model=DEFAULT_PAIR[0], chat=True, weight=0.5,
-                 prefix="You are a poet. Answer with vivid imagery."),
-        ]
+        c.members = ", ".join([
+            format_spec(DEFAULT_PAIR[0], dict(
+                chat=True, weight=0.5,
+                prefix="You are a concise assistant. Answer in one sentence.")),
+            format_spec(DEFAULT_PAIR[0], dict(
+                chat=True, weight=0.5, prefix="You are a poet. Answer with vivid imagery.")),
+        ])
     else:
-        c.members = [dict(model=DEFAULT_PAIR[0], chat=True, weight=0.5),
-                     dict(model=DEFAULT_PAIR[1], template=GEMMA_TURN, weight=0.5)]
+        c.members = ", ".join([
+            format_spec(DEFAULT_PAIR[0], dict(chat=True, weight=0.5)),
+            format_spec(DEFAULT_PAIR[1], dict(template=GEMMA_TURN, weight=0.5))])
     c.aligner = "auto"            # identity when the vocabularies agree, else union
     c.aligner_params = {"k": 16}  # passed to aligners that declare them (topk_union: k)
     c.mode = "mixture_exact" if "me" in flags else "fuse"
-    c.method = "born"             # brf.fusion.METHODS (mode 'fuse' only)
-    c.phase = "tanh(rate=0.5, offset=[0, 0.5])"  # brf.fusion.PHASE_MAPS; '' = method default
+    c.method = "born"             # a brf.fusion.METHODS spec, e.g. loglinear(temperature=0.8)
+    c.phase = "tanh(rate=0.5, offset=[0, 0.5])"  # for methods with a phase map (born); '' = default
     c.method_params = {}
+    # '' = the members' weights; 'perplexity(temperature=1.0)' = PackLLM weights
+    # per prompt from each member's perplexity on it (brf/ensemble/packllm.py).
+    c.weighting = ""
     c.sampler = "" if "me" in flags else "temperature=0.7,top_p=0.9"
     c.choice = "per_sequence"     # mixture modes: per_sequence | shared
     c.max_new_tokens = 48
@@ -61,8 +82,9 @@ def get_config(arg=None):
     c.output = ""                 # '' prints; a path writes JSONL
     c.stream = True
     if "tiny" in flags:
-        c.members = [dict(model=f"random:{DEFAULT_PAIR[0]}:{i}", chat=True, weight=0.5,
-                          prefix=p) for i, p in enumerate(("Be brief.", "Be poetic."))]
+        c.members = ", ".join(
+            format_spec(f"random:{DEFAULT_PAIR[0]}:{i}", dict(chat=True, weight=0.5, prefix=p))
+            for i, p in enumerate(("Be brief.", "Be poetic.")))
         c.max_new_tokens = 8
         c.stream = False
     return c

@@ -5,7 +5,9 @@ Run (the README's main job):
 Variants:
   python experiments/validate.py --config=configs/validate.py:short     # CI slice
   python experiments/validate.py --config=configs/validate.py --config.corpus=my.txt
-  python experiments/validate.py --config=configs/validate.py --config.members='("smollm2-135m-instruct", "gemma3-270m")'
+  python experiments/validate.py --config=configs/validate.py --config.members=smollm2-135m-instruct,gemma3-270m
+  python experiments/validate.py --config=configs/validate.py \
+      --config.methods='linear, loglinear(temperature=fit(1.0))' --config.phase_maps='constant, tanh(rate=0.5)'
 
 `arg`: None (full run), "short" (a short corpus slice, fewer resamples).
 """
@@ -14,12 +16,21 @@ import math
 
 import ml_collections
 
+from brf.errors import UserError
+
+
+class ConfigArgError(UserError):
+    """An unknown config argument (configs/validate.py:<arg>)."""
+
+
 PI = math.pi
 
 
 def get_config(arg=None):
     c = ml_collections.ConfigDict()
-    c.members = ("smollm2-135m-instruct", "gemma3-270m")
+    # Members, methods and phase maps are spec strings (brf/eval/config_specs.py),
+    # so flags can set them: --config.members=smollm2-135m-instruct,gemma3-270m
+    c.members = "smollm2-135m-instruct, gemma3-270m"
     c.corpus = ""                      # a UTF-8 text file; "" = the default corpus
     c.default_plays = ("tragedies/hamlet",)
     c.min_chars = 2000
@@ -38,39 +49,39 @@ def get_config(arg=None):
     c.fit_batch = 2048                 # positions per Adam step (0 = all)
     c.n_perm = 2000
     c.n_boot = 2000
-    # Baselines; member weights are always fitted unless fit_weights=False.
-    c.methods = [
-        dict(label="linear (tuned)", method="linear"),
-        dict(label="loglinear (tuned)", method="loglinear", fit=dict(temperature=1.0)),
+    # Baselines (brf.fusion.METHODS): a value is fixed, fit(x) is fitted from x,
+    # grid(a, b, ...) is searched; member weights are fitted unless fit_weights=False.
+    c.methods = ", ".join([
+        'linear(label="linear (tuned)")',
+        'loglinear(label="loglinear (tuned)", temperature=fit(1.0))',
         # Context for the tuned temperature: how much of its gain is calibration.
-        dict(label="loglinear (T=1)", method="loglinear", fixed=dict(temperature=1.0)),
-        dict(label="power mean (tuned)", method="power", fit=dict(alpha=0.5)),
-        dict(label="max pool", method="max"),
-        dict(label="min pool", method="min"),
-        dict(label="routing", method="routing", fit_weights=False,
-             grid=dict(criterion=["max_prob", "neg_entropy", "gap"])),
-        dict(label="entropy-gated", method="entropy_gated",
-             grid=dict(threshold=[0.5, 1.0, 1.5, 2.0, 3.0], primary=[0, 1])),
-        dict(label="contrastive", method="contrastive", fit_weights=False,
-             grid=dict(beta=[0.1, 0.3, 0.5, 1.0], plausibility=[0.0, 1e-3, 1e-2])),
-    ]
+        'loglinear(label="loglinear (T=1)", temperature=1.0)',
+        'power(label="power mean (tuned)", alpha=fit(0.5))',
+        'max(label="max pool")',
+        'min(label="min pool")',
+        'routing(label="routing", fit_weights=False, '
+        'criterion=grid("max_prob", "neg_entropy", "gap"))',
+        'entropy_gated(label="entropy-gated", threshold=grid(0.5, 1.0, 1.5, 2.0, 3.0), '
+        'primary=grid(0, 1))',
+        'contrastive(label="contrastive", fit_weights=False, beta=grid(0.1, 0.3, 0.5, 1.0), '
+        'plausibility=grid(0.0, 1e-3, 1e-2))',
+    ])
     c.nll_baselines = ("linear", "loglinear")
     # BRF: one fitted setting per phase map (weights and map parameters tuned,
     # per-member offsets included), plus the two reference points kept fixed.
-    c.phase_maps = {
-        "hellinger (equal phases)": "constant",
-        "linear pool (pi/2)": f"constant(offset=[0, {PI / 2}])",
-        "constant (fitted offset)": "constant",
-        "linear": "linear(scale=0.2)",
-        "tanh": "tanh(scale=1.5, rate=0.5)",
-        "sigmoid": "sigmoid(scale=1.5, rate=1.0, center=2.0)",
-        "arctan": "arctan(scale=1.5, rate=0.5)",
-        "log1p": "log1p(scale=0.5, rate=1.0)",
-        "token_linear": "token_linear(scale=0.2)",
-        "token_tanh": "token_tanh(scale=1.5, rate=0.5)",
-        "token_log1p": "token_log1p(scale=0.5, rate=1.0)",
-    }
-    c.fixed_phase_maps = ("hellinger (equal phases)", "linear pool (pi/2)")
+    c.phase_maps = ", ".join([
+        'constant(label="hellinger (equal phases)", fixed=True)',
+        'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True)',
+        'constant(label="constant (fitted offset)")',
+        "linear(scale=0.2)",
+        "tanh(scale=1.5, rate=0.5)",
+        "sigmoid(scale=1.5, rate=1.0, center=2.0)",
+        "arctan(scale=1.5, rate=0.5)",
+        "log1p(scale=0.5, rate=1.0)",
+        "token_linear(scale=0.2)",
+        "token_tanh(scale=1.5, rate=0.5)",
+        "token_log1p(scale=0.5, rate=1.0)",
+    ])
     # Sweep curves (uniform weights): the phase-difference family and the
     # scale of each curve.
     c.sweep = [
@@ -89,5 +100,5 @@ def get_config(arg=None):
         c.fit_steps = 60
         c.out_dir = "runs/validate-short"
     elif arg not in (None, ""):
-        raise ValueError(f"unknown config arg {arg!r}; use '' or 'short'")
+        raise ConfigArgError(f"unknown config arg {arg!r}; use '' or 'short'")
     return c

@@ -5,7 +5,9 @@ import pathlib
 
 import pytest
 
+from brf.eval.config_specs import method_entries, phase_map_entries
 from brf.fusion import get_method, phase_map
+from brf.specs import parse_spec
 
 CONFIGS = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").glob("*.py"))
 
@@ -23,12 +25,15 @@ def test_config_loads_and_names_registered_things(path):
     doc = mod.__doc__ or ""
     assert f"--config=configs/{path.name}" in doc, "the docstring shows the run command"
     cfg = mod.get_config()
-    for key in ("rows", "methods"):
-        for spec in cfg.get(key, []):
-            get_method(spec["method"])
-            if "phase" in spec:
-                phase_map(spec["phase"])
-    for spec in dict(cfg.get("phase_maps", {})).values():
+    for spec in list(cfg.get("rows", [])) + method_entries(cfg.get("methods", [])):
+        get_method(spec["method"])
+        if "phase" in spec:
+            phase_map(spec["phase"])
+    if "method" in cfg:  # a single method spec (generate.py)
+        get_method(parse_spec(cfg.method, "method")[0])
+    if cfg.get("phase"):
+        phase_map(cfg.phase)
+    for spec, _ in phase_map_entries(cfg.get("phase_maps", "")).values():
         phase_map(spec)
 
 

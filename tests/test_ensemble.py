@@ -510,3 +510,78 @@ def test_default_pair_real_models_first_steps_exact_and_round_trip():
         close_logp(s["logq"], fused, atol=2e-3)
         assert s["event"] == int(np.argmax(s["logq"]))
     del n0
+
+
+# ------------------------------------------------------------------ PackLLM weights
+
+def test_perplexity_weights_match_a_float64_reference(pair):
+    """prompt_nll = mean -log p of the prompt's own tokens after the member's prefix, from
+    one cache-free forward pass in float64 NumPy; weights = softmax(-nll / T)."""
+    from brf.ensemble.packllm import perplexity_weight_table
+    members = [pair[0], pair[1], dataclasses.replace(pair[0], prefix="a hat.\n")]
+    prompts = ["the cat sat on the mat", "in a hat", "x"]
+    w, nll = perplexity_weight_table(members, prompts, temperature=0.7)
+    want = np.zeros_like(nll)
+    for i, m in enumerate(members):
+        for b, p in enumerate(prompts):
+            full = m.tokenizer(m.prefix + p)["input_ids"]
+            n_ctx = len(m.tokenizer(m.prefix)["input_ids"])
+            assert full[:n_ctx] == m.tokenizer(m.prefix)["input_ids"]  # a clean split here
+            logits, _ = forward(m.params, m.cfg, jnp.asarray([full], jnp.int32))
+            x = np.asarray(logits[0], np.float64)
+            logp = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+                - x.max(-1, keepdims=True)
+            tgt = np.asarray(full[n_ctx:])
+            want[b, i] = -logp[np.arange(n_ctx - 1, len(full) - 1), tgt].mean()
+    np.testing.assert_allclose(nll, want, rtol=1e-4, atol=1e-4)
+    z = -want / 0.7
+    ref_w = np.exp(z - z.max(1, keepdims=True))
+    np.testing.assert_allclose(w, ref_w / ref_w.sum(1, keepdims=True), atol=1e-5)
+    assert np.allclose(w.sum(1), 1.0, atol=1e-12)
+    # The two members conditioned differently give different weights.
+    assert not np.allclose(nll[:, 0], nll[:, 2])
+    with pytest.raises(EnsembleInputError, match="temperature"):
+        perplexity_weight_table(members, prompts, temperature=0.0)
+
+
+def test_config_strings_for_members_method_and_weighting():
+    from brf.ensemble.run import member_specs, method_spec, weighting_spec
+    specs = member_specs('smollm2-135m-instruct(chat=True, weight=0.25, prefix="Be, brief."), '
+                         'gemma3-270m(weight=0.75)')
+    assert specs == [dict(model="smollm2-135m-instruct", chat=True, weight=0.25,
+                          prefix="Be, brief."), dict(model="gemma3-270m", weight=0.75)]
+    assert member_specs([dict(model="a")]) == [dict(model="a")]
+    assert method_spec("loglinear(temperature=0.8)", {}, "tanh") == (
+        "loglinear", {"temperature": 0.8})  # phase only for methods that take one
+    assert method_spec("born", {}, "tanh(rate=1)") == ("born", {"phase": "tanh(rate=1)"})
+    with pytest.raises(EnsembleInputError, match="twice"):
+        method_spec("loglinear(temperature=0.8)", {"temperature": 1.0})
+    assert weighting_spec("") is None and weighting_spec("perplexity") == 1.0
+    assert weighting_spec("perplexity(temperature=0.5)") == 0.5
+    for bad in ("perplex", "perplexity(temperature=0)", "perplexity(tau=1)"):
+        with pytest.raises(EnsembleInputError):
+            weighting_spec(bad)
+
+
+def test_run_with_perplexity_weighting_gives_each_prompt_its_weights(pair, monkeypatch):
+    """run() with weighting=perplexity generates each prompt with its own PackLLM weights:
+    the same text as generate() called with those weights explicitly."""
+    import ml_collections
+    from brf.ensemble import run as run_lib
+    from brf.ensemble.packllm import perplexity_weight_table
+    monkeypatch.setattr(run_lib, "load_members", lambda specs, dtype=None: list(pair))
+    c = ml_collections.ConfigDict(dict(
+        members="a, b", aligner="auto", aligner_params={}, mode="fuse",
+        method="loglinear(temperature=0.9)", phase="", method_params={},
+        weighting="perplexity(temperature=0.5)", sampler="temperature=0.8", choice="per_sequence",
+        max_new_tokens=5, stop=(), seed=3, dtype="float32", prompts=PROMPTS, prompts_file=""))
+    rows = run_lib.run(c)
+    w, nll = perplexity_weight_table(pair, PROMPTS, 0.5)
+    for b, row in enumerate(rows):
+        np.testing.assert_allclose(row["weights"], w[b])
+        np.testing.assert_allclose(row["prompt_nll"], nll[b], atol=1e-4)
+        g = generate(pair, [PROMPTS[b]], weights=w[b], method="loglinear",
+                     method_params={"temperature": 0.9}, sampler="temperature=0.8",
+                     max_new_tokens=5, seed=3)[0]
+        assert row["text"] == g.text
+    assert not np.allclose(w[0], w[1])  # the prompts really got different weights

@@ -10,7 +10,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from brf.errors import UserError
 from brf.eval import pipeline
+from brf.eval.config_specs import method_entry, phase_map_entries
+from brf.specs import split_list
 from brf.eval.corpus import CorpusError, load_default_corpus
 from brf.models import ModelConfig, init_params
 
@@ -63,7 +66,7 @@ def _cfg(tmp_path, text, **over):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text, encoding="utf-8")
     c = validate_config.get_config("short")
-    c.members = ("tiny-a", "tiny-b")
+    c.members = "tiny-a, tiny-b"
     c.corpus = str(corpus)
     c.segment_chars = 800
     c.top_k = 16
@@ -74,10 +77,10 @@ def _cfg(tmp_path, text, **over):
     c.out_dir = str(tmp_path / "run")
     # A representative subset keeps the test fast; the full set runs in the
     # real-model run.
-    c.methods = [m for m in c.methods if m["label"] in (
-        "linear (tuned)", "loglinear (tuned)", "entropy-gated", "contrastive")]
-    c.phase_maps = {k: v for k, v in c.phase_maps.items() if k in (
-        "hellinger (equal phases)", "linear pool (pi/2)", "tanh", "token_tanh")}
+    c.methods = ", ".join(s for s in split_list(c.methods) if method_entry(s)["label"] in (
+        "linear (tuned)", "loglinear (tuned)", "entropy-gated", "contrastive"))
+    c.phase_maps = ", ".join(s for s in split_list(c.phase_maps) if phase_map_entries(s).popitem()[0] in (
+        "hellinger (equal phases)", "linear pool (pi/2)", "tanh", "token_tanh"))
     c.sweep = c.sweep[:2]
     for k, v in over.items():
         setattr(c, k, v)
@@ -94,7 +97,7 @@ def test_pipeline_end_to_end(tmp_path, text, members):
     data = json.load(open(os.path.join(out, "report.json")))
     assert data["schema"] == "brf.validate/1"
     labels = {m["label"] for m in data["methods"]}
-    assert len(labels) == len(cfg.methods) + 2 + len(cfg.phase_maps)
+    assert len(labels) == len(split_list(cfg.methods)) + 2 + len(split_list(cfg.phase_maps))
     assert {"linear (tuned)", "loglinear (tuned)", "member 0 alone", "member 1 alone",
             "born linear pool (pi/2)", "born tanh", "born token_tanh"} <= labels
     cov = data["coverage"]
@@ -129,7 +132,7 @@ def _table(cfg, members):
     text = open(cfg.corpus, encoding="utf-8").read()
     segs = pipeline.split_segments(text, cfg.segment_chars)
     scores, tbs = [], []
-    for name in cfg.members:
+    for name in split_list(cfg.members):
         m = members[name]
         ids = [pipeline._encode(m.tokenizer, m.cfg, s) for s in segs]
         import hashlib
@@ -152,14 +155,19 @@ def _forbid_scoring(members):
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(methods=[dict(label="x", method="nope")]), "unknown fusion method"),
-    (dict(phase_maps={"x": "spiral"}), "unknown phase map"),
+    (dict(methods="linear, nope(x=1)"), "unknown fusion method 'nope'"),
+    (dict(methods="loglinear(temprature=fit(1.0))"), "has no parameter.*temprature"),
+    (dict(methods="loglinear(temperature=fitt(1.0))"), "fit\\(initial value\\)"),
+    (dict(methods="linear(label=\"a\"), max(label=\"a\")"), "duplicate labels"),
+    (dict(methods="loglinear(temperature=(1.0"), "missing"),
+    (dict(phase_maps="tanh, spiral"), "unknown phase map"),
+    (dict(members="tiny-a, tiny-b(prefx=\"Hi\")"), "unknown parameter.*prefx"),
     (dict(calibration_fraction=1.0), "calibration_fraction"),
-    (dict(members=("tiny-a",)), "at least two members"),
+    (dict(members="tiny-a"), "at least two members"),
 ])
 def test_bad_config_is_refused_before_any_model_runs(tmp_path, text, change, match):
     cfg = _cfg(tmp_path, text, **change)
-    with pytest.raises(pipeline.ValidationError, match=match):
+    with pytest.raises(UserError, match=match):
         pipeline.run(cfg, load_member=lambda name: pytest.fail("a model was loaded"))
 
 

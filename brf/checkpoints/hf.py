@@ -22,8 +22,13 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from brf.errors import UserError
 from brf.models.config import ModelConfig
 from brf.models.transformer import param_shapes
+
+
+class HFCheckpointError(UserError):
+    """A Hugging Face directory brf cannot read (the message names the file or field)."""
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
@@ -110,7 +115,7 @@ _GEMMA3_FIELDS = (_LLAMA_FIELDS - {"hidden_act", "mlp_bias"}) | {
 def _require(hf: dict, field: str, allowed, default=None):
     value = hf.get(field, default)
     if value not in allowed:
-        raise ValueError(f"config.json field {field}={value!r} is not supported "
+        raise HFCheckpointError(f"config.json field {field}={value!r} is not supported "
                          f"(supported: {allowed})")
     return value
 
@@ -123,20 +128,20 @@ def _rope(params: dict | None, field: str) -> tuple[float | None, dict | None]:
     kind = params.pop("rope_type", params.pop("type", "default"))
     theta = params.pop("rope_theta", None)
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"config.json {field}: partial_rotary_factor != 1 is not supported")
+        raise HFCheckpointError(f"config.json {field}: partial_rotary_factor != 1 is not supported")
     if kind == "default":
         if params:
-            raise ValueError(f"config.json {field}: unexpected keys {sorted(params)}")
+            raise HFCheckpointError(f"config.json {field}: unexpected keys {sorted(params)}")
         return theta, None
     keys = {"linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings")}.get(kind)
     if keys is None:
-        raise ValueError(f"config.json {field}: rope type {kind!r} is not supported "
+        raise HFCheckpointError(f"config.json {field}: rope type {kind!r} is not supported "
                          f"(supported: default, linear, llama3)")
     extra = set(params) - set(keys)
     if extra:
-        raise ValueError(f"config.json {field}: unsupported keys {sorted(extra)} for {kind!r}")
+        raise HFCheckpointError(f"config.json {field}: unsupported keys {sorted(extra)} for {kind!r}")
     return theta, {"type": kind, **{k: params[k] for k in keys}}
 
 
@@ -165,11 +170,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
     elif model_type == "gemma3_text":
         arch, fields = "gemma3", _GEMMA3_FIELDS
     else:
-        raise ValueError(f"config.json model_type={model_type!r} is not supported "
+        raise HFCheckpointError(f"config.json model_type={model_type!r} is not supported "
                          "(supported: 'llama', 'gemma3_text')")
     unknown = sorted(set(hf) - fields - _IGNORED_FIELDS)
     if unknown:
-        raise ValueError(f"config.json fields {unknown} are not handled for {model_type}")
+        raise HFCheckpointError(f"config.json fields {unknown} are not handled for {model_type}")
     _require(hf, "attention_bias", (False,), False)
     n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
@@ -199,23 +204,23 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if hf.get("attn_logit_softcapping") is not None:
         # transformers' Gemma 3 stores this field but never applies it; refuse rather
         # than guess which behaviour the checkpoint was trained with.
-        raise ValueError("config.json attn_logit_softcapping is not supported for gemma3_text "
+        raise HFCheckpointError("config.json attn_logit_softcapping is not supported for gemma3_text "
                          "(transformers ignores it); set it to null")
     if hf.get("use_bidirectional_attention"):
-        raise ValueError("config.json use_bidirectional_attention=True is not supported")
+        raise HFCheckpointError("config.json use_bidirectional_attention=True is not supported")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise ValueError(f"config.json hidden_activation={act!r} is not supported "
+        raise HFCheckpointError(f"config.json hidden_activation={act!r} is not supported "
                          "(supported: 'gelu_pytorch_tanh')")
     if rp is not None:
         unknown = set(rp) - {"full_attention", "sliding_attention"}
         if unknown:
-            raise ValueError(f"config.json rope_parameters keys {sorted(unknown)} not supported")
+            raise HFCheckpointError(f"config.json rope_parameters keys {sorted(unknown)} not supported")
         theta, scaling = _rope(rp.get("full_attention"), "rope_parameters.full_attention")
         local_theta, local_scaling = _rope(rp.get("sliding_attention"),
                                            "rope_parameters.sliding_attention")
         if local_scaling is not None:
-            raise ValueError("config.json rope_parameters.sliding_attention: scaling of "
+            raise HFCheckpointError("config.json rope_parameters.sliding_attention: scaling of "
                              "local layers is not supported")
     else:
         _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling")
@@ -230,7 +235,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     names = {"sliding_attention": "local", "full_attention": "global"}
     bad = sorted(set(layer_types) - set(names))
     if bad:
-        raise ValueError(f"config.json layer_types {bad} are not supported")
+        raise HFCheckpointError(f"config.json layer_types {bad} are not supported")
     return ModelConfig(
         **common, rope_theta=theta, rope_local_theta=local_theta, rope_scaling=scaling,
         tie_embeddings=hf.get("tie_word_embeddings", True),
@@ -263,7 +268,7 @@ def iter_safetensors(directory: str):
     elif os.path.exists(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"no model.safetensors(.index.json) in {directory}")
+        raise HFCheckpointError(f"no model.safetensors(.index.json) in {directory}")
     for fname in files:
         path = os.path.join(directory, fname)
         bf16 = None
@@ -303,7 +308,7 @@ def convert_tensors(cfg: ModelConfig, tensors, dtype=np.float32) -> dict:
         else:
             if any(rx.fullmatch(name) for rx in ignored):
                 continue
-            raise ValueError(f"tensor {name!r} has no rule in the {cfg.arch} name map")
+            raise HFCheckpointError(f"tensor {name!r} has no rule in the {cfg.arch} name map")
         if path == "lm_head" and cfg.tie_embeddings:
             continue  # tied: the head is the embedding
         w = fn(np.asarray(w))
@@ -312,11 +317,11 @@ def convert_tensors(cfg: ModelConfig, tensors, dtype=np.float32) -> dict:
             slot = flat.setdefault(path, [None] * cfg.n_layers)
             i = int(m.group(1))
             if i >= cfg.n_layers or slot[i] is not None:
-                raise ValueError(f"tensor {name!r}: layer {i} out of range or duplicated")
+                raise HFCheckpointError(f"tensor {name!r}: layer {i} out of range or duplicated")
             slot[i] = w
         else:
             if path in flat:
-                raise ValueError(f"tensor {name!r} duplicated")
+                raise HFCheckpointError(f"tensor {name!r} duplicated")
             flat[path] = w
     params: dict = {"layers": {}}
     for key, shape in shapes.items():
@@ -324,17 +329,17 @@ def convert_tensors(cfg: ModelConfig, tensors, dtype=np.float32) -> dict:
             path = key if sub is None else f"{key}/{sub}"
             value = flat.pop(path, None)
             if value is None or (isinstance(value, list) and any(v is None for v in value)):
-                raise ValueError(f"checkpoint lacks tensors for {path}")
+                raise HFCheckpointError(f"checkpoint lacks tensors for {path}")
             if isinstance(value, list):
                 value = np.stack(value)
             if tuple(value.shape) != tuple(sub_shape):
-                raise ValueError(f"{path}: shape {value.shape}, config expects {sub_shape}")
+                raise HFCheckpointError(f"{path}: shape {value.shape}, config expects {sub_shape}")
             if sub is None:
                 params[key] = value
             else:
                 params["layers"][sub] = value
     if flat:
-        raise ValueError(f"tensors mapped to unexpected params {sorted(flat)}")
+        raise HFCheckpointError(f"tensors mapped to unexpected params {sorted(flat)}")
     return params
 
 
@@ -350,9 +355,19 @@ def load_hf(directory: str, dtype=np.float32) -> tuple[ModelConfig, dict]:
         (cfg, params) with params a nested dict of numpy arrays (pass through
         `jax.device_put` to place them).
     """
-    with open(os.path.join(directory, "config.json")) as f:
-        hf = json.load(f)
-    cfg = config_from_hf(hf)
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise HFCheckpointError(f"{directory} has no config.json: not a Hugging Face model "
+                                "directory (nor a brf checkpoint)") from None
+    except ValueError as e:
+        raise HFCheckpointError(f"{path} is not valid JSON: {e}") from None
+    try:
+        cfg = config_from_hf(hf)
+    except KeyError as e:
+        raise HFCheckpointError(f"{path} lacks the field {e}") from None
     gen = os.path.join(directory, "generation_config.json")
     if os.path.exists(gen):
         with open(gen) as f:

@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from brf.checkpoints import store
+from brf.errors import UserError
 from brf.models.config import ModelConfig
 from brf.registry import Registry
 
@@ -78,6 +79,10 @@ def _gemma3_270m() -> str:
     return target
 
 
+class ModelSourceError(UserError, FileNotFoundError):
+    """A model source that is neither a registered name nor an existing file or directory."""
+
+
 def resolve(source: str | os.PathLike) -> str:
     """A source (model name or path) -> the absolute path of a .gguf file or a directory.
 
@@ -91,7 +96,7 @@ def resolve(source: str | os.PathLike) -> str:
     path = os.path.abspath(os.path.expanduser(source))
     if os.path.isfile(path) or os.path.isdir(path):
         return path
-    raise FileNotFoundError(f"{source!r} is neither a model name ({', '.join(MODELS.names())}) "
+    raise ModelSourceError(f"{source!r} is neither a model name ({', '.join(MODELS.names())}) "
                             "nor an existing .gguf file or directory")
 
 

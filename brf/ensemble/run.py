@@ -7,6 +7,7 @@ and returns one JSON-ready row per prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from brf.ensemble.decode import Generation, Piece, generate
 from brf.ensemble.member import EnsembleInputError, Member, same_vocabulary
+from brf.specs import parse_spec, split_list
 
 
 def _random_model(spec: str):
@@ -35,19 +37,49 @@ def _random_model(spec: str):
     return cfg, params, tok
 
 
-def load_members(specs: Sequence[Mapping[str, Any]], dtype=None) -> list[Member]:
-    """Members from config dicts; each distinct model is loaded once and shared.
+def member_specs(specs: str | Sequence[Any]) -> list[dict]:
+    """Member specs as dicts with a 'model' key.
 
     Args:
-        specs: dicts with 'model' (a brf.checkpoints source: registered name,
-            .gguf, HF dir or brf checkpoint; or 'random:<tokenizer source>[:seed]'
-            for a tiny random model), and optional 'name', 'weight', 'prefix', 'chat',
-            'template' (see :class:`brf.ensemble.member.Member`).
+        specs: a comma-separated spec string (``brf.specs``), e.g.
+            ``'smollm2-135m-instruct(chat=True, weight=0.5), gemma3-270m(weight=0.5)'``,
+            or a sequence of such strings or of dicts with a 'model' key.
+    """
+    items = split_list(specs) if isinstance(specs, str) else list(specs)
+    out = []
+    for item in items:
+        if isinstance(item, Mapping):
+            item = dict(item)
+            if "model" not in item:
+                raise EnsembleInputError(f"a member given as a dict needs a 'model' key; "
+                                         f"got {item}")
+            out.append(item)
+        else:
+            name, params = parse_spec(item, "member")
+            if "model" in params:
+                raise EnsembleInputError(f"member {item!r}: the model is the spec's name; "
+                                         "drop model=")
+            out.append({"model": name, **params})
+    if not out:
+        raise EnsembleInputError("no members: set config.members")
+    return out
+
+
+def load_members(specs: str | Sequence[Any], dtype=None) -> list[Member]:
+    """Members from config specs; each distinct model is loaded once and shared.
+
+    Args:
+        specs: see :func:`member_specs`. Each names a 'model' (a brf.checkpoints
+            source: registered name, .gguf, HF dir or brf checkpoint; or
+            'random:<tokenizer source>[:seed]' for a tiny random model), with
+            optional 'name', 'weight', 'prefix', 'chat', 'template' (see
+            :class:`brf.ensemble.member.Member`).
         dtype: parameter dtype (default float32).
 
     Returns:
         The members, in order.
     """
+    specs = member_specs(specs)
     loaded: dict[str, tuple] = {}
     members = []
     for j, spec in enumerate(specs):
@@ -81,13 +113,27 @@ def read_prompts(prompts: Iterable[str], prompts_file: str = "") -> list[str]:
     """Prompts from the config plus a file (one per line, or JSONL with a 'prompt' field)."""
     out = [p for p in prompts if p]
     if prompts_file:
-        with open(prompts_file, encoding="utf-8") as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                out.append(json.loads(line)["prompt"] if line.lstrip().startswith("{")
-                           else line)
+        try:
+            with open(prompts_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise EnsembleInputError(f"cannot read prompts_file {prompts_file}: "
+                                     f"{getattr(e, 'strerror', None) or e}") from None
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    prompt = json.loads(line)["prompt"]
+                except (ValueError, KeyError, TypeError):
+                    raise EnsembleInputError(f"{prompts_file}, line {i}: a JSON line needs a "
+                                             "string field 'prompt'") from None
+                if not isinstance(prompt, str):
+                    raise EnsembleInputError(f"{prompts_file}, line {i}: 'prompt' must be a "
+                                             "string")
+                out.append(prompt)
+            else:
+                out.append(line)
     if not out:
         raise EnsembleInputError("no prompts: set config.prompts or config.prompts_file")
     return out
@@ -102,34 +148,90 @@ def aligner_params(aligner: str, params) -> dict | None:
     return {k: v for k, v in dict(params).items() if k in declared} or None
 
 
+def method_spec(method: str, method_params: Mapping[str, Any] | None = None,
+                phase: str = "") -> tuple[str, dict]:
+    """The config's method: a spec string such as ``loglinear(temperature=0.8)``, merged
+    with ``method_params`` and ``phase`` (the latter only for methods that take a phase
+    map); a parameter given twice is refused."""
+    from brf.fusion import get_method
+    name, params = parse_spec(method, "method")
+    takes_phase = "phase" in get_method(name).params
+    for key, value in list(dict(method_params or {}).items()) + (
+            [("phase", phase)] if phase and takes_phase else []):
+        if key in params:
+            raise EnsembleInputError(f"method parameter {key!r} is given twice (in "
+                                     f"config.method {method!r} and elsewhere)")
+        params[key] = value
+    return name, params
+
+
+def weighting_spec(weighting: str) -> float | None:
+    """'' (the members' weights) -> None; 'perplexity[(temperature=t)]' -> t."""
+    if not weighting:
+        return None
+    name, params = parse_spec(weighting, "weighting")
+    if name != "perplexity" or set(params) - {"temperature"}:
+        raise EnsembleInputError(f"unknown weighting {weighting!r}; use '' (the members' "
+                                 "weights) or 'perplexity(temperature=1.0)' (PackLLM)")
+    t = params.get("temperature", 1.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise EnsembleInputError(f"weighting {weighting!r}: temperature must be > 0")
+    return float(t)
+
+
 def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
-    """Generates for a configs/generate.py config; returns one JSON-ready row per prompt."""
-    members = load_members(c.members)
+    """Generates for a configs/generate.py config; returns one JSON-ready row per prompt.
+
+    With ``c.weighting = 'perplexity(...)'`` every prompt gets its own PackLLM
+    weights (:mod:`brf.ensemble.packllm`), so prompts are generated one at a time.
+    """
+    specs = member_specs(c.members)
+    method, method_params = method_spec(c.method, c.get("method_params", {}),
+                                        c.get("phase", ""))
+    if c.mode != "fuse":
+        method, method_params = "linear", {}
+    temperature = weighting_spec(c.get("weighting", ""))
+    members = load_members(specs)
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
-    method_params = dict(c.get("method_params", {}) or {})
-    if c.get("phase"):
-        method_params["phase"] = c.phase
     aligner = c.aligner if c.aligner != "auto" else auto_aligner(members)
-    weights = [m.get("weight") for m in c.members]
+    weights = [m.get("weight") for m in specs]
     weights = None if all(w is None for w in weights) else weights
+    kwargs = dict(mode=c.mode, method=method,
+                  method_params=method_params if c.mode == "fuse" else None,
+                  sampler=c.sampler, max_new_tokens=c.max_new_tokens, stop=tuple(c.stop),
+                  seed=c.seed, aligner=aligner,
+                  aligner_params=aligner_params(aligner, c.get("aligner_params", {})),
+                  choice=c.choice, dtype=jnp.dtype(c.get("dtype", "float32")))
     t0 = time.perf_counter()
-    gens: list[Generation] = generate(
-        members, prompts, weights=weights, mode=c.mode,
-        method=c.method if c.mode == "fuse" else "linear",
-        method_params=method_params if c.mode == "fuse" else None,
-        sampler=c.sampler, max_new_tokens=c.max_new_tokens, stop=tuple(c.stop), seed=c.seed,
-        aligner=aligner, aligner_params=aligner_params(aligner, c.get("aligner_params", {})),
-        choice=c.choice, dtype=jnp.dtype(c.get("dtype", "float32")), on_piece=on_piece)
+    nll = None
+    if temperature is None:
+        gens: list[Generation] = generate(members, prompts, weights=weights,
+                                          on_piece=on_piece, **kwargs)
+        weights_B = [[m.weight for m in members]] * len(prompts)
+    else:
+        from brf.ensemble.packllm import perplexity_weight_table
+        w_Bxn, nll = perplexity_weight_table(members, prompts, temperature)
+        gens, weights_B = [], w_Bxn.tolist()
+        for b, p in enumerate(prompts):
+            relay = None if on_piece is None else (
+                lambda piece, b=b: on_piece(dataclasses.replace(piece, index=b)))
+            gens += generate(members, [p], weights=w_Bxn[b], on_piece=relay, **kwargs)
     seconds = time.perf_counter() - t0
-    return [dict(prompt=g.prompt, text=g.text, finish_reason=g.finish_reason,
-                 n_events=g.n_events, members=[m.name for m in members],
-                 members_run=g.members_run, mode=c.mode, aligner=aligner,
-                 method=c.method if c.mode == "fuse" else None,
-                 method_params={k: str(v) for k, v in method_params.items()}
-                 if c.mode == "fuse" else {},
-                 weights=[m.weight for m in members],
-                 sampler=c.sampler, seed=c.seed, seconds_batch=round(seconds, 3))
-            for g in gens]
+    rows = []
+    for b, g in enumerate(gens):
+        row = dict(prompt=g.prompt, text=g.text, finish_reason=g.finish_reason,
+                   n_events=g.n_events, members=[m.name for m in members],
+                   members_run=g.members_run, mode=c.mode, aligner=aligner,
+                   method=method if c.mode == "fuse" else None,
+                   method_params={k: str(v) for k, v in method_params.items()}
+                   if c.mode == "fuse" else {},
+                   weights=weights_B[b], sampler=c.sampler, seed=c.seed,
+                   seconds_batch=round(seconds, 3))
+        if nll is not None:
+            row["weighting"] = c.weighting
+            row["prompt_nll"] = [round(float(x), 4) for x in nll[b]]
+        rows.append(row)
+    return rows
 
 
 def print_stream(piece: Piece, n_prompts: int) -> None:

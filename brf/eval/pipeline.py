@@ -26,12 +26,14 @@ from absl import logging
 from tqdm.auto import tqdm
 from brf.errors import UserError
 
+from brf.eval import config_specs
 from brf.eval import corpus as corpus_lib
 from brf.eval import hypotheses, report as report_lib, stats
 from brf.eval.events import build_event_table
 from brf.eval.fitting import EventTable, Fitted, evaluate, fit_method
 from brf.eval.scoring import score_segments
 from brf.fusion import PHASE_MAPS, get_method, phase_map
+from brf.fusion.methods import resolve_params
 
 
 class ValidationError(UserError):
@@ -65,13 +67,17 @@ def split_segments(text: str, max_chars: int) -> list[str]:
 
 
 def check_config(cfg) -> None:
-    """Refuses unknown methods and phase maps and bad splits up front."""
-    for spec in cfg.methods:
+    """Refuses unknown members' parameters, methods, phase maps and bad splits up front."""
+    members = config_specs.member_entries(cfg.members)
+    for spec in config_specs.method_entries(cfg.methods):
         try:
-            get_method(spec["method"])
+            m = get_method(spec["method"])
+            given = {**spec.get("fixed", {}), **spec.get("fit", {}),
+                     **{k: v[0] for k, v in spec.get("grid", {}).items() if v}}
+            resolve_params(m, {k: v for k, v in given.items() if not k.startswith("phase.")})
         except ValueError as e:
-            raise ValidationError(f"config.methods: {e}") from None
-    for label, spec in dict(cfg.phase_maps).items():
+            raise ValidationError(f"config.methods[{spec['label']!r}]: {e}") from None
+    for label, (spec, _) in phase_maps(cfg).items():
         try:
             phase_map(spec)
         except ValueError as e:
@@ -80,8 +86,13 @@ def check_config(cfg) -> None:
         raise ValidationError(
             f"calibration_fraction must lie in (0, 1) so that both splits have positions; "
             f"got {cfg.calibration_fraction}")
-    if len(cfg.members) < 2:
+    if len(members) < 2:
         raise ValidationError("validation needs at least two members")
+
+
+def phase_maps(cfg) -> dict[str, tuple[str, bool]]:
+    """{label: (phase spec, fixed)} from the config (spec string or the older dict form)."""
+    return config_specs.phase_map_entries(cfg.phase_maps, cfg.get("fixed_phase_maps", ()))
 
 
 def load_text(cfg) -> tuple[str, str]:
@@ -110,7 +121,7 @@ def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable):
     """Scores every member; returns (member infos, scores, token byte tables)."""
     fingerprint = hashlib.sha256("\x00".join(segments).encode()).hexdigest()[:16]
     infos, all_scores, tbs = [], [], []
-    for name in cfg.members:
+    for name, _ in config_specs.member_entries(cfg.members):
         model = load_member(name)
         ids = [_encode(model.tokenizer, model.cfg, s) for s in segments]
         too_long = [len(x) for x in ids if len(x) > model.cfg.max_seq_len]
@@ -133,16 +144,16 @@ def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable):
 
 def method_specs(cfg, n: int) -> list[dict]:
     """Baselines, single members, and one BRF spec per phase map."""
-    specs = [dict(s) for s in cfg.methods]
+    specs = config_specs.method_entries(cfg.methods)
     for i in range(n):
         specs.append({"label": f"member {i} alone", "method": "linear", "fit_weights": False,
                       "fixed_weights": [1.0 if j == i else 0.0 for j in range(n)]})
-    for label, spec in dict(cfg.phase_maps).items():
+    for label, (spec, is_fixed) in phase_maps(cfg).items():
         pm = phase_map(spec)
         fit = {f"phase.{k}": float(np.asarray(v).reshape(-1)[0])
                for k, v in pm.params.items() if k not in ("offset",)}
         fixed = {}
-        if label in cfg.fixed_phase_maps:  # reference points: keep the map as given
+        if is_fixed:  # reference points: keep the map as given
             fixed = {f"phase.{k}": np.asarray(v).tolist() for k, v in pm.params.items()}
             fit = {}
         else:
@@ -239,6 +250,9 @@ def run(cfg, load_member: Callable | None = None) -> dict:
     os.makedirs(cfg.out_dir, exist_ok=True)
     if load_member is None:
         from brf.checkpoints.registry import load as load_member  # noqa
+        from brf.checkpoints.registry import resolve
+        for name, _ in config_specs.member_entries(cfg.members):
+            resolve(name)  # an unknown model fails before the first one is scored
     infos, scores, tbs = score_all(cfg, segments, cfg.out_dir, load_member)
     table, cov = build_event_table(scores, tbs, segments)
     n_cal_seg = max(1, int(round(len(segments) * cfg.calibration_fraction)))
@@ -271,7 +285,7 @@ def run(cfg, load_member: Callable | None = None) -> dict:
     best_base_m, best_base = min(base, key=lambda mf: mf[1].calib_nll)
     # The coherence test reads each phase map as configured (a property of the
     # map, not of a fit); maps that ignore the logits (constant) are left out.
-    phase_specs = {label: spec for label, spec in dict(cfg.phase_maps).items()
+    phase_specs = {label: spec for label, (spec, _) in phase_maps(cfg).items()
                    if phase_map(spec).name != "constant"}
     coherence = hypotheses.phase_coherence(test, phase_specs, n_perm=cfg.n_perm, seed=cfg.seed)
     cross = hypotheses.cross_term_test(test, best_born, n_boot=cfg.n_boot, seed=cfg.seed)
