@@ -120,6 +120,14 @@ def parse_spec(text: str, what: str = "spec") -> tuple[str, dict[str, Any]]:
     try:
         call = ast.parse(source, mode="eval").body
     except SyntaxError:
+        call = None
+    if call is None and "\n" in source:  # a real line break inside a quoted value
+        source = source.replace("\r", "\\r").replace("\n", "\\n")
+        try:
+            call = ast.parse(source, mode="eval").body
+        except SyntaxError:
+            pass
+    if call is None:
         raise SpecError(f"cannot parse {what} spec {text!r}; write e.g. "
                         f"name(key=1.5, other=\"text\")") from None
     if not isinstance(call, ast.Call) or call.args:

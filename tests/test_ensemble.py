@@ -585,3 +585,23 @@ def test_run_with_perplexity_weighting_gives_each_prompt_its_weights(pair, monke
                      max_new_tokens=5, seed=3)[0]
         assert row["text"] == g.text
     assert not np.allclose(w[0], w[1])  # the prompts really got different weights
+
+
+def test_interference_steps_decompose_the_decoders_fused_distribution(pair):
+    """explain.interference_steps: (linear + cross) / Z equals the decoder's own fused
+    probabilities, and member probabilities equal a cache-free reference."""
+    from brf.ensemble.explain import interference_steps
+    text, steps = interference_steps(pair, PROMPTS[0], phase="tanh(rate=0.5, offset=[0, 2])",
+                                     max_new_tokens=4, top=6)
+    assert len(steps) >= 1  # the steps' chosen (greedy = top) events are the generated text
+    assert text == pair[0].tokenizer.decode([int(s.event_ids[0]) for s in steps],
+                                            skip_special_tokens=True,
+                                            clean_up_tokenization_spaces=False)
+    for s in steps:
+        np.testing.assert_allclose((s.linear + s.cross) / s.z, s.fused, rtol=1e-3, atol=1e-6)
+        np.testing.assert_allclose(s.linear, s.member_p.mean(0), rtol=1e-4, atol=1e-7)
+        assert s.events[0] == s.chosen  # greedy: the chosen event is the fused argmax
+        assert s.phases.shape == (2,) and np.all(np.diff(s.fused) <= 1e-7)
+    ref0 = reference_steps(pair[0], PROMPTS[0], [])[0]  # member 0 before the first event
+    np.testing.assert_allclose(steps[0].member_p[0], np.exp(ref0[steps[0].event_ids]),
+                               rtol=1e-3, atol=1e-6)

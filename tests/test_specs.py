@@ -43,3 +43,10 @@ def test_bad_specs_raise_one_clear_error(bad):
 def test_format_round_trips():
     spec = format_spec("loglinear", {"temperature": 0.8, "label": "x"})
     assert parse_spec(spec) == ("loglinear", {"temperature": 0.8, "label": "x"})
+
+
+def test_line_breaks_inside_quoted_values_are_kept():
+    text = 'gemma3-270m(template="<start_of_turn>user\n{prompt}<end_of_turn>\n")'
+    assert parse_spec(text)[1]["template"] == "<start_of_turn>user\n{prompt}<end_of_turn>\n"
+    with pytest.raises(SpecError):
+        parse_spec("f(a=1\n b)")
