@@ -33,7 +33,9 @@ from brf.fusion import fuse, get_method, phase_map
 
 PROB_FLOOR = 1e-10
 NLL_CAP = -math.log(PROB_FLOOR)
-_POSITIVE = {"temperature", "threshold", "beta", "phase.rate", "phase.scale"}
+_POSITIVE = {"temperature", "threshold", "beta", "phase.rate", "phase.scale",
+             "calib.temperature", "calib.member_temperature", "weighting.temperature"}
+VARIANTS = ("proposed", "calibrated")
 
 
 class EventTable(NamedTuple):
@@ -84,11 +86,54 @@ def split_phase(params: Mapping[str, Any]):
 
 def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
                phase_name: str | None = None):
-    """log q [P, E] of a method with (possibly traced) parameter values."""
+    """log q [P, E] of a method with (possibly traced) parameter values.
+
+    Calibration parameters (the *calibrated* variant of a method) wrap the
+    method: ``calib.member_temperature`` [n] tempers each member before fusion,
+    ``log p_i <- log_softmax(log p_i / T_i)`` over the events, and
+    ``calib.temperature`` tempers the fused distribution, ``q <- q^(1/T) / Z``.
+    ``weights`` may be [n] or per position [P, n].
+    """
     plain, phase = split_phase(params)
+    member_t = plain.pop("calib.member_temperature", None)
+    post_t = plain.pop("calib.temperature", None)
+    plain.pop("weighting.temperature", None)
+    if member_t is not None:
+        logp_PxNxE = jax.nn.log_softmax(
+            logp_PxNxE / jnp.asarray(member_t, logp_PxNxE.dtype)[:, None], axis=-1)
     if phase_name is not None:
         plain["phase"] = phase_map(phase_name, **phase)
-    return fuse(method, logp_PxNxE, weights, validate=False, **plain)
+    lq = fuse(method, logp_PxNxE, weights, validate=False, **plain)
+    if post_t is not None:
+        lq = jax.nn.log_softmax(lq / jnp.asarray(post_t, lq.dtype), axis=-1)
+    return lq
+
+
+def context_nll(table: "EventTable") -> np.ndarray:
+    """[P, n] each member's mean NLL of the gold events at the earlier positions of the
+    same segment (0 at a segment's first position): the perplexity PackLLM weighs by.
+
+    Rows must be in text order within each segment (as the event table builds them).
+    """
+    P, n = table.logp.shape[:2]
+    gold = np.take_along_axis(table.logp, table.gold[:, None, None].astype(np.int64),
+                              axis=2)[:, :, 0].astype(np.float64)
+    nll = np.minimum(-gold, NLL_CAP)
+    out = np.zeros((P, n))
+    seg = np.asarray(table.segment)
+    starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    ends = np.r_[starts[1:], P]
+    for a, b in zip(starts, ends):
+        c = np.cumsum(nll[a:b], axis=0)
+        k = np.arange(1, b - a)[:, None]
+        out[a + 1:b] = c[:-1] / k
+    return out
+
+
+def perplexity_weights_for(table: "EventTable", temperature) -> jax.Array:
+    """[P, n] PackLLM weights softmax(-context NLL / temperature) per position."""
+    return jax.nn.softmax(-jnp.asarray(context_nll(table), jnp.float32)
+                          / jnp.asarray(temperature, jnp.float32), axis=-1)
 
 
 def gold_nll(logq_PxE, gold_P):
@@ -131,7 +176,21 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
     phase_name = spec.get("phase")
     fixed = dict(spec.get("fixed", {}))
     init = dict(spec.get("fit", {}))
-    fit_weights = spec.get("fit_weights", True) and n > 1
+    variant = spec.get("variant", "proposed")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown method variant {variant!r}; use one of {VARIANTS}")
+    if variant == "calibrated":
+        init.setdefault("calib.temperature", 1.0)
+        if n > 1:
+            init.setdefault("calib.member_temperature", [1.0] * n)
+    weighting = spec.get("weighting")
+    if weighting not in (None, "perplexity"):
+        raise ValueError(f"unknown weighting {weighting!r}; use 'perplexity'")
+    ctx_nll = None
+    if weighting == "perplexity":
+        init.setdefault("weighting.temperature", 1.0)
+        ctx_nll = jnp.asarray(context_nll(table), jnp.float32)
+    fit_weights = spec.get("fit_weights", True) and n > 1 and weighting is None
     grid = dict(spec.get("grid", {}))
     logp = jnp.asarray(table.logp)
     gold = jnp.asarray(table.gold)
@@ -149,6 +208,8 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
             params = {**fixed, **dict(static), **dyn,
                       **{k: _from_free(k, free[k]) for k in keys}}
             w = jax.nn.softmax(free["_w"]) if fit_weights else jnp.full((n,), 1.0 / n)
+            if ctx_nll is not None:
+                w = jax.nn.softmax(-ctx_nll[idx] / params["weighting.temperature"], axis=-1)
             lq = fused_logq(method, params, w, logp[idx], phase_name)
             return jnp.mean(gold_nll(lq, gold[idx]))
 
@@ -186,6 +247,9 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
                          else np.asarray(_from_free(k, free[k])).tolist() for k in keys}}
             w = (np.asarray(jax.nn.softmax(free["_w"])) if fit_weights
                  else np.full(n, 1.0 / n))
+            if ctx_nll is not None:  # per position; report their mean
+                w = np.asarray(perplexity_weights_for(table, params["weighting.temperature"])
+                               ).mean(0)
             best = (value, params, w)
     if best is None:
         raise ValueError(f"{spec.get('label', method)}: no finite calibration NLL at any "
@@ -199,8 +263,11 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
 def evaluate(fitted: Fitted, table: EventTable) -> dict[str, np.ndarray]:
     """Per-position NLL (nats), gold-is-argmax, confidence on ``table``."""
     params = {k: v for k, v in fitted.params.items() if k != "phase"}
-    lq = fused_logq(fitted.method, params, jnp.asarray(fitted.weights, jnp.float32),
-                    jnp.asarray(table.logp), fitted.params.get("phase"))
+    w = jnp.asarray(fitted.weights, jnp.float32)
+    if "weighting.temperature" in params:
+        w = perplexity_weights_for(table, params["weighting.temperature"])
+    lq = fused_logq(fitted.method, params, w, jnp.asarray(table.logp),
+                    fitted.params.get("phase"))
     nll = np.asarray(gold_nll(lq, jnp.asarray(table.gold)), np.float64)
     # Methods that truncate (contrastive, min pool) can give gold probability
     # 0; its log-loss is floored at -log(PROB_FLOOR) and the count reported.

@@ -376,6 +376,73 @@ def auroc_bootstrap_ci(scores_pos, scores_neg, n_boot: int = 2000,
 # ---------------------------------------------------------------------------
 
 
+def _bootstrap_means(d: np.ndarray, block: int, n_boot: int,
+                     rng: np.random.Generator) -> np.ndarray:
+    """n_boot bootstrap replicates of mean(d): i.i.d. (block 1) or circular blocks."""
+    n = d.size
+    boot = np.empty(n_boot, dtype=np.float64)
+    if block == 1:
+        rows = _chunk_rows(n)
+        for start in range(0, n_boot, rows):
+            m = min(rows, n_boot - start)
+            idx_MxN = rng.integers(0, n, size=(m, n))
+            boot[start:start + m] = np.mean(d[idx_MxN], axis=1)
+        return boot
+    # csum over d extended circularly by L: a run of length len starting
+    # at s in [0, n) sums to csum[s + len] - csum[s].
+    csum = np.concatenate([[0.0], np.cumsum(np.concatenate([d, d[:block]]))])
+    n_blocks = -(-n // block)
+    lengths_K = np.full(n_blocks, block)
+    lengths_K[-1] = n - (n_blocks - 1) * block  # The cut last run.
+    rows = _chunk_rows(n_blocks)
+    for start in range(0, n_boot, rows):
+        m = min(rows, n_boot - start)
+        s_MxK = rng.integers(0, n, size=(m, n_blocks))
+        sums_M = np.sum(csum[s_MxK + lengths_K] - csum[s_MxK], axis=1)
+        boot[start:start + m] = sums_M / n
+    return boot
+
+
+def pooled_paired_bootstrap_ci(pairs, n_boot: int = 10000, alpha: float = 0.05,
+                               rng: np.random.Generator | None = None,
+                               block_size: int | None = 32) -> BootstrapCI:
+    """Bootstrap interval for the mean paired difference pooled over several corpora.
+
+    The pooled estimate is the unweighted mean over corpora of each corpus's
+    mean difference (each corpus stands for one kind of text, whatever its
+    length). Positions are dependent within a corpus and independent between
+    corpora, so each replicate resamples every corpus on its own with the
+    circular block bootstrap (as :func:`paired_bootstrap_ci`) and averages the
+    corpus means: a stratified block bootstrap. With one corpus it is
+    :func:`paired_bootstrap_ci`.
+
+    Args:
+        pairs: a sequence of (x, y) per corpus, paired per-position values.
+        n_boot: replicates, >= 2.
+        alpha: the interval has level 1 - alpha.
+        rng: seeded generator.
+        block_size: block length L (capped at a quarter of each corpus).
+
+    Returns:
+        A `BootstrapCI` for the pooled mean difference; p-value for H0: 0.
+    """
+    _check_resampling(n_boot, alpha)
+    rng = np.random.default_rng() if rng is None else rng
+    pairs = list(pairs)
+    if not pairs:
+        raise ValueError("pooled_paired_bootstrap_ci needs at least one corpus.")
+    means, boots = [], []
+    for k, (x, y) in enumerate(pairs):
+        xa, ya = _as_1d_float(f"x[{k}]", x), _as_1d_float(f"y[{k}]", y)
+        if xa.shape != ya.shape:
+            raise ValueError(f"corpus {k}: x and y differ in shape: {xa.shape} vs {ya.shape}.")
+        d = xa - ya
+        block = 1 if block_size is None else max(1, min(int(block_size), d.size // 4 or 1))
+        means.append(float(np.mean(d)))
+        boots.append(_bootstrap_means(d, block, n_boot, rng))
+    return _bootstrap_ci(float(np.mean(means)), np.mean(boots, axis=0), alpha, null_value=0.0)
+
+
 def paired_bootstrap_ci(x, y, n_boot: int = 10000, alpha: float = 0.05,
                         rng: np.random.Generator | None = None,
                         block_size: int | None = None) -> BootstrapCI:
@@ -427,27 +494,7 @@ def paired_bootstrap_ci(x, y, n_boot: int = 10000, alpha: float = 0.05,
     block = 1 if block_size is None else int(block_size)
     if not 1 <= block <= n:
         raise ValueError(f"block_size must lie in [1, {n}], got {block_size}.")
-    boot = np.empty(n_boot, dtype=np.float64)
-    if block == 1:
-        rows = _chunk_rows(n)
-        for start in range(0, n_boot, rows):
-            m = min(rows, n_boot - start)
-            idx_MxN = rng.integers(0, n, size=(m, n))
-            boot[start:start + m] = np.mean(d[idx_MxN], axis=1)
-    else:
-        # csum over d extended circularly by L: a run of length len starting
-        # at s in [0, n) sums to csum[s + len] - csum[s].
-        csum = np.concatenate(
-            [[0.0], np.cumsum(np.concatenate([d, d[:block]]))])
-        n_blocks = -(-n // block)
-        lengths_K = np.full(n_blocks, block)
-        lengths_K[-1] = n - (n_blocks - 1) * block  # The cut last run.
-        rows = _chunk_rows(n_blocks)
-        for start in range(0, n_boot, rows):
-            m = min(rows, n_boot - start)
-            s_MxK = rng.integers(0, n, size=(m, n_blocks))
-            sums_M = np.sum(csum[s_MxK + lengths_K] - csum[s_MxK], axis=1)
-            boot[start:start + m] = sums_M / n
+    boot = _bootstrap_means(d, block, n_boot, rng)
     return _bootstrap_ci(float(np.mean(d)), boot, alpha, null_value=0.0)
 
 
