@@ -65,8 +65,17 @@ def get_config(arg=None):
         'primary=grid(0, 1))',
         'contrastive(label="contrastive", fit_weights=False, beta=grid(0.1, 0.3, 0.5, 1.0), '
         'plausibility=grid(0.0, 1e-3, 1e-2))',
+        # PackLLM: logit fusion with per-position weights from each member's
+        # perplexity on the segment so far (temperature fitted).
+        'loglinear(label="PackLLM (perplexity weights)", weighting="perplexity", '
+        'temperature=1.0)',
     ])
     c.nll_baselines = ("linear", "loglinear")
+    # Every method (single members included) in each variant: as proposed, and
+    # calibrated (a fitted post-fusion temperature and per-member temperatures);
+    # verdicts compare like with like.
+    c.variants = "proposed, calibrated"
+    c.forking_top_fraction = 0.2     # the "forking tokens": top-20% entropy positions
     # BRF: one fitted setting per phase map (weights and map parameters tuned,
     # per-member offsets included), plus the two reference points kept fixed.
     c.phase_maps = ", ".join([

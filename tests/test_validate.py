@@ -78,7 +78,8 @@ def _cfg(tmp_path, text, **over):
     # A representative subset keeps the test fast; the full set runs in the
     # real-model run.
     c.methods = ", ".join(s for s in split_list(c.methods) if method_entry(s)["label"] in (
-        "linear (tuned)", "loglinear (tuned)", "entropy-gated", "contrastive"))
+        "linear (tuned)", "loglinear (tuned)", "entropy-gated", "contrastive",
+        "PackLLM (perplexity weights)"))
     c.phase_maps = ", ".join(s for s in split_list(c.phase_maps) if phase_map_entries(s).popitem()[0] in (
         "hellinger (equal phases)", "linear pool (pi/2)", "tanh", "token_tanh"))
     c.sweep = c.sweep[:2]
@@ -95,9 +96,12 @@ def test_pipeline_end_to_end(tmp_path, text, members):
                  "sweep.png", "cross_terms.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     data = json.load(open(os.path.join(out, "report.json")))
-    assert data["schema"] == "brf.validate/1"
+    assert data["schema"] == "brf.validate/2"
     labels = {m["label"] for m in data["methods"]}
-    assert len(labels) == len(split_list(cfg.methods)) + 2 + len(split_list(cfg.phase_maps))
+    n_variants = len(pipeline.variants(cfg))
+    assert n_variants == 2
+    assert len(labels) == n_variants * (len(split_list(cfg.methods)) + 2
+                                        + len(split_list(cfg.phase_maps)))
     assert {"linear (tuned)", "loglinear (tuned)", "member 0 alone", "member 1 alone",
             "born linear pool (pi/2)", "born tanh", "born token_tanh"} <= labels
     cov = data["coverage"]
@@ -106,7 +110,7 @@ def test_pipeline_end_to_end(tmp_path, text, members):
     assert len(data["phase_coherence"]) == 2  # tanh, token_tanh (constant maps left out)
     for r in data["phase_coherence"]:
         assert 0 <= r["rayleigh_p"] <= 1 and 0 < r["permutation_p"] <= 1
-    assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll"}
+    assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll", "forking_tokens"}
     by = {m["label"]: m for m in data["methods"]}
     # Tuned weights moved away from uniform (the fit has gradients).
     assert by["linear (tuned)"]["weights"] != [0.5, 0.5]
@@ -234,3 +238,41 @@ def test_chunk_summaries_match_float64_numpy():
     np.testing.assert_allclose(np.take_along_axis(lp, ids, 1), want_top, atol=2e-4)
     np.testing.assert_allclose(gap, want_top[:, 0] - want_top[:, 1], atol=2e-4)
     assert ent[0] == pytest.approx(np.log(4096), abs=1e-4)
+
+
+def test_prefixed_member_is_scored_on_the_segments_own_positions(tmp_path, text, members):
+    """A member with a prefix reads [BOS] + prefix + segment; its rows are the segment's
+    (the unprefixed layout) and equal a full forward pass over the prefixed sequence."""
+    from brf.eval.events import build_event_table
+    from brf.models import score_tokens
+    cfg = _cfg(tmp_path, text)
+    segs = pipeline.split_segments(text[:2500], cfg.segment_chars)
+    prefix = "A note before the text.\n\n"
+    infos, scores, tbs = pipeline.score_all(
+        cfg, segs, str(tmp_path), members.__getitem__,
+        members=f'tiny-a, tiny-a(prefix="{prefix}")')
+    plain, pre = scores
+    assert infos[1]["prefix_tokens"] > 0 and infos[1]["name"].startswith("tiny-a(prefix=")
+    np.testing.assert_array_equal(plain.token_ids, pre.token_ids)
+    np.testing.assert_array_equal(plain.row_starts, pre.row_starts)
+    m = members["tiny-a"]
+    pre_ids = m.tokenizer.encode(prefix, add_special_tokens=False)
+    for s, seg in enumerate(segs):
+        ids = m.tokenizer.encode(seg, add_special_tokens=False)
+        full = [m.cfg.bos_id] + list(pre_ids) + list(ids)
+        ref = score_tokens(m.params, m.cfg, np.asarray([full]))[0][len(pre_ids):]
+        got = pre.gold_logp[pre.row_starts[s]:pre.row_starts[s + 1]]
+        np.testing.assert_allclose(got, ref, atol=2e-4)
+    assert not np.allclose(plain.gold_logp, pre.gold_logp)  # the prefix conditions
+    table, cov = build_event_table(scores, tbs, segs)
+    assert cov.positions == plain.row_starts[-1]  # one tokenizer: every position co-aligned
+
+
+def test_a_prefix_longer_than_the_context_is_refused_before_scoring(tmp_path, text, members):
+    cfg = _cfg(tmp_path, text)
+    segs = pipeline.split_segments(text[:2500], cfg.segment_chars)
+    long = "word " * 5000
+    with pytest.raises(pipeline.ValidationError, match="prefix .* more than its context"):
+        pipeline.score_all(cfg, segs, str(tmp_path), members.__getitem__,
+                           members=f'tiny-b, tiny-a(prefix="{long}")')
+    assert not list(tmp_path.glob("scores-*"))  # nothing was scored

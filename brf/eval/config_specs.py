@@ -14,6 +14,8 @@ these validation keys:
   lowest calibration NLL (combined with any fitted ones);
 - ``label="..."`` names the row (default: the spec text);
 - ``fit_weights=False`` keeps uniform member weights (default: fitted);
+- ``weighting="perplexity"`` weighs members per position by their perplexity on
+  the segment so far (PackLLM), with a fitted temperature;
 - ``phase="tanh(rate=0.5)"`` (born) fixes a phase map.
 
 **Phase-map specs** (one BRF row each): a phase map with its initial
@@ -64,6 +66,12 @@ def method_entry(text: str) -> dict:
         if not isinstance(fw, bool):
             raise ConfigSpecError(f"method {text!r}: fit_weights must be True or False")
         entry["fit_weights"] = fw
+    if "weighting" in params:
+        w = params.pop("weighting")
+        if w != "perplexity":
+            raise ConfigSpecError(f"method {text!r}: weighting must be \"perplexity\" "
+                                  f"(PackLLM); got {w!r}")
+        entry["weighting"] = w
     if "phase" in params:
         from brf.fusion import phase_map
         pm = phase_map(params.pop("phase"))

@@ -160,7 +160,11 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
 
     Args:
       spec: {"label", "method", optional "phase" (phase-map name), "fit",
-        "grid", "fixed", "fit_weights"}.
+        "grid", "fixed", "fit_weights", "fixed_weights" (held weights), "variant"
+        ('proposed' | 'calibrated': adds a fitted post-fusion temperature and
+        per-member temperatures, see :func:`fused_logq`), "weighting"
+        ('perplexity': PackLLM weights per position from each member's NLL on the
+        segment so far, with a fitted temperature, see :func:`context_nll`)}.
       table: calibration positions.
       steps: Adam steps per grid point.
       learning_rate: Adam step size.
@@ -190,7 +194,11 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
     if weighting == "perplexity":
         init.setdefault("weighting.temperature", 1.0)
         ctx_nll = jnp.asarray(context_nll(table), jnp.float32)
-    fit_weights = spec.get("fit_weights", True) and n > 1 and weighting is None
+    fixed_w = spec.get("fixed_weights")
+    fit_weights = (spec.get("fit_weights", True) and n > 1 and weighting is None
+                   and fixed_w is None)
+    base_w = (jnp.full((n,), 1.0 / n) if fixed_w is None
+              else jnp.asarray(fixed_w, jnp.float32))
     grid = dict(spec.get("grid", {}))
     logp = jnp.asarray(table.logp)
     gold = jnp.asarray(table.gold)
@@ -207,7 +215,7 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
         def loss(free, dyn, idx):
             params = {**fixed, **dict(static), **dyn,
                       **{k: _from_free(k, free[k]) for k in keys}}
-            w = jax.nn.softmax(free["_w"]) if fit_weights else jnp.full((n,), 1.0 / n)
+            w = jax.nn.softmax(free["_w"]) if fit_weights else base_w
             if ctx_nll is not None:
                 w = jax.nn.softmax(-ctx_nll[idx] / params["weighting.temperature"], axis=-1)
             lq = fused_logq(method, params, w, logp[idx], phase_name)
@@ -246,7 +254,7 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
                       **{k: float(_from_free(k, free[k])) if np.ndim(free[k]) == 0
                          else np.asarray(_from_free(k, free[k])).tolist() for k in keys}}
             w = (np.asarray(jax.nn.softmax(free["_w"])) if fit_weights
-                 else np.full(n, 1.0 / n))
+                 else np.asarray(base_w))
             if ctx_nll is not None:  # per position; report their mean
                 w = np.asarray(perplexity_weights_for(table, params["weighting.temperature"])
                                ).mean(0)

@@ -31,7 +31,7 @@ from brf.eval import corpus as corpus_lib
 from brf.eval import hypotheses, report as report_lib, stats
 from brf.eval.events import build_event_table
 from brf.eval.fitting import EventTable, Fitted, evaluate, fit_method
-from brf.eval.scoring import score_segments
+from brf.eval.scoring import score_segments, strip_prefix
 from brf.fusion import PHASE_MAPS, get_method, phase_map
 from brf.fusion.methods import resolve_params
 
@@ -68,7 +68,7 @@ def split_segments(text: str, max_chars: int) -> list[str]:
 
 def check_config(cfg) -> None:
     """Refuses unknown members' parameters, methods, phase maps and bad splits up front."""
-    members = config_specs.member_entries(cfg.members)
+    members = config_specs.member_entries(cfg.members, supported=MEMBER_KEYS)
     for spec in config_specs.method_entries(cfg.methods):
         try:
             m = get_method(spec["method"])
@@ -117,33 +117,91 @@ def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
     return tb[:vocab_size] + [b""] * (vocab_size - len(tb))
 
 
-def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable):
-    """Scores every member; returns (member infos, scores, token byte tables)."""
+MEMBER_KEYS = ("prefix",)
+
+
+def member_label(name: str, params: dict) -> str:
+    """A member's name in reports: the model, and its prefix when it has one."""
+    from brf.specs import format_spec
+    return format_spec(name, params)
+
+
+def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable,
+              members: Any = None, top_k: int | None = None):
+    """Scores every member; returns (member infos, scores, token byte tables).
+
+    Members are spec strings (``config_specs.member_entries``); a member with a
+    ``prefix`` (a system prompt or instruction text) reads ``[BOS] + prefix +
+    segment`` and is scored on the segment's tokens only, so its positions are
+    those of the unprefixed model. Every member's encoding is checked against
+    its context before any member is scored. A model shared by several members
+    is loaded once.
+    """
     fingerprint = hashlib.sha256("\x00".join(segments).encode()).hexdigest()[:16]
-    infos, all_scores, tbs = [], [], []
-    for name, _ in config_specs.member_entries(cfg.members):
-        model = load_member(name)
+    entries = config_specs.member_entries(members if members is not None else cfg.members,
+                                          supported=MEMBER_KEYS)
+    top_k = top_k or cfg.top_k
+    models, plans = {}, []
+    for name, params in entries:
+        if name not in models:
+            models[name] = load_member(name)
+        model = models[name]
+        prefix = params.get("prefix", "")
+        if not isinstance(prefix, str):
+            raise ValidationError(f"member {name!r}: prefix must be a string; got {prefix!r}")
+        pre = list(model.tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
         ids = [_encode(model.tokenizer, model.cfg, s) for s in segments]
-        too_long = [len(x) for x in ids if len(x) > model.cfg.max_seq_len]
-        if too_long:
-            raise ValidationError(f"{name}: a segment has {max(too_long)} tokens, more than "
-                                  f"its context {model.cfg.max_seq_len}; lower segment_chars")
+        b = 1 if model.cfg.bos_id is not None else 0
+        if pre:
+            ids = [np.concatenate([x[:b], np.asarray(pre, np.int32), x[b:]]) for x in ids]
+        longest = max(len(x) for x in ids)
+        if longest > model.cfg.max_seq_len:
+            raise ValidationError(
+                f"{member_label(name, params)}: prefix ({len(pre)} tokens) + the longest "
+                f"segment make {longest} tokens, more than its context "
+                f"{model.cfg.max_seq_len}; shorten the prefix or lower segment_chars")
+        plans.append((name, params, model, ids, len(pre), b))
+    infos, all_scores, tbs = [], [], []
+    for name, params, model, ids, n_pre, b in plans:
+        label = member_label(name, params)
         safe = name.replace("/", "_").replace(os.sep, "_")
-        sc = score_segments(model.params, model.cfg, ids, top_k=cfg.top_k, chunk=cfg.chunk,
+        if n_pre:
+            safe += "-" + hashlib.sha256(params["prefix"].encode()).hexdigest()[:10]
+        sc = score_segments(model.params, model.cfg, ids, top_k=top_k, chunk=cfg.chunk,
                             store_path=os.path.join(run_dir, f"scores-{safe}.npz"),
-                            meta={"member": name, "corpus": fingerprint,
+                            meta={"member": label, "corpus": fingerprint,
                                   "segments": len(segments)},
-                            desc=f"scoring {name}")
+                            desc=f"scoring {label[:40]}")
+        sc = strip_prefix(sc, n_pre, bool(b))
         all_scores.append(sc)
         tbs.append(member_token_bytes(model.tokenizer, model.cfg.vocab_size))
-        infos.append({"name": name, "vocab_size": int(model.cfg.vocab_size),
-                      "positions": int(sc.row_starts[-1])})
-        del model
+        infos.append({"name": label, "vocab_size": int(model.cfg.vocab_size),
+                      "prefix_tokens": n_pre, "positions": int(sc.row_starts[-1])})
     return infos, all_scores, tbs
 
 
+def variants(cfg) -> list[str]:
+    """The method variants the config asks for ('proposed', 'calibrated'), checked."""
+    from brf.eval.fitting import VARIANTS
+    names = [v.strip() for v in str(cfg.get("variants", "proposed")).split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise ValidationError(f"config.variants: unknown method variant(s) {bad or names}; "
+                              f"use a comma-separated subset of {list(VARIANTS)}")
+    return names
+
+
+def variant_label(label: str, variant: str) -> str:
+    return label if variant == "proposed" else f"{label} [{variant}]"
+
+
 def method_specs(cfg, n: int) -> list[dict]:
-    """Baselines, single members, and one BRF spec per phase map."""
+    """Baselines, single members and one BRF spec per phase map, in every variant.
+
+    The *proposed* variant is each method as published; the *calibrated* one
+    adds a fitted post-fusion temperature and per-member temperatures (equal
+    freedom for every method, :func:`brf.eval.fitting.fused_logq`).
+    """
     specs = config_specs.method_entries(cfg.methods)
     for i in range(n):
         specs.append({"label": f"member {i} alone", "method": "linear", "fit_weights": False,
@@ -160,7 +218,12 @@ def method_specs(cfg, n: int) -> list[dict]:
             fit["phase.offset"] = [0.0] + [0.5] * (n - 1)
         specs.append({"label": f"born {label}", "method": "born", "phase": pm.name,
                       "fit": fit, "fixed": fixed})
-    return specs
+    out = []
+    for v in variants(cfg):
+        for spec in specs:
+            out.append(spec if v == "proposed" else
+                       {**spec, "label": variant_label(spec["label"], v), "variant": v})
+    return out
 
 
 class FitCache:
@@ -202,11 +265,10 @@ class FitCache:
 
 
 def _fit(spec, calib: EventTable, cfg) -> Fitted:
-    if "fixed_weights" in spec:
+    if "fixed_weights" in spec and spec.get("variant", "proposed") == "proposed":
         w = np.asarray(spec["fixed_weights"], np.float64)
         f = Fitted(spec["label"], spec["method"], {}, w, float("nan"))
         return dataclasses.replace(f, calib_nll=float(np.mean(evaluate(f, calib)["nll"])))
-    spec = {k: v for k, v in spec.items() if k != "fixed_weights"}
     return fit_method(spec, calib, steps=cfg.fit_steps, learning_rate=cfg.learning_rate,
                       batch=cfg.fit_batch or None, seed=cfg.seed)
 
@@ -241,8 +303,150 @@ def sweep(cfg, calib: EventTable, test: EventTable) -> list[dict]:
     return out
 
 
+def split(cfg, table: EventTable, n_segments: int):
+    """(calibration, test) tables: the first calibration_fraction of segments, the rest."""
+    n_cal_seg = max(1, int(round(n_segments * cfg.calibration_fraction)))
+    cal_idx = np.nonzero(table.segment < n_cal_seg)[0]
+    test_idx = np.nonzero(table.segment >= n_cal_seg)[0]
+    if len(test_idx) == 0 or len(cal_idx) == 0:
+        raise ValidationError(
+            f"the split leaves no {'test' if len(test_idx) == 0 else 'calibration'} "
+            f"positions ({n_segments} segments, calibration_fraction="
+            f"{cfg.calibration_fraction}); use a longer corpus or smaller segments")
+    return table.take(cal_idx), table.take(test_idx)
+
+
+def fit_all(cfg, specs, calib: EventTable, test: EventTable, cache_path: str,
+            desc: str = "fitting methods"):
+    """Fits every spec on calibration (reusing cached fits); evaluates on test.
+
+    Returns:
+        (method rows for the report, with the per-position test NLL under "_nll"; fits)
+    """
+    fits, methods = [], []
+    cache = FitCache(cache_path, calib, cfg)
+    for spec in tqdm(specs, desc=desc, unit="method", dynamic_ncols=True):
+        f = cache.get(spec)
+        if f is None:
+            f = _fit(spec, calib, cfg)
+            cache.put(spec, f)
+        fits.append(f)
+        ev = evaluate(f, test)
+        methods.append({"label": f.label, "method": f.method,
+                        "variant": spec.get("variant", "proposed"), "params": f.params,
+                        "weights": np.asarray(f.weights).tolist(), "calib_nll": f.calib_nll,
+                        "test": metrics(ev, test.gold_bytes, cfg.seed), "_nll": ev["nll"]})
+    return methods, fits
+
+
+def _is_member(m: dict) -> bool:
+    return m["label"].startswith("member ") and " alone" in m["label"]
+
+
+def comparisons(cfg, methods, fits) -> dict:
+    """Per variant: the best BRF setting vs the best baseline, both chosen on calibration
+    NLL among rows of that variant (like with like), paired bootstrap on test."""
+    out = {}
+    for v in variants(cfg):
+        rows = [(m, f) for m, f in zip(methods, fits) if m["variant"] == v]
+        born = [(m, f) for m, f in rows if f.method == "born"]
+        base = [(m, f) for m, f in rows if f.method in cfg.nll_baselines and not _is_member(m)]
+        if not born or not base:
+            continue
+        bm, bf = min(born, key=lambda mf: mf[1].calib_nll)
+        am, af = min(base, key=lambda mf: mf[1].calib_nll)
+        out[v] = {"brf": bf.label, "baseline": af.label,
+                  **hypotheses.nll_difference(bm["_nll"], am["_nll"], n_boot=cfg.n_boot,
+                                              seed=cfg.seed)}
+    return out
+
+
+def forking_tokens(cfg, methods, fits, calib: EventTable, test: EventTable) -> dict:
+    """Per variant: every method's gain over the best single member by the members' mean
+    entropy (deciles, top 20%), and entropy-gated fusion that runs the other members
+    only at the primary member's top-20% entropy positions (:mod:`brf.eval.forking`)."""
+    from brf.eval import forking
+    ent_test = forking.member_entropy(test)
+    ent_cal = forking.member_entropy(calib)
+    n = test.logp.shape[1]
+    top = float(cfg.get("forking_top_fraction", 0.2))
+    out = {}
+    for v in variants(cfg):
+        rows = [(m, f) for m, f in zip(methods, fits) if m["variant"] == v]
+        singles = [(i, m, f) for i, (m, f) in enumerate(rows) if _is_member(m)]
+        if not singles:
+            continue
+        _, ref_m, ref_f = min(singles, key=lambda t: t[2].calib_nll)
+        primary = int(np.argmax(ref_f.weights))
+        per_method = {}
+        for m, f in rows:
+            if _is_member(m):
+                continue
+            g = forking.gain_by_entropy(m["_nll"], ref_m["_nll"], ent_test.mean(1),
+                                        top_fraction=top, n_boot=min(cfg.n_boot, 500),
+                                        seed=cfg.seed)
+            per_method[m["label"]] = g
+        gated = {}
+        thr = float(np.quantile(ent_cal[:, primary], 1 - top))
+        for kind, pick in (("brf", lambda f: f.method == "born"),
+                           ("baseline", lambda f: f.method in cfg.nll_baselines)):
+            cands = [(m, f) for m, f in rows if pick(f) and not _is_member(m)]
+            if cands:
+                bm, bf = min(cands, key=lambda mf: mf[1].calib_nll)
+                gated[kind] = {"method": bm["label"], **forking.gated_fusion(
+                    bm["_nll"], _member_nll(rows, primary),
+                    ref_m["_nll"], ent_test[:, primary], thr, n)}
+        out[v] = {"reference": ref_m["label"], "primary_member": primary,
+                  "top_fraction": top, "by_method": per_method, "gated": gated}
+    return out
+
+
+def _member_nll(rows, i: int) -> np.ndarray:
+    for m, _ in rows:
+        if m["label"].startswith(f"member {i} alone"):
+            return m["_nll"]
+    raise KeyError(i)
+
+
+def analyse(cfg, table: EventTable, n_segments: int, out_dir: str, *,
+            sweep_curves: bool = True, cache_name: str = "fits.json") -> tuple[dict, dict]:
+    """Fits, evaluates and tests every method on one event table.
+
+    Returns:
+        (report section: split, methods, phase_coherence, cross_term, nll_comparison
+        (per variant), forking, sweep; extras for plots: coherence rows with their
+        phase differences, cross-term scores).
+    """
+    calib, test = split(cfg, table, n_segments)
+    n = table.logp.shape[1]
+    methods, fits = fit_all(cfg, method_specs(cfg, n), calib, test,
+                            os.path.join(out_dir, cache_name))
+    proposed = [(m, f) for m, f in zip(methods, fits)
+                if f.method == "born" and m["variant"] == variants(cfg)[0]]
+    best_born = min(proposed, key=lambda mf: mf[1].calib_nll)[1]
+    # The coherence test reads each phase map as configured (a property of the
+    # map, not of a fit); maps that ignore the logits (constant) are left out.
+    phase_specs = {label: spec for label, (spec, _) in phase_maps(cfg).items()
+                   if phase_map(spec).name != "constant"}
+    coherence = hypotheses.phase_coherence(test, phase_specs, n_perm=cfg.n_perm, seed=cfg.seed)
+    cross = hypotheses.cross_term_test(test, best_born, n_boot=cfg.n_boot, seed=cfg.seed)
+    section = {
+        "split": {"calibration_positions": int(calib.n_positions),
+                  "test_positions": int(test.n_positions)},
+        "methods": [{k: v for k, v in m.items() if k != "_nll"} for m in methods],
+        "phase_coherence": [{k: v for k, v in r.items() if k != "diffs"} for r in coherence],
+        "cross_term": {k: v for k, v in cross.items() if k != "scores"},
+        "nll_comparison": comparisons(cfg, methods, fits),
+        "forking": forking_tokens(cfg, methods, fits, calib, test),
+        "sweep": sweep(cfg, calib, test) if sweep_curves else [],
+    }
+    extras = {"coherence": coherence, "cross_scores": cross["scores"],
+              "test_nll": {m["label"]: m["_nll"] for m in methods}, "test": test}
+    return section, extras
+
+
 def run(cfg, load_member: Callable | None = None) -> dict:
-    """Runs the whole validation; returns the report dict (also written to disk)."""
+    """Runs the validation on one corpus; returns the report dict (also written to disk)."""
     check_config(cfg)
     t0 = time.time()
     text, source = load_text(cfg)
@@ -251,64 +455,21 @@ def run(cfg, load_member: Callable | None = None) -> dict:
     if load_member is None:
         from brf.checkpoints.registry import load as load_member  # noqa
         from brf.checkpoints.registry import resolve
-        for name, _ in config_specs.member_entries(cfg.members):
+        for name, _ in config_specs.member_entries(cfg.members, supported=MEMBER_KEYS):
             resolve(name)  # an unknown model fails before the first one is scored
     infos, scores, tbs = score_all(cfg, segments, cfg.out_dir, load_member)
     table, cov = build_event_table(scores, tbs, segments)
-    n_cal_seg = max(1, int(round(len(segments) * cfg.calibration_fraction)))
-    cal_idx = np.nonzero(table.segment < n_cal_seg)[0]
-    test_idx = np.nonzero(table.segment >= n_cal_seg)[0]
-    if len(test_idx) == 0 or len(cal_idx) == 0:
-        raise ValidationError(
-            f"the split leaves no {'test' if len(test_idx) == 0 else 'calibration'} "
-            f"positions ({len(segments)} segments, calibration_fraction="
-            f"{cfg.calibration_fraction}); use a longer corpus or smaller segments")
-    calib, test = table.take(cal_idx), table.take(test_idx)
-    n = table.logp.shape[1]
-    specs = method_specs(cfg, n)
-    fits, methods = [], []
-    cache = FitCache(os.path.join(cfg.out_dir, "fits.json"), calib, cfg)
-    for spec in tqdm(specs, desc="fitting methods", unit="method", dynamic_ncols=True):
-        f = cache.get(spec)
-        if f is None:
-            f = _fit(spec, calib, cfg)
-            cache.put(spec, f)
-        fits.append(f)
-        ev = evaluate(f, test)
-        methods.append({"label": f.label, "method": f.method, "params": f.params,
-                        "weights": np.asarray(f.weights).tolist(), "calib_nll": f.calib_nll,
-                        "test": metrics(ev, test.gold_bytes, cfg.seed), "_nll": ev["nll"]})
-    # Hypothesis tests on the test split.
-    born = [(m, f) for m, f in zip(methods, fits) if f.method == "born"]
-    best_born_m, best_born = min(born, key=lambda mf: mf[1].calib_nll)
-    base = [(m, f) for m, f in zip(methods, fits) if f.method in cfg.nll_baselines]
-    best_base_m, best_base = min(base, key=lambda mf: mf[1].calib_nll)
-    # The coherence test reads each phase map as configured (a property of the
-    # map, not of a fit); maps that ignore the logits (constant) are left out.
-    phase_specs = {label: spec for label, (spec, _) in phase_maps(cfg).items()
-                   if phase_map(spec).name != "constant"}
-    coherence = hypotheses.phase_coherence(test, phase_specs, n_perm=cfg.n_perm, seed=cfg.seed)
-    cross = hypotheses.cross_term_test(test, best_born, n_boot=cfg.n_boot, seed=cfg.seed)
-    comparison = {"brf": best_born.label, "baseline": best_base.label,
-                  **hypotheses.nll_difference(best_born_m["_nll"], best_base_m["_nll"],
-                                              n_boot=cfg.n_boot, seed=cfg.seed)}
+    section, extras = analyse(cfg, table, len(segments), cfg.out_dir)
     rep = {
         "config": cfg.to_dict(),
         "corpus": {"source": source, "sha256": hashlib.sha256(text.encode()).hexdigest(),
                    "chars": len(text), "segments": len(segments)},
-        "members": infos, "coverage": cov.as_dict(),
-        "split": {"calibration_positions": int(len(cal_idx)),
-                  "test_positions": int(len(test_idx))},
-        "methods": [{k: v for k, v in m.items() if k != "_nll"} for m in methods],
-        "phase_coherence": [{k: v for k, v in r.items() if k != "diffs"} for r in coherence],
-        "cross_term": {k: v for k, v in cross.items() if k != "scores"},
-        "nll_comparison": comparison,
-        "sweep": sweep(cfg, calib, test),
+        "members": infos, "coverage": cov.as_dict(), **section,
         "seconds": time.time() - t0,
     }
     rep["verdict"] = report_lib.verdicts(rep)
     report_lib.write_json(os.path.join(cfg.out_dir, "report.json"), rep)
     with open(os.path.join(cfg.out_dir, "report.md"), "w") as f:
         f.write(report_lib.markdown(rep))
-    report_lib.plots(cfg.out_dir, rep, coherence, cross["scores"])
+    report_lib.plots(cfg.out_dir, rep, extras["coherence"], extras["cross_scores"])
     return rep

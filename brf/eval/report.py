@@ -10,7 +10,7 @@ JSON schema (``report.json``), all NLLs in nats per co-aligned position:
       "coverage": {"positions", "member_positions", "bytes_covered",
                    "bytes_total", "fraction_of_bytes", "fraction_of_member_positions"},
       "split": {"calibration_positions", "test_positions"},
-      "methods": [{"label", "method", "params", "weights", "calib_nll",
+      "methods": [{"label", "method", "variant", "params", "weights", "calib_nll",
                    "test": {"nll", "nll_ci", "perplexity", "bits_per_byte",
                             "top1_accuracy", "ece"}}],
       "phase_coherence": [{"phase_map", "spec", "pair", "n", "mean_resultant_length",
@@ -18,10 +18,19 @@ JSON schema (``report.json``), all NLLs in nats per co-aligned position:
                            "permutation_p", "null_mean_resultant_length"}],
       "cross_term": {"setting", "cross": {"auroc", "ci", "p_value", "n_gold",
                      "n_competitors"}, "rel": {...}, "rel_equal_phases": {...}},
-      "nll_comparison": {"brf", "baseline", "mean_difference", "ci", "p_value",
-                         "block", "n"},
+      "nll_comparison": {<variant>: {"brf", "baseline", "mean_difference", "ci",
+                                     "p_value", "block", "n"}},   # like with like
+      "forking": {<variant>: {"reference", "primary_member", "top_fraction",
+                  "by_method": {<label>: {"mean_gain", "ci", "entropy_edges", "total_gain",
+                                "top_fraction", "top_share", "top_mean_gain",
+                                "rest_mean_gain"}},
+                  "gated": {"brf"|"baseline": {"method", "threshold", "fused_fraction",
+                            "gain_full", "gain_gated", "kept", "calls_saved"}}}},
       "sweep": [{"phase_map", "param", "values", "calib_nll", "test_nll"}],
-      "verdict": {"phase_coherence", "cross_term", "nll"}
+      "verdict": {"phase_coherence", "cross_term", "nll", "forking_tokens"}
+
+Version 2 (this one) added method variants, per-variant comparisons and the
+forking-token analysis.
     }
 """
 
@@ -34,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA = "brf.validate/1"
+SCHEMA = "brf.validate/2"
 
 
 def _jsonable(x):
@@ -79,18 +88,52 @@ def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
            if overlap else
            "the phase map improves the separation beyond member agreement." if lo > c_hi else
            "the phase map separates gold WORSE than member agreement alone."))
-    c = report["nll_comparison"]
+    out["nll"] = " ".join(nll_sentence(c, v) for v, c in report["nll_comparison"].items())
+    fk = forking_sentence(report.get("forking", {}))
+    if fk:
+        out["forking_tokens"] = fk
+    return out
+
+
+VARIANT_WORDS = {"proposed": "as proposed (no temperature for either side, except a "
+                             "method's own)",
+                 "calibrated": "calibrated (every method with a fitted post-fusion "
+                               "temperature and per-member temperatures)"}
+
+
+def nll_sentence(c: dict, variant: str) -> str:
+    """One sentence: best BRF vs best baseline of one variant, with the CI."""
     lo, hi = c["ci"]
     if hi < 0:
-        what = f"{c['brf']} has LOWER test NLL than the best tuned baseline {c['baseline']}"
+        what = f"{c['brf']} has LOWER test NLL than the best baseline {c['baseline']}"
     elif lo > 0:
-        what = f"{c['brf']} has HIGHER test NLL than the best tuned baseline {c['baseline']}"
+        what = f"{c['brf']} has HIGHER test NLL than the best baseline {c['baseline']}"
     else:
-        what = (f"{c['brf']} and the best tuned baseline {c['baseline']} are not "
+        what = (f"{c['brf']} and the best baseline {c['baseline']} are not "
                 f"distinguishable in test NLL")
-    out["nll"] = (f"{what}: mean difference {c['mean_difference']:+.4f} nats/position, "
-                  f"95% CI [{lo:+.4f}, {hi:+.4f}] (paired block bootstrap).")
-    return out
+    return (f"Comparing methods {VARIANT_WORDS.get(variant, variant)}: {what}: mean "
+            f"difference {c['mean_difference']:+.4f} nats/position, 95% CI "
+            f"[{lo:+.4f}, {hi:+.4f}] (paired block bootstrap).")
+
+
+def forking_sentence(forking: dict) -> str:
+    """What share of the gain the high-entropy positions carry, and what gating keeps."""
+    parts = []
+    for v, f in forking.items():
+        g = f.get("gated", {}).get("brf")
+        if not g:
+            continue
+        share = f["by_method"][g["method"]]["top_share"]
+        parts.append(
+            f"[{v}] {g['method']}: the top {100 * f['top_fraction']:.0f}% highest-entropy "
+            f"positions carry {100 * share:.0f}% of its total gain over the best single "
+            f"member ({f['reference']}); fusing only where the primary member's entropy is in "
+            f"its top {100 * f['top_fraction']:.0f}% (fused at "
+            f"{100 * g['fused_fraction']:.0f}% of test positions) keeps "
+            f"{100 * g['kept']:.0f}% of full fusion's gain ({g['gain_gated']:+.4f} vs "
+            f"{g['gain_full']:+.4f} nats/position) and saves {100 * g['calls_saved']:.0f}% "
+            f"of member calls.")
+    return " ".join(parts)
 
 
 def write_json(path: str, report: dict) -> None:
@@ -156,9 +199,35 @@ def markdown(report: dict) -> str:
               f"- control, relative term with equal phases (member agreement only): "
               f"{ct['rel_equal_phases']['auroc']:.4f} [{ct['rel_equal_phases']['ci'][0]:.4f}, "
               f"{ct['rel_equal_phases']['ci'][1]:.4f}]", "",
-              "Plots: `nll_by_method.png`, `phase_differences.png`, `sweep.png`, "
-              "`cross_terms.png`.", ""]
+              ""]
+    lines += forking_markdown(report.get("forking", {}))
+    lines += ["Plots: `nll_by_method.png`, `phase_differences.png`, `sweep.png`, "
+              "`cross_terms.png`, `gain_by_entropy.png`.", ""]
     return "\n".join(lines)
+
+
+def forking_markdown(forking: dict) -> list[str]:
+    """The forking-token tables: gain over the best single member by entropy decile."""
+    lines = []
+    for v, f in forking.items():
+        lines += [f"## Forking tokens ({v})", "",
+                  f"Gain in NLL over the best single member ({f['reference']}) by decile of "
+                  f"the members' mean entropy on the test split (D1 = most certain), nats "
+                  f"per position; 'top share' = the share of the method's total gain at the "
+                  f"top {100 * f['top_fraction']:.0f}% entropy positions.", "",
+                  "| method | " + " | ".join(f"D{i + 1}" for i in range(10)) + " | top share |",
+                  "|---|" + "---|" * 11]
+        for label, g in f["by_method"].items():
+            lines.append(f"| {label} | " + " | ".join(f"{x:+.3f}" for x in g["mean_gain"])
+                         + f" | {100 * g['top_share']:.0f}% |")
+        for kind, g in f.get("gated", {}).items():
+            lines.append("")
+            lines.append(f"- Entropy-gated {kind} ({g['method']}): fused at "
+                         f"{100 * g['fused_fraction']:.0f}% of positions, keeps "
+                         f"{100 * g['kept']:.0f}% of the full gain, saves "
+                         f"{100 * g['calls_saved']:.0f}% of member calls.")
+        lines.append("")
+    return lines
 
 
 def _fmt(v):
@@ -235,4 +304,36 @@ def plots(out_dir: str, report: dict, phase_rows: list[dict], cross_scores: dict
     paths.append(os.path.join(out_dir, "cross_terms.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    if report.get("forking"):
+        paths.append(plot_gain_by_entropy(os.path.join(out_dir, "gain_by_entropy.png"),
+                                          report["forking"]))
     return paths
+
+
+def plot_gain_by_entropy(path: str, forking: dict) -> str:
+    """Gain over the best single member by entropy decile: the best BRF setting and the
+    best baseline of each variant, with 95% CIs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(forking), figsize=(5.2 * len(forking), 3.6),
+                             squeeze=False, sharey=True)
+    for ax, (v, f) in zip(axes[0], forking.items()):
+        x = np.arange(1, 11)
+        for kind, g in f.get("gated", {}).items():
+            r = f["by_method"][g["method"]]
+            m = np.asarray(r["mean_gain"])
+            ci = np.asarray(r["ci"])
+            ax.errorbar(x + (0.1 if kind == "brf" else -0.1), m,
+                        yerr=[m - ci[:, 0], ci[:, 1] - m], fmt="o-", capsize=2,
+                        label=f"{g['method']} (top {100 * f['top_fraction']:.0f}%: "
+                              f"{100 * r['top_share']:.0f}% of gain)")
+        ax.axhline(0, color="grey", lw=0.6)
+        ax.set_title(f"{v}: gain over {f['reference']}", fontsize=9)
+        ax.set_xlabel("decile of the members' mean entropy (1 = most certain)")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("NLL gain (nats/position)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

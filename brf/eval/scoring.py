@@ -221,3 +221,39 @@ def load_partial(path: str, meta: dict) -> list[dict]:
                     for s in range(len(rs) - 1)]
     except (OSError, ValueError, KeyError, EOFError):
         return []  # unreadable or partial file: rescore
+
+
+def strip_prefix(scores: MemberScores, n_prefix: int, has_bos: bool) -> MemberScores:
+    """Scores of ``[BOS] + prefix + segment`` sequences as if they were ``[BOS] + segment``.
+
+    Every segment was scored after a conditioning prefix of ``n_prefix`` tokens
+    (between BOS, when the model has one, and the segment's tokens). The result
+    has the layout of unprefixed scores: the prefix tokens are dropped from
+    ``token_ids`` and the rows that predict prefix tokens are dropped, so row 0
+    of a segment again predicts its first token (after BOS), now conditioned on
+    the prefix too. The row count per segment equals the unprefixed one.
+    """
+    if n_prefix == 0:
+        return scores
+    b = 1 if has_bos else 0
+    keep_tok, keep_row = [], []
+    for s in range(len(scores.tok_starts) - 1):
+        t0, t1 = int(scores.tok_starts[s]), int(scores.tok_starts[s + 1])
+        r0, r1 = int(scores.row_starts[s]), int(scores.row_starts[s + 1])
+        keep_tok.append(np.r_[t0:t0 + b, t0 + b + n_prefix:t1])
+        keep_row.append(np.arange(r0 + n_prefix, r1))
+    tok = np.concatenate(keep_tok) if keep_tok else np.zeros(0, np.int64)
+    row = np.concatenate(keep_row) if keep_row else np.zeros(0, np.int64)
+    lens = np.array([len(k) for k in keep_tok], np.int64)
+    rows = np.array([len(k) for k in keep_row], np.int64)
+    fields = {name: getattr(scores, name)[row] for name in ROW_FIELDS}
+    return MemberScores(scores.token_ids[tok], np.concatenate([[0], np.cumsum(lens)]),
+                        np.concatenate([[0], np.cumsum(rows)]), **fields,
+                        vocab_size=scores.vocab_size)
+
+
+def truncate_top_k(scores: MemberScores, k: int) -> MemberScores:
+    """The same scores with only the top ``k`` (<= stored K) tokens kept."""
+    if k > scores.topk_ids.shape[1]:
+        raise ValueError(f"cannot keep the top {k} of {scores.topk_ids.shape[1]} stored tokens")
+    return scores._replace(topk_ids=scores.topk_ids[:, :k], topk_logp=scores.topk_logp[:, :k])
