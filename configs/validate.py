@@ -17,6 +17,7 @@ import math
 import ml_collections
 
 from brf.errors import UserError
+from brf.specs import format_spec
 
 
 class ConfigArgError(UserError):
@@ -24,6 +25,8 @@ class ConfigArgError(UserError):
 
 
 PI = math.pi
+HAMLET_PREFIX = "The following is the text of Hamlet, a tragedy by William Shakespeare.\n\n"
+SECOND_PREFIX = "Here is a passage of text.\n\n"
 
 
 def get_config(arg=None):
@@ -31,7 +34,17 @@ def get_config(arg=None):
     # Members, methods and phase maps are spec strings (brf/eval/config_specs.py),
     # so flags can set them: --config.members=smollm2-135m-instruct,gemma3-270m
     c.members = "smollm2-135m-instruct, gemma3-270m"
-    c.corpus = ""                      # a UTF-8 text file; "" = the default corpus
+    # The study's corpora (brf.eval.corpus.CORPORA names or UTF-8 files), each with
+    # optional max_chars / skip_chars / label and a steadying prefix for the
+    # prompt study. See brf/eval/study.py.
+    c.corpora = ", ".join([
+        format_spec("hamlet", dict(max_chars=42_000, prefix=HAMLET_PREFIX)),
+    ])
+    c.corpus = ""                      # a UTF-8 text file: the study on this text alone
+    c.prompt_study = True              # prefix pair, same-model pair, swarm on corpora with a prefix
+    c.second_prefix = SECOND_PREFIX    # the same-model pair: prefix vs this one
+    c.swarm = True                     # four members: each model with and without the prefix
+    c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
     c.default_plays = ("tragedies/hamlet",)
     c.min_chars = 2000
     c.max_chars = 42_000               # of the default corpus (~13K SmolLM2 tokens, ~10K co-aligned)
@@ -102,6 +115,8 @@ def get_config(arg=None):
         for name in ("tanh", "arctan", "log1p", "token_tanh", "token_log1p")
     ]
     if arg == "short":
+        c.corpora = format_spec("hamlet", dict(max_chars=6000, prefix=HAMLET_PREFIX))
+        c.topk_sensitivity = 128
         c.max_chars = 6000
         c.segment_chars = 1500
         c.n_perm = 300

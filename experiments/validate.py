@@ -1,15 +1,16 @@
-"""The main job: validation of Born Rule Fusion on real models.
+"""The main job: the study of Born Rule Fusion on real models (brf/eval/study.py).
 
   python experiments/validate.py --config=configs/validate.py
 
-Writes report.json, report.md and PNG plots to --config.out_dir, reusing the
-member scores stored there by an earlier (possibly interrupted) run.
+Writes report.json, report.md and PNG plots to --config.out_dir (and a full
+report per corpus in its subdirectory), reusing the member scores and fits
+stored there by an earlier (possibly interrupted) run.
 """
 
 from ml_collections import config_flags
 
 from brf import cli
-from brf.eval.pipeline import run
+from brf.eval.study import run
 from brf.runtime import enable_compilation_cache
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")

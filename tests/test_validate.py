@@ -276,3 +276,61 @@ def test_a_prefix_longer_than_the_context_is_refused_before_scoring(tmp_path, te
         pipeline.score_all(cfg, segs, str(tmp_path), members.__getitem__,
                            members=f'tiny-b, tiny-a(prefix="{long}")')
     assert not list(tmp_path.glob("scores-*"))  # nothing was scored
+
+
+def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
+    """Two corpora (pooled), a prefix study (prefix pair, same-model pair, swarm of 4)
+    and the event-space check, on tiny models; resumable without rescoring."""
+    from brf.eval import study
+    cfg = _cfg(tmp_path, text)
+    cfg.corpus = ""
+    cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
+                  'temperature=fit(1.0))'
+    cfg.phase_maps = 'constant(label="hellinger (equal phases)", fixed=True), tanh'
+    half = len(text) // 2
+    cfg.corpora = (f'{tmp_path / "corpus.txt"}(label="first", max_chars={half}, '
+                   f'prefix="A story.\\n\\n"), '
+                   f'{tmp_path / "corpus.txt"}(label="second", skip_chars={half})')
+    cfg.second_prefix = "Text:\n"
+    cfg.topk_sensitivity = 32
+    cfg.variants = "calibrated"  # both variants run in test_pipeline_end_to_end
+    cfg.n_perm = cfg.n_boot = 60
+    cfg.fit_steps = 10
+    cfg.sweep = cfg.sweep[:1]
+    rep = study.run(cfg, load_member=members.__getitem__)
+    data = json.load(open(os.path.join(cfg.out_dir, "report.json")))
+    assert data["schema"] == "brf.study/1"
+    assert set(data["per_corpus"]) == {"first", "second"}
+    assert set(data["pooled"]) == {"calibrated"}
+    for v, p in data["pooled"].items():
+        diffs = [c["mean_difference"] for c in p["corpora"]]
+        assert p["mean_difference"] == pytest.approx(np.mean(diffs), abs=1e-9)
+        assert p["ci"][0] <= p["mean_difference"] <= p["ci"][1]
+    pr = data["prompts"]["first"]
+    assert pr["effect"]["paired"] and pr["effect"]["phase_concentration"]
+    assert len(pr["swarm"]["members"]) == 4 and len(pr["same_model"]["members"]) == 2
+    assert pr["same_model"]["coverage"]["fraction_of_member_positions"] == [1.0, 1.0]
+    assert data["topk_sensitivity"]["top_k"] == [16, 32]
+    for key in ("nll: first", "nll: pooled (calibrated)", "prompts: first", "swarm: first",
+                "event space"):
+        assert key in data["verdict"], sorted(data["verdict"])
+    for name in ("report.md", "pooled.png", "gain_by_entropy.png",
+                 "first/gain_by_entropy.png", "second/nll_by_method.png"):
+        assert os.path.getsize(os.path.join(cfg.out_dir, name)) > 0, name
+    rep2 = study.run(cfg, load_member=_forbid_scoring(members))  # resumes: nothing rescored
+    assert rep2["pooled"] == rep["pooled"]
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(corpora="no-such-corpus"), "unknown corpus"),
+    (dict(corpora="hamlet(max_chars=1000)"), "fewer than"),
+    (dict(corpora="hamlet(max_chars=2100)", segment_chars=3000), "at least 2"),
+    (dict(corpora="hamlet(colour=1)"), "unknown parameter"),
+    (dict(variants="proposed, tuned"), "unknown method variant"),
+    (dict(topk_sensitivity=8), "topk_sensitivity"),
+])
+def test_bad_study_config_is_refused_before_any_model_runs(tmp_path, text, change, match):
+    from brf.eval import study
+    cfg = _cfg(tmp_path, text, corpus="", **change)
+    with pytest.raises(UserError, match=match):
+        study.run(cfg, load_member=lambda name: pytest.fail("a model was loaded"))

