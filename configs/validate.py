@@ -37,8 +37,11 @@ def get_config(arg=None):
     # The study's corpora (brf.eval.corpus.CORPORA names or UTF-8 files), each with
     # optional max_chars / skip_chars / label and a steadying prefix for the
     # prompt study. See brf/eval/study.py.
+    # Sizes give >= 10K co-aligned positions each (10.4K, 11.1K, 11.0K).
     c.corpora = ", ".join([
         format_spec("hamlet", dict(max_chars=42_000, prefix=HAMLET_PREFIX)),
+        format_spec("pyparsing", dict(max_chars=62_000)),
+        format_spec("ataturk-1920", dict(max_chars=57_000)),
     ])
     c.corpus = ""                      # a UTF-8 text file: the study on this text alone
     c.prompt_study = True              # prefix pair, same-model pair, swarm on corpora with a prefix

