@@ -60,6 +60,8 @@ def get_config(arg=None):
     c.prompts_file = ""
     c.output = ""                 # '' prints; a path writes JSONL
     c.stream = True
+    # Devices (brf/sharding.py): each member's weights split over 'model'.
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
     if "tiny" in flags:
         c.members = [dict(model=f"random:{DEFAULT_PAIR[0]}:{i}", chat=True, weight=0.5,
                           prefix=p) for i, p in enumerate(("Be brief.", "Be poetic."))]

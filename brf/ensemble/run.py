@@ -7,6 +7,7 @@ and returns one JSON-ready row per prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -102,9 +103,32 @@ def aligner_params(aligner: str, params) -> dict | None:
     return {k: v for k, v in dict(params).items() if k in declared} or None
 
 
+def place_members(members: Sequence[Member], mesh) -> list[Member]:
+    """Members with their weights split over the mesh's 'model' axis (``brf.sharding``).
+
+    Members that share a model keep sharing one placed copy. No mesh, or a
+    one-device mesh: the members unchanged.
+    """
+    if mesh is None or mesh.size == 1:
+        return list(members)
+    from brf import sharding
+    placed: dict[int, Any] = {}
+    for m in members:
+        if id(m.params) not in placed:
+            placed[id(m.params)] = sharding.shard_params(m.params, mesh)
+    return [dataclasses.replace(m, params=placed[id(m.params)]) for m in members]
+
+
 def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
-    """Generates for a configs/generate.py config; returns one JSON-ready row per prompt."""
+    """Generates for a configs/generate.py config; returns one JSON-ready row per prompt.
+
+    ``c.mesh`` (optional): the members' weights are split over its 'model'
+    axis (tensor-parallel decoding; see :mod:`brf.sharding`).
+    """
     members = load_members(c.members)
+    if c.get("mesh"):
+        from brf import sharding
+        members = place_members(members, sharding.make_mesh(c.mesh))
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
     method_params = dict(c.get("method_params", {}) or {})
     if c.get("phase"):

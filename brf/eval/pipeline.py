@@ -30,7 +30,9 @@ from brf.eval import corpus as corpus_lib
 from brf.eval import hypotheses, report as report_lib, stats
 from brf.eval.events import build_event_table
 from brf.eval.fitting import EventTable, Fitted, evaluate, fit_method
+from brf.eval import scoring as merge_lib
 from brf.eval.scoring import score_segments
+from brf import sharding
 from brf.fusion import PHASE_MAPS, get_method, phase_map
 
 
@@ -106,9 +108,16 @@ def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
     return tb[:vocab_size] + [b""] * (vocab_size - len(tb))
 
 
-def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable):
-    """Scores every member; returns (member infos, scores, token byte tables)."""
+def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable, mesh=None):
+    """Scores every member; returns (member infos, scores, token byte tables).
+
+    ``mesh`` (:mod:`brf.sharding`): segments go over its 'data' axis, each
+    member's weights over 'model'. In a multi-process run each process scores
+    its share of the segments into its own part of the store; process 0 merges
+    the parts and returns the scores, the other processes return None.
+    """
     fingerprint = hashlib.sha256("\x00".join(segments).encode()).hexdigest()[:16]
+    n_proc = sharding.process_count()
     infos, all_scores, tbs = [], [], []
     for name in cfg.members:
         model = load_member(name)
@@ -118,17 +127,47 @@ def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable):
             raise ValidationError(f"{name}: a segment has {max(too_long)} tokens, more than "
                                   f"its context {model.cfg.max_seq_len}; lower segment_chars")
         safe = name.replace("/", "_").replace(os.sep, "_")
-        sc = score_segments(model.params, model.cfg, ids, top_k=cfg.top_k, chunk=cfg.chunk,
-                            store_path=os.path.join(run_dir, f"scores-{safe}.npz"),
-                            meta={"member": name, "corpus": fingerprint,
-                                  "segments": len(segments)},
-                            desc=f"scoring {name}")
+        store = os.path.join(run_dir, f"scores-{safe}.npz")
+        meta = {"member": name, "corpus": fingerprint, "segments": len(segments)}
+        params = None if model.params is None else sharding.shard_params(model.params, mesh)
+        if n_proc == 1:
+            sc = score_segments(params, model.cfg, ids, top_k=cfg.top_k, chunk=cfg.chunk,
+                                store_path=store, meta=meta, desc=f"scoring {name}",
+                                mesh=mesh)
+        else:
+            sc = score_share(params, model.cfg, ids, store, meta, cfg, mesh, name)
         all_scores.append(sc)
         tbs.append(member_token_bytes(model.tokenizer, model.cfg.vocab_size))
         infos.append({"name": name, "vocab_size": int(model.cfg.vocab_size),
-                      "positions": int(sc.row_starts[-1])})
-        del model
+                      "positions": None if sc is None else int(sc.row_starts[-1])})
+        del model, params
+    if n_proc > 1:
+        sharding.barrier("brf.validate.merged")  # process 0 has merged every store
+        if sharding.process_index() != 0:
+            return None
     return infos, all_scores, tbs
+
+
+def score_share(params, model_cfg, ids, store: str, meta: dict, cfg, mesh, name: str):
+    """Multi-process scoring of one member: this process's share into its part of
+    the store; process 0 then merges every part into ``store`` (the single-process
+    store, byte for byte the same format) and returns the scores; others None."""
+    index, count = sharding.process_index(), sharding.process_count()
+    full_meta = dict(meta, top_k=cfg.top_k, n_segments=len(ids))
+    done = merge_lib.load_partial(store, full_meta)
+    if len(done) == len(ids):  # merged (or scored by one process) before: reuse it
+        return merge_lib.assemble(ids, done, int(model_cfg.vocab_size)) if index == 0 else None
+    share = sharding.process_share(len(ids), index, count)
+    parts = [merge_lib.part_path(store, i, count) for i in range(count)]
+    part_meta = dict(meta, share=(share.start, share.stop, count))
+    score_segments(params, model_cfg, ids[share.start:share.stop], top_k=cfg.top_k,
+                   chunk=cfg.chunk, store_path=parts[index], meta=part_meta,
+                   desc=f"scoring {name} [{index}/{count}]", mesh=mesh)
+    sharding.barrier(f"brf.validate.scored.{meta['member']}")
+    if index != 0:
+        return None
+    return merge_lib.merge_parts(store, parts, ids, meta, top_k=cfg.top_k,
+                                 vocab_size=int(model_cfg.vocab_size))
 
 
 def method_specs(cfg, n: int) -> list[dict]:
@@ -230,8 +269,19 @@ def sweep(cfg, calib: EventTable, test: EventTable) -> list[dict]:
     return out
 
 
-def run(cfg, load_member: Callable | None = None) -> dict:
-    """Runs the whole validation; returns the report dict (also written to disk)."""
+def _mesh(cfg):
+    """The scoring mesh of ``cfg.mesh`` (this process's devices); None for one device."""
+    mesh = sharding.make_mesh(cfg.get("mesh"))
+    return None if mesh.size == 1 else mesh  # one device: today's path, unchanged
+
+
+def run(cfg, load_member: Callable | None = None) -> dict | None:
+    """Runs the whole validation; returns the report dict (also written to disk).
+
+    In a multi-process run (``cfg.distributed``) every process scores its share;
+    process 0 merges the stores and writes the report; the others return None.
+    """
+    sharding.initialize_distributed(cfg.get("distributed"))  # before any other JAX use
     check_config(cfg)
     t0 = time.time()
     text, source = load_text(cfg)
@@ -239,7 +289,10 @@ def run(cfg, load_member: Callable | None = None) -> dict:
     os.makedirs(cfg.out_dir, exist_ok=True)
     if load_member is None:
         from brf.checkpoints.registry import load as load_member  # noqa
-    infos, scores, tbs = score_all(cfg, segments, cfg.out_dir, load_member)
+    scored = score_all(cfg, segments, cfg.out_dir, load_member, _mesh(cfg))
+    if scored is None:  # a multi-process run's other processes: process 0 reports
+        return None
+    infos, scores, tbs = scored
     table, cov = build_event_table(scores, tbs, segments)
     n_cal_seg = max(1, int(round(len(segments) * cfg.calibration_fraction)))
     cal_idx = np.nonzero(table.segment < n_cal_seg)[0]

@@ -294,3 +294,36 @@ def load_partial(path: str, meta: dict) -> list[dict]:
                     for s in range(len(rs) - 1)]
     except (OSError, ValueError, KeyError, EOFError):
         return []  # unreadable or partial file: rescore
+
+
+def part_path(store_path: str, index: int, count: int) -> str:
+    """The file of process ``index``'s share of a member's store (of ``count`` shares)."""
+    root, ext = os.path.splitext(store_path)
+    return f"{root}.part{index}of{count}{ext}"
+
+
+def merge_parts(store_path: str, part_paths: list[str], segments_ids, meta: dict, *,
+                top_k: int, vocab_size: int) -> MemberScores:
+    """Joins the processes' shares (:func:`part_path`) into one store.
+
+    Each part holds a contiguous block of segments (``brf.sharding.process_share``),
+    in process order; the merged store is what a single process would have
+    written (same meta, same rows), so later runs reuse it.
+
+    Raises:
+      ValueError: a part that is missing or incomplete.
+    """
+    count = len(part_paths)
+    rows = []
+    for i, path in enumerate(part_paths):
+        lo = i * len(segments_ids) // count
+        hi = (i + 1) * len(segments_ids) // count
+        part_meta = dict(meta, share=(lo, hi, count), top_k=top_k, n_segments=hi - lo)
+        got = load_partial(path, part_meta)
+        if len(got) != hi - lo:
+            raise ValueError(f"{path}: {len(got)} of {hi - lo} segments scored (a process "
+                             "stopped early, or its store is from another run)")
+        rows.extend(got)
+    full_meta = dict(meta, top_k=top_k, n_segments=len(segments_ids))
+    save_partial(store_path, segments_ids, rows, full_meta, vocab_size)
+    return assemble(segments_ids, rows, vocab_size)
