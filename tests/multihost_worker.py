@@ -29,12 +29,12 @@ def main(tmp: str, mode: str, *dist: str) -> None:
     corpus = os.path.join(tmp, "corpus.txt")
     if mode == "single":
         with open(corpus, "w", encoding="utf-8") as f:
-            f.write(load_default_corpus(min_chars=100)[:3000])
+            f.write(load_default_corpus(min_chars=100)[:2400])
     text = open(corpus, encoding="utf-8").read()
     c = validate_config.get_config("short")
     c.members = ("tiny-a", "tiny-b")
     c.corpus = corpus
-    c.segment_chars = 400
+    c.segment_chars = 600
     c.top_k = 8
     c.chunk = 64
     c.fit_steps = 5
