@@ -251,10 +251,12 @@ def initialize_distributed(spec: Mapping[str, Any] | None) -> bool:
 
 
 def process_index() -> int:
+    """This process's index in a multi-process run (0 when alone)."""
     return jax.process_index()
 
 
 def process_count() -> int:
+    """Processes in this run (1 unless :func:`initialize_distributed` joined several)."""
     return jax.process_count()
 
 

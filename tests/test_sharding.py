@@ -143,3 +143,34 @@ def test_two_processes_score_halves_and_the_merged_report_equals_one_process(tmp
     md = lambda d: (d / "report.md").read_text().split("\n")
     assert [l for l in md(single) if "seconds" not in l and " s)" not in l] == \
         [l for l in md(multi) if "seconds" not in l and " s)" not in l]
+
+
+def test_merging_shares_refuses_a_missing_or_short_share(tmp_path):
+    from brf.eval import scoring
+    rng = np.random.default_rng(0)
+    segs = [rng.integers(0, 50, size=n).astype(np.int32) for n in (5, 7, 4)]
+
+    def rows(ids):
+        n = len(ids) - 1
+        return {"topk_ids": np.zeros((n, 2), np.int32), "topk_logp": np.zeros((n, 2)),
+                **{k: rng.standard_normal(n) for k in ("gold_logp", "entropy", "gap",
+                                                       "log_norm")}}
+
+    store = str(tmp_path / "scores-m.npz")
+    parts = [scoring.part_path(store, i, 2) for i in range(2)]
+    assert parts[1].endswith("scores-m.part1of2.npz")
+    meta = {"member": "m"}
+    all_rows = [rows(s) for s in segs]
+    scoring.save_partial(parts[0], segs[:1], all_rows[:1],
+                         dict(meta, share=(0, 1, 2), top_k=2, n_segments=1), 50)
+    with pytest.raises(ValueError, match="part1of2.npz: 0 of 2 segments"):
+        scoring.merge_parts(store, parts, segs, meta, top_k=2, vocab_size=50)
+    scoring.save_partial(parts[1], segs[1:], all_rows[1:],
+                         dict(meta, share=(1, 3, 2), top_k=2, n_segments=2), 50)
+    merged = scoring.merge_parts(store, parts, segs, meta, top_k=2, vocab_size=50)
+    want = scoring.assemble(segs, all_rows, 50)
+    for k in scoring.ROW_FIELDS + ("token_ids", "row_starts"):
+        np.testing.assert_array_equal(getattr(merged, k), getattr(want, k))
+    # The merged store is what one process would have written: it is reused as such.
+    again = scoring.load_partial(store, dict(meta, top_k=2, n_segments=3))
+    assert len(again) == 3
