@@ -31,7 +31,6 @@ Config (``configs/validate.py``, ``configs/generate.py``)::
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -287,21 +286,7 @@ def barrier(name: str, timeout_s: float = 3600.0) -> None:
     client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
-def wait_for_files(paths: Sequence[str], timeout_s: float = 3600.0, poll_s: float = 0.2
-                   ) -> None:
-    """Waits until every path exists (shares written by other hosts on a shared disk)."""
-    import os
-    deadline = time.monotonic() + timeout_s
-    missing = [p for p in paths if not os.path.exists(p)]
-    while missing:
-        if time.monotonic() > deadline:
-            raise ShardingError(f"timed out after {timeout_s:.0f} s waiting for {missing[0]} "
-                                "(another host's share of the store)")
-        time.sleep(poll_s)
-        missing = [p for p in missing if not os.path.exists(p)]
-
-
 __all__ = ["DATA", "MODEL", "ShardingError", "barrier", "batch_sharding", "data_size",
            "initialize_distributed", "make_mesh", "mesh_shape", "model_size", "param_shardings",
            "param_spec", "process_count", "process_index", "process_share", "shard_batch",
-           "shard_cache", "shard_params", "sharding", "vocab_sharding", "wait_for_files"]
+           "shard_cache", "shard_params", "sharding", "vocab_sharding"]
