@@ -81,6 +81,8 @@ def get_config(arg=None):
     c.prompts_file = ""
     c.output = ""                 # '' prints; a path writes JSONL
     c.stream = True
+    # Devices (brf/sharding.py): each member's weights split over 'model'.
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
     if "tiny" in flags:
         c.members = ", ".join(
             format_spec(f"random:{DEFAULT_PAIR[0]}:{i}", dict(chat=True, weight=0.5, prefix=p))

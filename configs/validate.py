@@ -117,6 +117,13 @@ def get_config(arg=None):
              values=[0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
         for name in ("tanh", "arctan", "log1p", "token_tanh", "token_log1p")
     ]
+    # Devices (brf/sharding.py): segments over 'data', a member's weights over
+    # 'model'; -1 = every device of this process the other axis leaves. Multi-host:
+    # --config.distributed.enabled=True (+ coordinator_address, num_processes,
+    # process_id, or none of them on a TPU pod / SLURM): each host scores its share.
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    c.distributed = ml_collections.ConfigDict(dict(
+        enabled=False, coordinator_address="", num_processes=0, process_id=-1))
     if arg == "short":
         c.corpora = format_spec("hamlet", dict(max_chars=6000, prefix=HAMLET_PREFIX))
         c.topk_sensitivity = 128

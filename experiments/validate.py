@@ -22,6 +22,9 @@ def main(argv):
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache_dir or None)
     rep = run(cfg)
+    if rep is None:  # multi-host: another process merges the stores and reports
+        print(f"\nScored this process's share into {cfg.out_dir}; process 0 writes the report.")
+        return
     print(f"\nReport: {cfg.out_dir}/report.md ({rep['seconds']:.0f} s)\n")
     for k, v in rep["verdict"].items():
         print(f"- {k}: {v}")

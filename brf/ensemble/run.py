@@ -179,11 +179,29 @@ def weighting_spec(weighting: str) -> float | None:
     return float(t)
 
 
+def place_members(members: Sequence[Member], mesh) -> list[Member]:
+    """Members with their weights split over the mesh's 'model' axis (``brf.sharding``).
+
+    Members that share a model keep sharing one placed copy. No mesh, or a
+    one-device mesh: the members unchanged.
+    """
+    if mesh is None or mesh.size == 1:
+        return list(members)
+    from brf import sharding
+    placed: dict[int, Any] = {}
+    for m in members:
+        if id(m.params) not in placed:
+            placed[id(m.params)] = sharding.shard_params(m.params, mesh)
+    return [dataclasses.replace(m, params=placed[id(m.params)]) for m in members]
+
+
 def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     """Generates for a configs/generate.py config; returns one JSON-ready row per prompt.
 
     With ``c.weighting = 'perplexity(...)'`` every prompt gets its own PackLLM
     weights (:mod:`brf.ensemble.packllm`), so prompts are generated one at a time.
+    ``c.mesh`` (optional): the members' weights are split over its 'model'
+    axis (tensor-parallel decoding; see :mod:`brf.sharding`).
     """
     specs = member_specs(c.members)
     method, method_params = method_spec(c.method, c.get("method_params", {}),
@@ -192,6 +210,9 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
         method, method_params = "linear", {}
     temperature = weighting_spec(c.get("weighting", ""))
     members = load_members(specs)
+    if c.get("mesh"):
+        from brf import sharding
+        members = place_members(members, sharding.make_mesh(c.mesh))
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
     aligner = c.aligner if c.aligner != "auto" else auto_aligner(members)
     weights = [m.get("weight") for m in specs]

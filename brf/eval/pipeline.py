@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -31,7 +32,9 @@ from brf.eval import corpus as corpus_lib
 from brf.eval import hypotheses, report as report_lib, stats
 from brf.eval.events import build_event_table
 from brf.eval.fitting import EventTable, Fitted, evaluate, fit_method
+from brf.eval import scoring as merge_lib
 from brf.eval.scoring import score_segments, strip_prefix
+from brf import sharding
 from brf.fusion import PHASE_MAPS, get_method, phase_map
 from brf.fusion.methods import resolve_params
 
@@ -119,6 +122,9 @@ def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
 
 
 MEMBER_KEYS = ("prefix",)
+# Barrier names must be unique per use; every process makes the same scoring calls
+# in the same order, so their counters agree.
+_BARRIERS = itertools.count()
 
 
 def member_label(name: str, params: dict) -> str:
@@ -128,7 +134,7 @@ def member_label(name: str, params: dict) -> str:
 
 
 def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable,
-              members: Any = None, top_k: int | None = None):
+              members: Any = None, top_k: int | None = None, mesh=None):
     """Scores every member; returns (member infos, scores, token byte tables).
 
     Members are spec strings (``config_specs.member_entries``); a member with a
@@ -137,8 +143,14 @@ def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable,
     those of the unprefixed model. Every member's encoding is checked against
     its context before any member is scored. A model shared by several members
     is loaded once.
+
+    ``mesh`` (:mod:`brf.sharding`): segments go over its 'data' axis, each
+    member's weights over 'model'. In a multi-process run each process scores
+    its share of the segments into its own part of the store; process 0 merges
+    the parts and returns the scores, the other processes return None.
     """
     fingerprint = hashlib.sha256("\x00".join(segments).encode()).hexdigest()[:16]
+    n_proc = sharding.process_count()
     entries = config_specs.member_entries(members if members is not None else cfg.members,
                                           supported=MEMBER_KEYS)
     top_k = top_k or cfg.top_k
@@ -168,17 +180,51 @@ def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable,
         safe = name.replace("/", "_").replace(os.sep, "_")
         if n_pre:
             safe += "-" + hashlib.sha256(params["prefix"].encode()).hexdigest()[:10]
-        sc = score_segments(model.params, model.cfg, ids, top_k=top_k, chunk=cfg.chunk,
-                            store_path=os.path.join(run_dir, f"scores-{safe}.npz"),
-                            meta={"member": label, "corpus": fingerprint,
-                                  "segments": len(segments)},
-                            desc=f"scoring {label[:40]}")
-        sc = strip_prefix(sc, n_pre, bool(b))
+        store = os.path.join(run_dir, f"scores-{safe}.npz")
+        meta = {"member": label, "corpus": fingerprint, "segments": len(segments)}
+        params = None if model.params is None else sharding.shard_params(model.params, mesh)
+        if n_proc == 1:
+            sc = score_segments(params, model.cfg, ids, top_k=top_k, chunk=cfg.chunk,
+                                store_path=store, meta=meta, desc=f"scoring {label[:40]}",
+                                mesh=mesh)
+        else:
+            sc = score_share(params, model.cfg, ids, store, meta, cfg, mesh, label, top_k)
+        if sc is not None:
+            sc = strip_prefix(sc, n_pre, bool(b))
         all_scores.append(sc)
         tbs.append(member_token_bytes(model.tokenizer, model.cfg.vocab_size))
         infos.append({"name": label, "vocab_size": int(model.cfg.vocab_size),
-                      "prefix_tokens": n_pre, "positions": int(sc.row_starts[-1])})
+                      "prefix_tokens": n_pre,
+                      "positions": None if sc is None else int(sc.row_starts[-1])})
+        del params
+    if n_proc > 1:
+        sharding.barrier(f"brf.validate.merged.{next(_BARRIERS)}")  # process 0 has merged
+        if sharding.process_index() != 0:
+            return None
     return infos, all_scores, tbs
+
+
+def score_share(params, model_cfg, ids, store: str, meta: dict, cfg, mesh, name: str,
+                top_k: int):
+    """Multi-process scoring of one member: this process's share into its part of
+    the store; process 0 then merges every part into ``store`` (the single-process
+    store, byte for byte the same format) and returns the scores; others None."""
+    index, count = sharding.process_index(), sharding.process_count()
+    full_meta = dict(meta, top_k=top_k, n_segments=len(ids))
+    done = merge_lib.load_partial(store, full_meta)
+    if len(done) == len(ids):  # merged (or scored by one process) before: reuse it
+        return merge_lib.assemble(ids, done, int(model_cfg.vocab_size)) if index == 0 else None
+    share = sharding.process_share(len(ids), index, count)
+    parts = [merge_lib.part_path(store, i, count) for i in range(count)]
+    part_meta = dict(meta, share=(share.start, share.stop, count))
+    score_segments(params, model_cfg, ids[share.start:share.stop], top_k=top_k,
+                   chunk=cfg.chunk, store_path=parts[index], meta=part_meta,
+                   desc=f"scoring {name[:40]} [{index}/{count}]", mesh=mesh)
+    sharding.barrier(f"brf.validate.scored.{next(_BARRIERS)}")
+    if index != 0:
+        return None
+    return merge_lib.merge_parts(store, parts, ids, meta, top_k=top_k,
+                                 vocab_size=int(model_cfg.vocab_size))
 
 
 def variants(cfg) -> list[str]:
@@ -446,8 +492,19 @@ def analyse(cfg, table: EventTable, n_segments: int, out_dir: str, *,
     return section, extras
 
 
-def run(cfg, load_member: Callable | None = None) -> dict:
-    """Runs the validation on one corpus; returns the report dict (also written to disk)."""
+def mesh_of(cfg):
+    """The scoring mesh of ``cfg.mesh`` (this process's devices); None for one device."""
+    mesh = sharding.make_mesh(cfg.get("mesh"))
+    return None if mesh.size == 1 else mesh  # one device: today's path, unchanged
+
+
+def run(cfg, load_member: Callable | None = None) -> dict | None:
+    """Runs the validation on one corpus; returns the report dict (also written to disk).
+
+    In a multi-process run (``cfg.distributed``) every process scores its share;
+    process 0 merges the stores and writes the report; the others return None.
+    """
+    sharding.initialize_distributed(cfg.get("distributed"))  # before any other JAX use
     check_config(cfg)
     t0 = time.time()
     text, source = load_text(cfg)
@@ -458,7 +515,10 @@ def run(cfg, load_member: Callable | None = None) -> dict:
         from brf.checkpoints.registry import resolve
         for name, _ in config_specs.member_entries(cfg.members, supported=MEMBER_KEYS):
             resolve(name)  # an unknown model fails before the first one is scored
-    infos, scores, tbs = score_all(cfg, segments, cfg.out_dir, load_member)
+    scored = score_all(cfg, segments, cfg.out_dir, load_member, mesh=mesh_of(cfg))
+    if scored is None:  # a multi-process run's other processes: process 0 reports
+        return None
+    infos, scores, tbs = scored
     table, cov = build_event_table(scores, tbs, segments)
     section, extras = analyse(cfg, table, len(segments), cfg.out_dir)
     rep = {

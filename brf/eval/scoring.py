@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from brf import sharding as sharding_lib
 from brf.models import iter_logits_chunks
 
 STORE_VERSION = 1
@@ -148,9 +149,68 @@ def score_tokens_summary(params, cfg, token_ids: np.ndarray, *, top_k: int = 64,
     return {name: np.concatenate(v) for name, v in out.items()}
 
 
+def score_batch_summary(params, cfg, batch_ids: list[np.ndarray], *, top_k: int = 64,
+                        chunk: int = 256, dtype=jnp.float32, bar=None,
+                        pad_to: int | None = None, mesh=None) -> list[dict]:
+    """:func:`score_tokens_summary` of several sequences at once, one per batch row.
+
+    With a mesh (:mod:`brf.sharding`) the rows are split over its 'data' axis
+    (``len(batch_ids)`` must divide by its size) and the params are used as
+    placed (``brf.sharding.shard_params`` splits them over 'model'); XLA
+    partitions the forward pass and the summaries from that placement. Row b
+    gives the same numbers as scoring sequence b alone (float32 rounding).
+
+    Returns:
+      One row dict per sequence, as :func:`score_tokens_summary` returns.
+    """
+    lens = [int(np.asarray(x).shape[0]) for x in batch_ids]
+    for n in lens:
+        if n < 2:
+            raise ValueError(f"need at least 2 tokens to score; got {n}")
+        if n > cfg.max_seq_len:
+            raise ValueError(f"a segment of {n} tokens exceeds the model's context of "
+                             f"{cfg.max_seq_len}; use shorter segments")
+    k = min(top_k, cfg.vocab_size)
+    B, width = len(batch_ids), max(max(lens), pad_to or 0)
+    padded = np.zeros((B, width), np.int32)
+    for b, x in enumerate(batch_ids):
+        padded[b, :lens[b]] = x
+    valid = np.arange(width)[None] < np.asarray(lens)[:, None]
+    out = [{name: [] for name in ROW_FIELDS} for _ in range(B)]
+    for start, logits_BxCxV in iter_logits_chunks(params, cfg, padded, valid, chunk=chunk,
+                                                  dtype=dtype, mesh=mesh):
+        c_B = [min(logits_BxCxV.shape[1], n - 1 - start) for n in lens]
+        if max(c_B) <= 0:
+            break
+        gold_BxC = np.zeros((B, chunk), np.int32)
+        for b, c in enumerate(c_B):
+            if c > 0:
+                gold_BxC[b, :c] = padded[b, start + 1:start + 1 + c]
+        logits = logits_BxCxV
+        if logits.shape[1] < chunk:
+            logits = jnp.pad(logits, ((0, 0), (0, chunk - logits.shape[1]), (0, 0)))
+        gold = gold_BxC if mesh is None else sharding_lib.shard_batch(gold_BxC, mesh)
+        parts = jax.device_get(_summarise_batch(logits, gold, k))
+        for b, c in enumerate(c_B):
+            if c > 0:
+                for name, part in zip(ROW_FIELDS, parts):
+                    out[b][name].append(np.asarray(part[b, :c]))
+        if bar is not None:
+            bar.update(sum(max(c, 0) for c in c_B))
+    return [{name: np.concatenate(v) for name, v in o.items()} for o in out]
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _summarise_batch(logits_BxCxV, gold_BxC, k):
+    """`_summarise` of every row of a batch (rows stay where they are placed)."""
+    B, C, V = logits_BxCxV.shape
+    parts = _summarise.__wrapped__(logits_BxCxV.reshape(B * C, V), gold_BxC.reshape(B * C), k)
+    return tuple(p.reshape((B, C) + p.shape[1:]) for p in parts)
+
+
 def score_segments(params, cfg, segments_ids: list[np.ndarray], *, top_k: int = 64,
                    chunk: int = 256, dtype=jnp.float32, store_path: str | None = None,
-                   meta: dict | None = None, desc: str = "scoring") -> MemberScores:
+                   meta: dict | None = None, desc: str = "scoring", mesh=None) -> MemberScores:
     """Scores every segment, resuming from (and saving to) ``store_path``.
 
     After each segment the store is rewritten atomically, so an interrupted
@@ -163,6 +223,9 @@ def score_segments(params, cfg, segments_ids: list[np.ndarray], *, top_k: int = 
       store_path: the member's ``.npz`` store (None: keep in memory only).
       meta: what the store must have been made with to be reused.
       desc: progress-bar label.
+      mesh: optional mesh (:mod:`brf.sharding`): segments are scored as
+        batches of its 'data' size, one segment per device (the params as
+        placed by the caller). None: one segment at a time, today's path.
 
     Returns:
       MemberScores over all segments.
@@ -174,9 +237,19 @@ def score_segments(params, cfg, segments_ids: list[np.ndarray], *, top_k: int = 
                desc=desc, unit="tok", dynamic_ncols=True)
     longest = max(len(s) for s in segments_ids)
     pad_to = -(-longest // chunk) * chunk  # one cache shape for every segment
-    for ids in segments_ids[len(done):]:
-        done.append(score_tokens_summary(params, cfg, ids, top_k=top_k, chunk=chunk,
-                                         dtype=dtype, bar=bar, pad_to=pad_to))
+    step = 1 if mesh is None else sharding_lib.data_size(mesh)
+    while len(done) < len(segments_ids):
+        if mesh is None:
+            done.append(score_tokens_summary(params, cfg, segments_ids[len(done)], top_k=top_k,
+                                             chunk=chunk, dtype=dtype, bar=bar, pad_to=pad_to))
+        else:
+            group = list(segments_ids[len(done):len(done) + step])
+            n_real = len(group)
+            group += [group[-1]] * (step - n_real)  # a short last batch: repeat, then drop
+            rows = score_batch_summary(params, cfg, group, top_k=top_k, chunk=chunk,
+                                       dtype=dtype, bar=None, pad_to=pad_to, mesh=mesh)
+            done.extend(rows[:n_real])
+            bar.update(sum(len(x) - 1 for x in group[:n_real]))
         if store_path:
             save_partial(store_path, segments_ids[:len(done)], done, meta,
                          int(cfg.vocab_size))
@@ -257,3 +330,36 @@ def truncate_top_k(scores: MemberScores, k: int) -> MemberScores:
     if k > scores.topk_ids.shape[1]:
         raise ValueError(f"cannot keep the top {k} of {scores.topk_ids.shape[1]} stored tokens")
     return scores._replace(topk_ids=scores.topk_ids[:, :k], topk_logp=scores.topk_logp[:, :k])
+
+
+def part_path(store_path: str, index: int, count: int) -> str:
+    """The file of process ``index``'s share of a member's store (of ``count`` shares)."""
+    root, ext = os.path.splitext(store_path)
+    return f"{root}.part{index}of{count}{ext}"
+
+
+def merge_parts(store_path: str, part_paths: list[str], segments_ids, meta: dict, *,
+                top_k: int, vocab_size: int) -> MemberScores:
+    """Joins the processes' shares (:func:`part_path`) into one store.
+
+    Each part holds a contiguous block of segments (``brf.sharding.process_share``),
+    in process order; the merged store is what a single process would have
+    written (same meta, same rows), so later runs reuse it.
+
+    Raises:
+      ValueError: a part that is missing or incomplete.
+    """
+    count = len(part_paths)
+    rows = []
+    for i, path in enumerate(part_paths):
+        lo = i * len(segments_ids) // count
+        hi = (i + 1) * len(segments_ids) // count
+        part_meta = dict(meta, share=(lo, hi, count), top_k=top_k, n_segments=hi - lo)
+        got = load_partial(path, part_meta)
+        if len(got) != hi - lo:
+            raise ValueError(f"{path}: {len(got)} of {hi - lo} segments scored (a process "
+                             "stopped early, or its store is from another run)")
+        rows.extend(got)
+    full_meta = dict(meta, top_k=top_k, n_segments=len(segments_ids))
+    save_partial(store_path, segments_ids, rows, full_meta, vocab_size)
+    return assemble(segments_ids, rows, vocab_size)

@@ -108,8 +108,11 @@ def run_table(cfg, label: str, members: str, segments: list[str], run_dir: str,
         per-position test NLL by method, the test table).
     """
     os.makedirs(run_dir, exist_ok=True)
-    infos, scores, tbs = pipeline.score_all(cfg, segments, run_dir, load_member,
-                                            members=members, top_k=store_k or cfg.top_k)
+    scored = pipeline.score_all(cfg, segments, run_dir, load_member, members=members,
+                                top_k=store_k or cfg.top_k, mesh=pipeline.mesh_of(cfg))
+    if scored is None:  # multi-process: another process analyses
+        return None, None
+    infos, scores, tbs = scored
     k = top_k or cfg.top_k
     scores = [truncate_top_k(s, k) if s.topk_ids.shape[1] > k else s for s in scores]
     table, cov = build_event_table(scores, tbs, segments)
@@ -264,9 +267,17 @@ def topk_moves(rep_a: dict, rep_b: dict) -> dict:
 
 # ----------------------------------------------------------------- the run
 
-def run(cfg, load_member: Callable | None = None) -> dict:
-    """Runs the whole study; writes ``report.json`` / ``report.md`` / plots in out_dir."""
+def run(cfg, load_member: Callable | None = None) -> dict | None:
+    """Runs the whole study; writes ``report.json`` / ``report.md`` / plots in out_dir.
+
+    Multi-host (``cfg.distributed``): every process scores its share of each
+    scoring; process 0 merges the stores, analyses and reports; the others
+    return None.
+    """
+    from brf import sharding
+    sharding.initialize_distributed(cfg.get("distributed"))  # before any other JAX use
     corpora = check(cfg)
+    lead = sharding.process_index() == 0
     t0 = time.time()
     os.makedirs(cfg.out_dir, exist_ok=True)
     members = config_specs.member_entries(cfg.members, supported=pipeline.MEMBER_KEYS)
@@ -298,6 +309,9 @@ def run(cfg, load_member: Callable | None = None) -> dict:
         store_k = k2 if (ci == 0 and k2) else None
         rep, ex = run_table(cfg, c["label"], pair, segments, run_dir, loader,
                             store_k=store_k, sweep_curves=True)
+        if not lead:  # the other processes only score: follow process 0's sequence
+            _score_only(cfg, c, ci, members, segments, run_dir, loader, store_k, k2)
+            continue
         per_corpus.append((c["label"], rep, ex))
         corpus_rows.append({"label": c["label"], "source": source, "licence": licence,
                             "chars": len(text), "segments": len(segments),
@@ -330,6 +344,8 @@ def run(cfg, load_member: Callable | None = None) -> dict:
                                                   segments, run_dir, loader,
                                                   store_k=store_k)[0])
             prompts[c["label"]] = entry
+    if not lead:
+        return None
     rep = {
         "schema": STUDY_SCHEMA, "config": cfg.to_dict(), "corpora": corpus_rows,
         "per_corpus": {label: _brief(r) for label, r, _ in per_corpus},
@@ -342,6 +358,25 @@ def run(cfg, load_member: Callable | None = None) -> dict:
         f.write(markdown(rep))
     plots(cfg.out_dir, rep)
     return rep
+
+
+def _score_only(cfg, c, ci, members, segments, run_dir, loader, store_k, k2) -> None:
+    """A non-lead process's share of the scorings the lead makes for corpus ``c``
+    (the same scorings, in the same order, so the barriers match)."""
+    if ci == 0 and k2:  # the sensitivity check re-reads corpus 1's stores
+        run_table(cfg, "", _plain(members), segments, run_dir, loader, top_k=k2, store_k=k2)
+    if c["prefix"] and cfg.get("prompt_study", True):
+        run_table(cfg, "", _with_prefix(members, c["prefix"]), segments, run_dir, loader,
+                  store_k=store_k)
+        m0 = members[0]
+        if cfg.get("second_prefix", ""):
+            same = ", ".join([format_spec(m0[0], {**m0[1], "prefix": c["prefix"]}),
+                              format_spec(m0[0], {**m0[1], "prefix": cfg.second_prefix})])
+            run_table(cfg, "", same, segments, run_dir, loader, store_k=store_k)
+        if cfg.get("swarm", True):
+            swarm = ", ".join(format_spec(n, q) for n, p in members
+                              for q in (p, {**p, "prefix": c["prefix"]}))
+            run_table(cfg, "", swarm, segments, run_dir, loader, store_k=store_k)
 
 
 def _brief(rep: dict) -> dict:

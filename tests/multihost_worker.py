@@ -1,0 +1,78 @@
+"""One process of the multi-process validation test (tests/test_sharding.py).
+
+    python tests/multihost_worker.py TMP single
+    python tests/multihost_worker.py TMP multi COORDINATOR NUM_PROCESSES PROCESS_ID
+
+Runs the validation pipeline on two tiny random members (BPE tokenizers trained
+on the corpus, as in tests/test_validate.py) over a short corpus, writing into
+TMP/single or TMP/multi. With 'multi' the process joins a
+``jax.distributed`` run (config.distributed) and scores its share.
+"""
+
+import importlib.util
+import os
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).parent
+
+
+def main(tmp: str, mode: str, *dist: str) -> None:
+    from test_validate import TinyModel, _tokenizer, validate_config  # noqa: E402
+
+    import jax
+
+    from brf.eval import pipeline
+    from brf.eval.corpus import load_default_corpus
+    from brf.models import ModelConfig, init_params
+
+    corpus = os.path.join(tmp, "corpus.txt")
+    if mode == "single":
+        with open(corpus, "w", encoding="utf-8") as f:
+            f.write(load_default_corpus(min_chars=100)[:2400])
+    text = open(corpus, encoding="utf-8").read()
+    c = validate_config.get_config("short")
+    c.members = "tiny-a, tiny-b"
+    c.corpus = corpus
+    c.segment_chars = 600
+    c.top_k = 8
+    c.chunk = 64
+    c.fit_steps = 5
+    c.n_perm = 50
+    c.n_boot = 50
+    c.out_dir = os.path.join(tmp, mode)
+    c.methods = 'linear(label="linear (tuned)")'
+    c.phase_maps = ('constant(label="hellinger (equal phases)", fixed=True), '
+                    'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True), tanh')
+    c.variants = "proposed"
+    c.sweep = c.sweep[:1]
+    if mode == "multi":
+        addr, n, pid = dist
+        c.distributed.enabled = True
+        c.distributed.coordinator_address = addr
+        c.distributed.num_processes = int(n)
+        c.distributed.process_id = int(pid)
+        # Join before any JAX computation (building the members below runs JAX).
+        from brf import sharding
+        sharding.initialize_distributed(c.distributed)
+
+    # The three processes of the test share compiled executables (compile time
+    # is most of this run).
+    from brf.runtime import enable_compilation_cache
+    enable_compilation_cache(os.path.join(tmp, "jax_cache"))
+
+    members = {}
+    for i, (name, vocab) in enumerate([("tiny-a", 300), ("tiny-b", 420)]):
+        tok = _tokenizer(text, vocab)
+        cfg = ModelConfig(arch="llama", vocab_size=len(tok), d_model=32, n_layers=2,
+                          n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, norm_eps=1e-5,
+                          rope_theta=10000.0, layer_types=("global", "global"),
+                          max_seq_len=4096, bos_id=tok.convert_tokens_to_ids("<s>"))
+        members[name] = TinyModel(cfg, init_params(cfg, jax.random.key(i)), tok)
+    rep = pipeline.run(c, load_member=members.__getitem__)
+    print("report written" if rep is not None else "share scored", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main(*sys.argv[1:])

@@ -1,0 +1,165 @@
+"""Multi-device checks, each run in its own process by tests/test_sharding.py.
+
+Every function here is called as ``python -c "import sharded_checks as s; s.<fn>(...)"``
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set in the
+environment before JAX is imported (STYLE.md habit 9), so the process sees 8
+CPU devices. A failed assertion ends the process with a traceback; the test
+reports it.
+
+The reference for every sharded number is the same computation on one
+device (float32 tolerance), which the tests of the single-device code
+(test_models_hf.py, test_validate.py, test_fusion.py) in turn check against
+transformers and float64 NumPy.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from brf import sharding
+from brf.models.transformer import unstack_layers
+from tiny_lm import tiny_config, tiny_params
+
+assert jax.device_count() == 8, f"expected 8 virtual devices, got {jax.devices()}"
+
+MESHES = {"data": dict(data=8, model=1), "model": dict(data=1, model=8),
+          "mixed": dict(data=2, model=4)}
+
+
+def _segments(vocab: int, lengths=(100, 77, 130, 40, 200), seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).astype(np.int32) for n in lengths]
+
+
+def scoring(mesh_name: str) -> None:
+    """Teacher-forced scoring on a mesh equals one device.
+
+    The 'data' and 'model' meshes run the per-layer params layout (what
+    ``registry.load`` returns), 'mixed' the stacked one (``lax.scan``).
+    """
+    from brf.eval.scoring import ROW_FIELDS, score_segments
+    from brf.models import iter_logits_chunks, score_tokens
+
+    mesh = sharding.make_mesh(MESHES[mesh_name])
+    d, m = sharding.data_size(mesh), sharding.model_size(mesh)
+    cfg = tiny_config(512, max_seq_len=512)
+    segs = _segments(cfg.vocab_size, lengths=(100, 77, 130))
+    params = tiny_params(cfg, 0)
+    if mesh_name != "mixed":
+        params = unstack_layers(params)
+    placed = sharding.shard_params(params, mesh)
+    # The weights really are split over 'model' (1/m of the vocabulary per device).
+    shard_rows = {s.data.shape[0] for s in placed["lm_head"].addressable_shards}
+    assert shard_rows == {cfg.vocab_size // m}, shard_rows
+    ref = score_segments(params, cfg, segs, top_k=8, chunk=64)
+    got = score_segments(placed, cfg, segs, top_k=8, chunk=64, mesh=mesh)
+    for f in ("token_ids", "tok_starts", "row_starts", "topk_ids"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(ref, f), err_msg=f)
+    for f in ROW_FIELDS[1:]:
+        np.testing.assert_allclose(getattr(got, f), getattr(ref, f), rtol=1e-5, atol=2e-5,
+                                   err_msg=f)
+    # The logits come out split as placed: batch over 'data', vocabulary over
+    # 'model' (same shapes as the scoring above: no new compilation).
+    tokens = np.zeros((d, 192), np.int32)
+    for b in range(d):
+        tokens[b, :len(segs[b % 3])] = segs[b % 3]
+    _, logits = next(iter_logits_chunks(placed, cfg, tokens, chunk=64, mesh=mesh))
+    spec = tuple(logits.sharding.spec) + (None,) * 3
+    assert (spec[0] == "data") == (d > 1), logits.sharding
+    assert (spec[2] == "model") == (m > 1), logits.sharding
+    if mesh_name == "data":
+        # score_tokens pads a batch that does not divide over 'data'.
+        batch = np.stack([s[:77] for s in segs])
+        np.testing.assert_allclose(score_tokens(placed, cfg, batch, chunk=64, mesh=mesh),
+                                   score_tokens(params, cfg, batch, chunk=64),
+                                   rtol=1e-5, atol=2e-5)
+    print("ok", mesh_name)
+
+
+def _all_gathers(hlo: str) -> list[tuple[int, ...]]:
+    """Output shapes of the all-gathers in compiled HLO text."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]* all-gather(-start)?\(", line)
+        if m:
+            out.append(tuple(int(d) for d in m.group(2).split(",") if d))
+    return out
+
+
+def fusion(mesh_name: str) -> None:
+    """Every fusion method on vocabulary-sharded logits equals one device, and the
+    compiled program never gathers the vocabulary onto one device."""
+    from brf.fusion import METHODS
+    from brf.fusion import methods as M
+
+    mesh = sharding.make_mesh(MESHES[mesh_name])
+    m = sharding.model_size(mesh)
+    rng = np.random.default_rng(1)
+    V = 4096
+    x = (3 * rng.standard_normal((4, 2, V))).astype(np.float32)
+    x[1, 0, :700] = -np.inf  # masked tokens, all in the first vocabulary shard
+    w = jnp.asarray([0.3, 0.7], jnp.float32)
+    xs = jax.device_put(x, sharding.vocab_sharding(mesh, 3))
+    assert {s.data.shape[-1] for s in xs.addressable_shards} == {V // m}
+    # The HLO check can fail: a program that does gather the vocabulary is caught.
+    gather = jax.jit(lambda l: jax.lax.with_sharding_constraint(
+        l, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())) * 2.0)
+    assert (2, 2, V) in _all_gathers(gather.lower(xs).compile().as_text()) or \
+        (4, 2, V) in _all_gathers(gather.lower(xs).compile().as_text())
+    cases = [(name, {}) for name in METHODS.names()] + [
+        ("born", {"phase": "tanh(rate=0.5, offset=[0, 1])"}),
+        ("born", {"phase": "token_tanh(rate=0.5, offset=[0, 2])"}),
+        ("born", {"phase": "constant(offset=[0, 3.1])"})]
+    for name, params in cases:
+        method = M.get_method(name)
+        static, dynamic = M.split_params(method, M.resolve_params(method, params))
+        f = jax.jit(lambda l, w, d: method.fn(l, w, **M.join_params(static, d)))
+        ref, ref_info = f(jnp.asarray(x), w, dynamic)
+        compiled = f.lower(xs, w, dynamic).compile()
+        got, info = compiled(xs, w, dynamic)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5,
+                                   err_msg=f"{name} {params}")
+        for k in ref_info:
+            np.testing.assert_allclose(np.asarray(info[k]), np.asarray(ref_info[k]),
+                                       rtol=2e-5, atol=2e-5, err_msg=f"{name} info {k}")
+        if m > 1:
+            # The fused distribution stays split over the vocabulary ...
+            assert "model" in tuple(got.sharding.spec), (name, got.sharding)
+            # ... and no all-gather brings a vocabulary-sized axis together: the
+            # normalisers and the top-2 gap are reductions (only per-shard
+            # partial results, one value per shard, may be gathered).
+            hlo = compiled.as_text()
+            big = [s for s in _all_gathers(hlo) if s and max(s) >= V // m]
+            assert not big, f"{name} {params}: all-gather of {big}"
+    # The public entry point (input checks included) takes split logits too.
+    import brf
+    got = brf.fuse("born", xs, w, phase="tanh(rate=0.5)")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(
+        brf.fuse("born", jnp.asarray(x), w, phase="tanh(rate=0.5)")), rtol=2e-5, atol=2e-5)
+    assert "model" in tuple(got.sharding.spec), got.sharding
+    print("ok", mesh_name)
+
+
+def generation() -> None:
+    """Greedy ensemble generation with model-sharded members equals one device."""
+    import importlib.util
+    import pathlib
+
+    from brf.ensemble.run import run
+
+    path = pathlib.Path(__file__).parent.parent / "configs" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config("tiny")
+    c.sampler, c.max_new_tokens = "greedy", 5
+    c.mesh.data, c.mesh.model = 1, 1
+    ref = [r["text"] for r in run(c)]
+    c.mesh.data, c.mesh.model = 2, 4
+    got = [r["text"] for r in run(c)]
+    assert got == ref and all(ref), (got, ref)
+    print("ok", ref)
