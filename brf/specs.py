@@ -140,11 +140,12 @@ def parse_spec(text: str, what: str = "spec") -> tuple[str, dict[str, Any]]:
     return name, params
 
 
-def parse_list(value: str | Iterable[Any], what: str = "spec") -> list[tuple[str, dict]]:
+def parse_list(value: str | Iterable[Any], what: str = "spec",
+               key: str = "name") -> list[tuple[str, dict]]:
     """A list of specs from a comma-separated string or a sequence.
 
-    Sequence items may be spec strings or mappings with a ``name`` key (the
-    rest are parameters).
+    Sequence items may be spec strings or mappings whose ``key`` entry is the
+    name (the rest are parameters).
 
     Raises:
         SpecError: an item that does not parse.
@@ -154,9 +155,9 @@ def parse_list(value: str | Iterable[Any], what: str = "spec") -> list[tuple[str
     for item in items:
         if isinstance(item, Mapping):
             item = dict(item)
-            if "name" not in item:
-                raise SpecError(f"a {what} given as a mapping needs a 'name' key; got {item}")
-            out.append((str(item.pop("name")), item))
+            if key not in item:
+                raise SpecError(f"a {what} given as a mapping needs a {key!r} key; got {item}")
+            out.append((str(item.pop(key)), item))
         else:
             out.append(parse_spec(item, what))
     return out

@@ -47,6 +47,9 @@ def get_config(arg=None):
     c.prompt_study = True              # prefix pair, same-model pair, swarm on corpora with a prefix
     c.second_prefix = SECOND_PREFIX    # the same-model pair: prefix vs this one
     c.swarm = True                     # four members: each model with and without the prefix
+    # Variants in the prompt study's analyses (prefix pair, same-model pair, swarm);
+    # its NLL question is BRF's gap to the calibrated baselines. "" = c.variants.
+    c.prompt_variants = "calibrated"
     c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
     c.default_plays = ("tragedies/hamlet",)
     c.min_chars = 2000

@@ -52,7 +52,7 @@ def test_study_on_the_default_pair(tmp_path):
     cfg = validate_config.get_config("short")
     cfg.corpora = ('hamlet(max_chars=2500, prefix="The following is the text of Hamlet, a '
                    'tragedy by William Shakespeare.\n\n")')
-    cfg.segment_chars = 1250
+    cfg.segment_chars = 1300  # two segments: one to fit on, one to test on
     cfg.out_dir = str(tmp_path / "run")
     cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
                   'temperature=fit(1.0))'

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from brf.ensemble.decode import Generation, Piece, generate
 from brf.ensemble.member import EnsembleInputError, Member, same_vocabulary
-from brf.specs import parse_spec, split_list
+from brf.specs import parse_list, parse_spec
 
 
 def _random_model(spec: str):
@@ -45,21 +45,12 @@ def member_specs(specs: str | Sequence[Any]) -> list[dict]:
             ``'smollm2-135m-instruct(chat=True, weight=0.5), gemma3-270m(weight=0.5)'``,
             or a sequence of such strings or of dicts with a 'model' key.
     """
-    items = split_list(specs) if isinstance(specs, str) else list(specs)
     out = []
-    for item in items:
-        if isinstance(item, Mapping):
-            item = dict(item)
-            if "model" not in item:
-                raise EnsembleInputError(f"a member given as a dict needs a 'model' key; "
-                                         f"got {item}")
-            out.append(item)
-        else:
-            name, params = parse_spec(item, "member")
-            if "model" in params:
-                raise EnsembleInputError(f"member {item!r}: the model is the spec's name; "
-                                         "drop model=")
-            out.append({"model": name, **params})
+    for name, params in parse_list(specs, "member", key="model"):
+        if "model" in params:
+            raise EnsembleInputError(f"member {name!r}: the model is the spec's name; "
+                                     "drop model=")
+        out.append({"model": name, **params})
     if not out:
         raise EnsembleInputError("no members: set config.members")
     return out

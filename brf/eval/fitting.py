@@ -193,7 +193,7 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
     ctx_nll = None
     if weighting == "perplexity":
         init.setdefault("weighting.temperature", 1.0)
-        ctx_nll = jnp.asarray(context_nll(table), jnp.float32)
+        ctx_nll = np.asarray(context_nll(table), np.float32)
     fixed_w = spec.get("fixed_weights")
     fit_weights = (spec.get("fit_weights", True) and n > 1 and weighting is None
                    and fixed_w is None)
@@ -202,28 +202,31 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
     grid = dict(spec.get("grid", {}))
     logp = jnp.asarray(table.logp)
     gold = jnp.asarray(table.gold)
+    ctx = jnp.asarray(ctx_nll) if ctx_nll is not None else jnp.zeros((table.n_positions, n))
     keys = sorted(init)
     is_float = {k: k in declared and declared[k].kind == "float" for k in grid}
     opt = optax.adam(learning_rate)
-    all_idx = jnp.arange(table.n_positions)
     compiled = {}
 
+    # The data are arguments, not captured constants: the compiled step then
+    # depends only on shapes and the spec, so the persistent compilation cache
+    # serves every table of the same shape (corpora, prompt pairs) after the first.
     def functions(static):
         if static in compiled:
             return compiled[static]
 
-        def loss(free, dyn, idx):
+        def loss(free, dyn, logp_b, gold_b, ctx_b):
             params = {**fixed, **dict(static), **dyn,
                       **{k: _from_free(k, free[k]) for k in keys}}
             w = jax.nn.softmax(free["_w"]) if fit_weights else base_w
             if ctx_nll is not None:
-                w = jax.nn.softmax(-ctx_nll[idx] / params["weighting.temperature"], axis=-1)
-            lq = fused_logq(method, params, w, logp[idx], phase_name)
-            return jnp.mean(gold_nll(lq, gold[idx]))
+                w = jax.nn.softmax(-ctx_b / params["weighting.temperature"], axis=-1)
+            lq = fused_logq(method, params, w, logp_b, phase_name)
+            return jnp.mean(gold_nll(lq, gold_b))
 
         @jax.jit
-        def step(free, state, dyn, idx):
-            val, g = jax.value_and_grad(loss)(free, dyn, idx)
+        def step(free, state, dyn, logp_b, gold_b, ctx_b):
+            val, g = jax.value_and_grad(loss)(free, dyn, logp_b, gold_b, ctx_b)
             g = jax.tree_util.tree_map(lambda x: jnp.where(jnp.isfinite(x), x, 0.0), g)
             upd, state = opt.update(g, state, free)
             return optax.apply_updates(free, upd), state, val
@@ -243,10 +246,12 @@ def fit_method(spec: Mapping[str, Any], table: EventTable, *, steps: int = 150,
             state = opt.init(free)
             rng = np.random.default_rng(seed)
             for _ in range(steps):
-                idx = (all_idx if batch is None or batch >= table.n_positions else
-                       jnp.asarray(rng.choice(table.n_positions, batch, replace=False)))
-                free, state, _ = step(free, state, dyn, idx)
-        value = float(loss(free, dyn, all_idx))
+                if batch is None or batch >= table.n_positions:
+                    free, state, _ = step(free, state, dyn, logp, gold, ctx)
+                else:
+                    idx = jnp.asarray(rng.choice(table.n_positions, batch, replace=False))
+                    free, state, _ = step(free, state, dyn, logp[idx], gold[idx], ctx[idx])
+        value = float(loss(free, dyn, logp, gold, ctx))
         if not math.isfinite(value):
             continue
         if best is None or value < best[0]:

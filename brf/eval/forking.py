@@ -56,9 +56,9 @@ def gain_by_entropy(nll_method: np.ndarray, nll_reference: np.ndarray,
     """
     g = np.asarray(nll_reference, np.float64) - np.asarray(nll_method, np.float64)
     e = np.asarray(entropy_P, np.float64)
-    if not (g.shape == e.shape and g.ndim == 1 and g.size >= n_bins):
-        raise ValueError(f"gain_by_entropy: need equal 1-D arrays with >= {n_bins} positions; "
-                         f"got {g.shape} and {e.shape}")
+    if not (g.shape == e.shape and g.ndim == 1 and g.size >= 2 * n_bins):
+        raise ValueError(f"gain_by_entropy: need equal 1-D arrays with >= {2 * n_bins} "
+                         f"positions; got {g.shape} and {e.shape}")
     s = strata(e, n_bins)
     rng = np.random.default_rng(seed)
     means, cis = [], []

@@ -94,9 +94,23 @@ def check_config(cfg) -> None:
     variants(cfg)
 
 
-def phase_maps(cfg) -> dict[str, tuple[str, bool]]:
-    """{label: (phase spec, fixed)} from the config (spec string or the older dict form)."""
-    return config_specs.phase_map_entries(cfg.phase_maps, cfg.get("fixed_phase_maps", ()))
+def phase_maps(cfg, n: int | None = None) -> dict[str, tuple[str, bool]]:
+    """{label: (phase spec, fixed)} from the config (spec string or the older dict form).
+
+    With ``n``: only the maps usable with n members. A map given one offset per
+    member for a different number of members is left out (e.g. the linear-pool
+    reference ``offset=[0, pi/2]`` has no n = 4 counterpart: four phases cannot
+    all differ pairwise by pi/2).
+    """
+    out = config_specs.phase_map_entries(cfg.phase_maps, cfg.get("fixed_phase_maps", ()))
+    if n is None:
+        return out
+    keep = {}
+    for label, (spec, fixed) in out.items():
+        offset = np.asarray(phase_map(spec).params["offset"])
+        if offset.ndim == 0 or offset.shape[0] == n:
+            keep[label] = (spec, fixed)
+    return keep
 
 
 def load_text(cfg) -> tuple[str, str]:
@@ -122,6 +136,7 @@ def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
 
 
 MEMBER_KEYS = ("prefix",)
+MIN_SPLIT_POSITIONS = 50   # per split: below this no test or fit means much
 # Barrier names must be unique per use; every process makes the same scoring calls
 # in the same order, so their counters agree.
 _BARRIERS = itertools.count()
@@ -253,7 +268,7 @@ def method_specs(cfg, n: int) -> list[dict]:
     for i in range(n):
         specs.append({"label": f"member {i} alone", "method": "linear", "fit_weights": False,
                       "fixed_weights": [1.0 if j == i else 0.0 for j in range(n)]})
-    for label, (spec, is_fixed) in phase_maps(cfg).items():
+    for label, (spec, is_fixed) in phase_maps(cfg, n).items():
         pm = phase_map(spec)
         fit = {f"phase.{k}": float(np.asarray(v).reshape(-1)[0])
                for k, v in pm.params.items() if k not in ("offset",)}
@@ -355,11 +370,12 @@ def split(cfg, table: EventTable, n_segments: int):
     n_cal_seg = max(1, int(round(n_segments * cfg.calibration_fraction)))
     cal_idx = np.nonzero(table.segment < n_cal_seg)[0]
     test_idx = np.nonzero(table.segment >= n_cal_seg)[0]
-    if len(test_idx) == 0 or len(cal_idx) == 0:
-        raise ValidationError(
-            f"the split leaves no {'test' if len(test_idx) == 0 else 'calibration'} "
-            f"positions ({n_segments} segments, calibration_fraction="
-            f"{cfg.calibration_fraction}); use a longer corpus or smaller segments")
+    for idx, what in ((test_idx, "test"), (cal_idx, "calibration")):
+        if len(idx) < MIN_SPLIT_POSITIONS:
+            raise ValidationError(
+                f"the split leaves {len(idx) or 'no'} {what} positions (fewer than "
+                f"{MIN_SPLIT_POSITIONS}; {n_segments} segments, calibration_fraction="
+                f"{cfg.calibration_fraction}); use a longer corpus or other segment sizes")
     return table.take(cal_idx), table.take(test_idx)
 
 
@@ -468,16 +484,21 @@ def analyse(cfg, table: EventTable, n_segments: int, out_dir: str, *,
     n = table.logp.shape[1]
     methods, fits = fit_all(cfg, method_specs(cfg, n), calib, test,
                             os.path.join(out_dir, cache_name))
-    proposed = [(m, f) for m, f in zip(methods, fits)
-                if f.method == "born" and m["variant"] == variants(cfg)[0]]
-    best_born = min(proposed, key=lambda mf: mf[1].calib_nll)[1]
+    # The cross-term test reads the best BRF setting's weights and phase map; from the
+    # calibrated variant when it runs (its temperatures do not enter the test).
+    v_cross = "calibrated" if "calibrated" in variants(cfg) else variants(cfg)[0]
+    born = [(m, f) for m, f in zip(methods, fits)
+            if f.method == "born" and m["variant"] == v_cross]
+    best_born = min(born, key=lambda mf: mf[1].calib_nll)[1]
     # The coherence test reads each phase map as configured (a property of the
     # map, not of a fit); maps that ignore the logits (constant) are left out.
-    phase_specs = {label: spec for label, (spec, _) in phase_maps(cfg).items()
+    phase_specs = {label: spec for label, (spec, _) in phase_maps(cfg, n).items()
                    if phase_map(spec).name != "constant"}
     coherence = hypotheses.phase_coherence(test, phase_specs, n_perm=cfg.n_perm, seed=cfg.seed)
     cross = hypotheses.cross_term_test(test, best_born, n_boot=cfg.n_boot, seed=cfg.seed)
+    left_out = sorted(set(phase_maps(cfg)) - set(phase_maps(cfg, n)))
     section = {
+        "phase_maps_left_out": left_out,
         "split": {"calibration_positions": int(calib.n_positions),
                   "test_positions": int(test.n_positions)},
         "methods": [{k: v for k, v in m.items() if k != "_nll"} for m in methods],

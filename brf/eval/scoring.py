@@ -111,6 +111,14 @@ def _summarise(logits_CxV, gold_C, k):
             log_norm)
 
 
+def _check_length(n: int, cfg) -> None:
+    if n < 2:
+        raise ValueError(f"need at least 2 tokens to score; got {n}")
+    if n > cfg.max_seq_len:
+        raise ValueError(f"a segment of {n} tokens exceeds the model's context of "
+                         f"{cfg.max_seq_len}; use shorter segments")
+
+
 def score_tokens_summary(params, cfg, token_ids: np.ndarray, *, top_k: int = 64,
                          chunk: int = 256, dtype=jnp.float32, bar=None,
                          pad_to: int | None = None) -> dict:
@@ -121,11 +129,7 @@ def score_tokens_summary(params, cfg, token_ids: np.ndarray, *, top_k: int = 64,
     """
     ids = np.asarray(token_ids, np.int32)
     n = ids.shape[0]
-    if n < 2:
-        raise ValueError(f"need at least 2 tokens to score; got {n}")
-    if n > cfg.max_seq_len:
-        raise ValueError(f"a segment of {n} tokens exceeds the model's context of "
-                         f"{cfg.max_seq_len}; use shorter segments")
+    _check_length(n, cfg)
     k = min(top_k, cfg.vocab_size)
     out = {name: [] for name in ROW_FIELDS}
     padded = np.zeros(max(n, pad_to or 0), np.int32)
@@ -165,11 +169,7 @@ def score_batch_summary(params, cfg, batch_ids: list[np.ndarray], *, top_k: int 
     """
     lens = [int(np.asarray(x).shape[0]) for x in batch_ids]
     for n in lens:
-        if n < 2:
-            raise ValueError(f"need at least 2 tokens to score; got {n}")
-        if n > cfg.max_seq_len:
-            raise ValueError(f"a segment of {n} tokens exceeds the model's context of "
-                             f"{cfg.max_seq_len}; use shorter segments")
+        _check_length(n, cfg)
     k = min(top_k, cfg.vocab_size)
     B, width = len(batch_ids), max(max(lens), pad_to or 0)
     padded = np.zeros((B, width), np.int32)

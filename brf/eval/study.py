@@ -100,13 +100,19 @@ def check(cfg) -> list[dict]:
 
 def run_table(cfg, label: str, members: str, segments: list[str], run_dir: str,
               load_member: Callable, *, top_k: int | None = None, store_k: int | None = None,
-              sweep_curves: bool = False, write: bool = True) -> tuple[dict, dict]:
-    """Scores ``members`` on the segments, builds the event table, analyses it.
+              sweep_curves: bool = False, write: bool = True,
+              variants: str | None = None) -> tuple[dict, dict]:
+    """Scores ``members`` on the segments, builds the event table, analyses it
+    (in ``variants``, default the config's).
 
     Returns:
         (report dict of this analysis, extras: coherence rows, cross-term scores,
         per-position test NLL by method, the test table).
     """
+    if variants is not None and variants != cfg.get("variants"):
+        import copy
+        cfg = copy.deepcopy(cfg)
+        cfg.variants = variants
     os.makedirs(run_dir, exist_ok=True)
     scored = pipeline.score_all(cfg, segments, run_dir, load_member, members=members,
                                 top_k=store_k or cfg.top_k, mesh=pipeline.mesh_of(cfg))
@@ -325,8 +331,9 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
                                         rep2["coverage"]["positions"]],
                            **topk_moves(rep, rep2), "report": _brief(rep2)}
         if c["prefix"] and cfg.get("prompt_study", True):
+            aux = cfg.get("prompt_variants") or None
             pre = run_table(cfg, f"{c['label']} + prefix", _with_prefix(members, c["prefix"]),
-                            segments, run_dir, loader, store_k=store_k)
+                            segments, run_dir, loader, store_k=store_k, variants=aux)
             entry = {"prefix": c["prefix"], "with_prefix": _brief(pre[0]),
                      "effect": prefix_effect(cfg, (rep, ex), pre)}
             m0 = members[0]
@@ -336,13 +343,13 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
                                   format_spec(m0[0], {**m0[1], "prefix": second})])
                 entry["same_model"] = _brief(run_table(cfg, f"{c['label']} same model",
                                                        same, segments, run_dir, loader,
-                                                       store_k=store_k)[0])
+                                                       store_k=store_k, variants=aux)[0])
             if cfg.get("swarm", True):
                 swarm = ", ".join(format_spec(n, q) for n, p in members
                                   for q in (p, {**p, "prefix": c["prefix"]}))
                 entry["swarm"] = _brief(run_table(cfg, f"{c['label']} swarm", swarm,
                                                   segments, run_dir, loader,
-                                                  store_k=store_k)[0])
+                                                  store_k=store_k, variants=aux)[0])
             prompts[c["label"]] = entry
     if not lead:
         return None
