@@ -28,8 +28,10 @@ def _table(logp_PxNxE, gold, segment=None):
 def test_calibrated_linear_and_loglinear_match_float64_numpy():
     rng = np.random.default_rng(0)
     P, n, E = 50, 3, 9
-    logp = _log_softmax(rng.normal(size=(P, n, E)) * 2.0)
-    gold = rng.integers(0, E, P)
+    x = rng.normal(size=(P, n, E)) * 2.0
+    x[:, 1, :2] = -np.inf  # events member 1 gives no mass
+    logp = _log_softmax(x)
+    gold = rng.integers(2, E, P)
     t = _table(logp, gold)
     w = np.array([0.2, 0.5, 0.3])
     tm = np.array([0.7, 1.6, 2.5])
@@ -53,6 +55,7 @@ def test_calibrated_variant_recovers_a_planted_member_temperature():
     true = _log_softmax(rng.normal(size=(P, E)) * 1.5)
     gold = np.array([rng.choice(E, p=np.exp(r)) for r in true])
     noisy = true + rng.normal(size=(P, E))
+    noisy[:, -1] = -np.inf  # an event member 1 cannot express (as in real event tables)
     logp = np.stack([_log_softmax(true * 2.5), _log_softmax(noisy * 2.5)], axis=1)
     t = _table(logp, gold)
     spec = {"label": "lin", "method": "linear"}

@@ -114,6 +114,12 @@ def test_pipeline_end_to_end(tmp_path, text, members):
     by = {m["label"]: m for m in data["methods"]}
     # Tuned weights moved away from uniform (the fit has gradients).
     assert by["linear (tuned)"]["weights"] != [0.5, 0.5]
+    # So did the calibrated variant's temperatures (event tables hold -inf entries;
+    # the temperatures must still get gradients).
+    cal = by["linear (tuned) [calibrated]"]["params"]
+    assert cal["calib.temperature"] != 1.0 and cal["calib.member_temperature"] != [1.0, 1.0]
+    assert (by["linear (tuned) [calibrated]"]["calib_nll"]
+            < by["linear (tuned)"]["calib_nll"])
     # The pi/2 reference point is the linear pool: same NLL with the same weights.
     born_lin = by["born linear pool (pi/2)"]
     from brf.eval.fitting import Fitted, evaluate

@@ -99,14 +99,24 @@ def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
     post_t = plain.pop("calib.temperature", None)
     plain.pop("weighting.temperature", None)
     if member_t is not None:
-        logp_PxNxE = jax.nn.log_softmax(
-            logp_PxNxE / jnp.asarray(member_t, logp_PxNxE.dtype)[:, None], axis=-1)
+        logp_PxNxE = _tempered(logp_PxNxE, jnp.asarray(member_t, logp_PxNxE.dtype)[:, None])
     if phase_name is not None:
         plain["phase"] = phase_map(phase_name, **phase)
     lq = fuse(method, logp_PxNxE, weights, validate=False, **plain)
     if post_t is not None:
-        lq = jax.nn.log_softmax(lq / jnp.asarray(post_t, lq.dtype), axis=-1)
+        lq = _tempered(lq, jnp.asarray(post_t, lq.dtype))
     return lq
+
+
+def _tempered(logp, temperature):
+    """log_softmax(logp / T) over the last axis, with -inf (no mass) kept at -inf.
+
+    Events a distribution gives no mass stay at -inf without a NaN gradient
+    (-inf / T would give one, and a NaN-zeroed gradient never moves T).
+    """
+    ok = jnp.isfinite(logp)
+    x = jnp.where(ok, jnp.where(ok, logp, 0.0) / temperature, -jnp.inf)
+    return jax.nn.log_softmax(x, axis=-1)
 
 
 def context_nll(table: "EventTable") -> np.ndarray:
