@@ -385,7 +385,7 @@ def solve_pdhg(E_qxK: jax.Array, h_q: jax.Array, c_K: jax.Array,
         return zn, jax.tree.map(jnp.add, zsum, zn), omega
 
     def body(state):
-        z, zsum, cnt, omega, z_last, e_last, it, _ = state
+        z, zsum, cnt, omega, z_last, e_last, it, _, _ = state
         z, zsum, _ = jax.lax.fori_loop(0, check_every, step, (z, zsum, omega))
         cnt = cnt + check_every
         zavg = jax.tree.map(lambda a: a / cnt, zsum)
@@ -404,20 +404,17 @@ def solve_pdhg(E_qxK: jax.Array, h_q: jax.Array, c_K: jax.Array,
         cnt = jnp.where(restart, 0, cnt)
         z_last = jax.tree.map(lambda a, b: jnp.where(restart, a, b), cand, z_last)
         e_last = jnp.where(restart, e_c, e_last)
-        return z, zsum, cnt, omega, z_last, e_last, it + check_every, e_c
+        return z, zsum, cnt, omega, z_last, e_last, it + check_every, e_c, cand
 
     def cond(state):
         return (state[6] < max_iters) & (state[7] > tol)
 
     zero = jax.tree.map(jnp.zeros_like, z0)
     init = (z0, zero, jnp.zeros((), jnp.int32), omega0.astype(dt), z0,
-            err(z0), jnp.zeros((), jnp.int32), jnp.full((), jnp.inf, dt))
-    z, zsum, cnt, _, _, _, it, _ = jax.lax.while_loop(cond, body, init)
-    zavg = jax.tree.map(lambda a: a / jnp.maximum(cnt, 1), zsum)
-    use_avg = (cnt > 0) & (err(zavg) < err(z))
-    z = jax.tree.map(lambda a, b: jnp.where(use_avg, a, b), zavg, z)
+            err(z0), jnp.zeros((), jnp.int32), jnp.full((), jnp.inf, dt), z0)
+    *_, it, e_out, z = jax.lax.while_loop(cond, body, init)
     pr, dr, g, P = kkt(z)
-    conv = (pr <= tol) & (dr <= tol) & (g <= tol)
+    conv = e_out <= tol  # the loop's own test of this iterate (the better of avg/current)
     return Solution(z.x, P, pr, dr, g, it, conv)
 
 
@@ -512,7 +509,8 @@ def solve(kind: str, basis: Basis, Wfull_VxM, dims: tuple, phat_BxnxV,
       x0_BxK: optional warm start (primal) per position.
 
     Returns:
-      (Solution batched over B, regime codes [B], inconsistency [B]).
+      (Solution batched over B, regime codes [B], inconsistency [B], constraint
+      residual [B]: ``||W_S^T p - b|| / ||b||`` in the original, unreduced terms).
     """
     phat_BxnxV = jnp.asarray(phat_BxnxV, jnp.float32)
     weights_Bxn = jnp.broadcast_to(jnp.asarray(weights_Bxn, jnp.float32),
@@ -557,7 +555,14 @@ def _solve_one(kind, basis, Wfull_VxM, phat_nxV, w_n, x0, dims, tol, max_iters,
                            max_iters=max_iters or 500)
     else:
         raise FusionInputError(f"unknown bottleneck solver {kind!r}; use lsq, lp, qp or maxent")
-    return sol, code, red.inconsistency
+    return sol, code, red.inconsistency, constraint_residual(basis, Wfull_VxM, b, sol.p_K)
+
+
+def constraint_residual(basis: Basis, Wfull_VxM, b_M, p_K):
+    """||W_S^T p - b|| / ||b|| over the members' blocks (the sum row excluded)."""
+    Ws = Wfull_VxM[basis.support_K]
+    r = p_K @ Ws - b_M[:-1]
+    return jnp.linalg.norm(r) / jnp.linalg.norm(b_M[:-1])
 
 
 # --------------------------------------------------------------------------
@@ -602,11 +607,11 @@ def _fuse(kind, logits, weights, *, unembeddings, top_k, tol, max_iters):
     if top_k > 0:
         K = min(V, top_k * n)
         support = jax.lax.top_k(jnp.max(logp, axis=1), K)[1]
-        sol, code, inc = jax.vmap(one)(phat, w, support)
+        sol, code, inc, cres = jax.vmap(one)(phat, w, support)
     else:
         support = jnp.arange(V)
         basis = constraint_basis(Wf, support)
-        sol, code, inc = jax.vmap(
+        sol, code, inc, cres = jax.vmap(
             lambda a, b: _solve_one(kind, basis, Wf, a, b, None, dims, tol,
                                     max_iters or None, 1e-4))(phat, w)
         support = jnp.broadcast_to(support, (phat.shape[0], V))
@@ -617,7 +622,7 @@ def _fuse(kind, logits, weights, *, unembeddings, top_k, tol, max_iters):
     logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
     logq = jnp.where(ok[:, None], logq, linear_pool(logp, w))
     info = {"fallback": ~ok, "converged": sol.converged, "regime": code,
-            "inconsistency": inc, "primal_res": sol.primal_res,
+            "inconsistency": inc, "constraint_res": cres, "primal_res": sol.primal_res,
             "dual_res": sol.dual_res, "gap": sol.gap, "iters": sol.iters,
             "objective": sol.objective}
     info = {k: v.reshape(lead) for k, v in info.items()}
