@@ -390,3 +390,20 @@ def test_registered_method_top_k_support():
     top = np.argsort(-logp.max(1), -1)[:, :10]
     for b in range(x.shape[0]):
         assert set(np.flatnonzero(q[b] > 0)) <= set(top[b])
+
+
+def test_decoding_fills_in_the_members_heads_and_refuses_aligned_spaces():
+    import sys
+    import os
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_lm import tiny_member
+    from brf.ensemble import decode
+    from brf.ensemble.member import EnsembleInputError
+    a, b = tiny_member(0), tiny_member(1)
+    pieces = list(decode.stream([a, b], ["hello there"], method="bottleneck_lsq",
+                                method_params={"top_k": 0}, max_new_tokens=2,
+                                sampler="greedy"))
+    assert pieces and pieces[-1].finished
+    with pytest.raises(EnsembleInputError, match="one shared vocabulary"):
+        list(decode.stream([a, b], ["hello there"], method="bottleneck_lp",
+                           max_new_tokens=2, sampler="greedy", aligner="union"))

@@ -39,6 +39,26 @@ Solvers (all pure, jit-compiled, vmapped over positions; float32 by default):
     unconstrained concave dual ``max_l l.h - logsumexp(log q0 + E^T l)`` fitted
     with optax's L-BFGS.
 
+In the infeasible regime the LP, QP and min-KL solvers work with ``E p = h``,
+i.e. with ``b~`` replaced by its projection onto the range of ``A~`` (the nearest
+consistent right-hand side; for ``W_1 = W_2`` that is the image of the average
+``mean_i p_hat_i W``). They then converge, and ``regime`` / ``inconsistency``
+(and the unreduced ``constraint_res``) say that the members' constraints were
+not met exactly. Positivity can still make ``E p = h`` empty (e.g. a top-k
+support too small to reproduce the tail's image): the solvers then do not
+converge and the registered methods fall back.
+
+**Vocabularies.** All members must share one vocabulary (same V, same token
+ids): the constraints compare images of distributions over the same events.
+Members with different vocabularies are refused (``FusionInputError``); brf
+does not define the constraints on a union event space.
+
+**Cost.** Once per support: an SVD of the K x (m+1) matrix ``A~^T``
+(O(K m^2); ~70 s for K = 49152, m = 576 on this 2-core CPU, so it is cached by
+the caller for full-vocabulary use). Per position and iteration: two matvecs
+with ``E`` (r x K) — memory-bound unbatched, a matmul when batched over
+positions (E is shared). See BENCHMARKS.md, "Softmax-bottleneck fusion".
+
 Each returns a :class:`Solution` with primal and dual residuals, the duality gap
 where defined, the iteration count and a ``converged`` flag (all tolerances met
 before ``max_iters``). A solver that runs out of iterations says so; the fusion
