@@ -350,6 +350,31 @@ def test_nan_logits_raise():
         fuse("bottleneck_lsq", x, unembeddings=[W, W], top_k=0)
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "negative", "shape"])
+def test_bad_phat_to_the_solver_raises(bad):
+    rng = np.random.default_rng(15)
+    Ws, ph, _ = feasible(rng, 20, (3, 3))
+    ph = ph.copy()
+    if bad == "nan":
+        ph[0, 3] = np.nan
+    elif bad == "inf":
+        ph[1, 0] = np.inf
+    elif bad == "negative":
+        ph[1, 0] = -0.1
+    else:
+        ph = ph[:, :-1]
+    with pytest.raises(FusionInputError, match="p_hat"):
+        run("lp", Ws, ph)
+
+
+def test_unreachable_tolerance_in_the_solver_is_flagged():
+    rng = np.random.default_rng(16)
+    Ws, ph, _ = feasible(rng, 60, (6, 5))
+    for kind in ("lp", "qp", "lsq", "maxent"):
+        _, d, _, _ = run(kind, Ws, ph, tol=1e-12, max_iters=64)
+        assert not d["converged"] and d["iters"] <= 64 + 64, (kind, d)
+
+
 def test_unreachable_tolerance_is_flagged_and_falls_back():
     rng = np.random.default_rng(12)
     W = rng.standard_normal((40, 5)).astype(np.float32)

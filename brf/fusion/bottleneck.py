@@ -532,6 +532,15 @@ def solve(kind: str, basis: Basis, Wfull_VxM, dims: tuple, phat_BxnxV,
       (Solution batched over B, regime codes [B], inconsistency [B], constraint
       residual [B]: ``||W_S^T p - b|| / ||b||`` in the original, unreduced terms).
     """
+    shape = np.shape(phat_BxnxV)
+    if len(shape) != 3 or shape[1] != len(dims) or shape[2] != Wfull_VxM.shape[0]:
+        raise FusionInputError(
+            f"p_hat must have shape [B, n={len(dims)}, V={Wfull_VxM.shape[0]}]; got {shape}")
+    if not isinstance(phat_BxnxV, jax.core.Tracer):
+        ph = np.asarray(phat_BxnxV)
+        if not np.isfinite(ph).all() or (ph < 0).any():
+            raise FusionInputError("p_hat must be finite and >= 0 (it contains NaN, inf "
+                                   "or negative entries)")
     phat_BxnxV = jnp.asarray(phat_BxnxV, jnp.float32)
     weights_Bxn = jnp.broadcast_to(jnp.asarray(weights_Bxn, jnp.float32),
                                    phat_BxnxV.shape[:2])
