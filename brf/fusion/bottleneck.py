@@ -579,7 +579,8 @@ def _solve_one(kind, basis, Wfull_VxM, phat_nxV, w_n, x0, dims, tol, max_iters,
         sol = solve_pdhg(basis.E_qxK, red.h_q, c, Lh, qd, x0_K=x0, tol=tol,
                          max_iters=max_iters or 50000)
     elif kind == "maxent":
-        logq0 = jnp.zeros((basis.E_qxK.shape[1],), basis.E_qxK.dtype)
+        K = basis.E_qxK.shape[1]
+        logq0 = jnp.full((K,), -jnp.log(float(K)), basis.E_qxK.dtype)  # uniform on the support
         sol = solve_maxent(basis.E_qxK, red.h_q, logq0, tol=tol,
                            max_iters=max_iters or 500)
     else:
