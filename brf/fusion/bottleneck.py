@@ -56,8 +56,8 @@ does not define the constraints on a union event space.
 **Cost.** Once per support: an SVD of the K x (m+1) matrix ``A~^T``
 (O(K m^2); ~70 s for K = 49152, m = 576 on this 2-core CPU, so it is cached by
 the caller for full-vocabulary use). Per position and iteration: two matvecs
-with ``E`` (r x K) — memory-bound unbatched, a matmul when batched over
-positions (E is shared). See BENCHMARKS.md, "Softmax-bottleneck fusion".
+with ``E`` (r x K), kept in both layouts — near memory-bound unbatched, a
+matmul when batched over positions (E is shared). See BENCHMARKS.md, "Softmax-bottleneck fusion".
 
 Each returns a :class:`Solution` with primal and dual residuals, the duality gap
 where defined, the iteration count and a ``converged`` flag (all tolerances met
