@@ -147,12 +147,27 @@ def _column_mask(mask_E, events):
     return jnp.where(events >= 0, mask_E[jnp.maximum(events, 0)], False)
 
 
+def _with_unembeddings(method: str, params: Mapping[str, Any], members) -> dict:
+    """Softmax-bottleneck methods get the members' output heads unless given."""
+    params = dict(params)
+    try:
+        m = fusion_methods.get_method(method)
+    except FusionInputError:
+        return params  # _check_method reports it
+    if "unembeddings" in m.params and params.get("unembeddings") is None:
+        params["unembeddings"] = [
+            mm.params["embed" if mm.cfg.tie_embeddings else "lm_head"] for mm in members]
+    return params
+
+
 def _check_method(method: str, params: Mapping[str, Any], n: int) -> None:
     try:
         m = fusion_methods.get_method(method)
         fusion_methods.resolve_params(m, dict(params))
     except FusionInputError as e:
         raise EnsembleInputError(str(e)) from None
+    if "unembeddings" in m.params:
+        return  # checked against the vocabulary at the first step (no tiny dry run)
     # A dry run on a tiny input catches per-member parameter shapes (phase offsets).
     try:
         fuse(method, jnp.zeros((n, 2)), jnp.full((n,), 1.0 / n), **params)
@@ -234,6 +249,7 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
         raise EnsembleInputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     w = normalised_weights(members, weights)
     if mode == "fuse":
+        method_params = _with_unembeddings(method, method_params, members)
         _check_method(method, method_params, len(members))
     elif method != "linear" or method_params:
         raise EnsembleInputError(f"mode {mode!r} mixes members (a linear pool); it takes no "
@@ -251,6 +267,12 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
                                  f"distribution stands alone; aligner {aligner!r} does not "
                                  "(use 'union' or 'identity')")
     same_vocab = isinstance(space, IdentitySpace)
+    if "unembeddings" in method_params and not same_vocab:
+        raise EnsembleInputError(
+            f"fusion method {method!r} constrains p W_i = p_hat_i W_i on one shared "
+            f"vocabulary; aligner {aligner!r} fuses on an aligned event space, where these "
+            "constraints are not defined. Use members with one vocabulary and "
+            "aligner='identity'")
     prompt_ids = [[m.prompt_ids(p) for p in prompts] for m in members]
     for m, ids in zip(members, prompt_ids):
         for p in ids:

@@ -7,9 +7,11 @@ It returns normalised log-probabilities and a dict of diagnostics (at least
 ``fallback``, a bool [X] that is True where the method fell back to the linear
 pool). Methods assume checked inputs; :func:`brf.fusion.fuse` does the checks.
 
-Each method declares its parameters. Float and phase-map parameters are traced
-under jit (changing their values never recompiles); int, str and bool
-parameters are compile-time constants.
+Each method declares its parameters. Float, phase-map and array parameters are
+traced under jit (changing their values never recompiles); int, str and bool
+parameters are compile-time constants. Array parameters (e.g. the members'
+unembeddings for softmax-bottleneck fusion) are a tuple of float32 arrays,
+checked by the parameter's own ``check``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from brf.fusion.checks import FusionInputError
 from brf.fusion.phase import PhaseMap, phase_map
 from brf.registry import Registry
 
-DYNAMIC_KINDS = ("float", "phase")
+DYNAMIC_KINDS = ("float", "phase", "array")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Param:
 
     Attributes:
       default: the value used when the caller gives none.
-      kind: 'float' | 'int' | 'str' | 'phase' | 'method' | 'params'.
+      kind: 'float' | 'int' | 'str' | 'phase' | 'method' | 'params' | 'array'.
       check: ``check(value) -> None or str``; a string is the error message.
       doc: one line for listings.
     """
@@ -94,6 +96,16 @@ def _coerce(method: str, key: str, p: Param, value: Any) -> Any:
         value = phase_map(value)
     elif p.kind == "method":
         get_method(value)
+    elif p.kind == "array":
+        if value is None:
+            raise FusionInputError(f"{method}: parameter {key} is required (an array "
+                                   "or a list of arrays)")
+        if p.check is not None and not _is_traced(value):
+            msg = p.check(value)
+            if msg:
+                raise FusionInputError(f"{method}: parameter {key}: {msg}")
+        seq = [value] if hasattr(value, "shape") else list(value)
+        return tuple(jnp.asarray(a, jnp.float32) for a in seq)
     if p.check is not None and not _is_traced(value):
         msg = p.check(value)
         if msg:

@@ -1,0 +1,259 @@
+r"""Softmax-bottleneck fusion benchmark: brf's JAX solvers vs scipy HiGHS, one run.
+
+Problems come from the real SmolLM2-135M unembedding (V = 49152, d = 576): one
+member, p_hat = softmax(W h) for hidden states near token rows (mixed 90/10 with
+uniform so that log p_hat stays bounded), the LP
+``min -p . log p_hat  s.t.  p W = p_hat W, p in simplex`` (underdetermined).
+
+Parts (all in one process, same problems, ratios side by side):
+  * ``speed``: per-position LP solve time on the top-K support (K of the
+    49152 tokens by p_hat; b from the full p_hat), brf batched (1, 8, 64
+    positions) vs HiGHS one position at a time; objective gap and constraint
+    residual of both against each other.
+  * ``bound``: full-V cost of one PDHG iteration (two matvecs with E, r x V)
+    per position at batch 1, 8, 64 against the memory-bandwidth floor.
+  * ``tractability``: on a sub-vocabulary of V' tokens (the "full problem",
+    solved by HiGHS), the effect on the answer of (a) restricting p to the top-K
+    support, (b) truncating the basis to singular values above rank_rtol,
+    (c) warm-starting each position from the previous one's solution.
+
+  python experiments/bench_bottleneck.py                    # everything
+  python experiments/bench_bottleneck.py --parts=speed --K=4096
+  python experiments/bench_bottleneck.py --quick            # small smoke run
+"""
+
+import os
+import platform
+import time
+
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy.optimize import linprog
+
+from brf import cli
+from brf.benchmark import markdown_table, memory_bandwidth, time_call
+from brf.fusion import bottleneck as bn
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("quick", False, "small sizes (smoke)")
+flags.DEFINE_list("parts", ["speed", "bound", "tractability"], "which parts to run")
+flags.DEFINE_integer("K", 4096, "support size for the speed part")
+flags.DEFINE_list("batches", ["1", "8", "64"], "batch sizes")
+flags.DEFINE_integer("highs_positions", 3, "positions HiGHS solves (per-position time = median)")
+flags.DEFINE_integer("sub_vocab", 8192, "V' of the tractability part's full problem")
+flags.DEFINE_float("tol", 1e-6, "brf's relative KKT tolerance")
+
+
+def smollm2_unembedding():
+    from brf.checkpoints import registry
+    m = registry.load("smollm2-135m-instruct", progress=False)
+    return np.asarray(m.params["embed" if m.cfg.tie_embeddings else "lm_head"], np.float32)
+
+
+def member_dists(W, B, rng, drift=None):
+    """p_hat for B positions; with ``drift``, consecutive positions' hidden states drift slowly."""
+    V, d = W.shape
+    if drift is None:
+        h = W[rng.integers(0, V, B)] * 1.5 + 0.2 * rng.standard_normal((B, d))
+    else:
+        h0 = W[rng.integers(0, V)] * 1.5
+        steps = np.cumsum(drift * rng.standard_normal((B, d)), 0)
+        h = h0 + steps
+    x = h @ W.T
+    ph = np.exp(x - x.max(1, keepdims=True))
+    ph /= ph.sum(1, keepdims=True)
+    return 0.9 * ph + 0.1 / V
+
+
+def highs(WS, b, c):
+    t = time.perf_counter()
+    A = np.vstack([WS.T.astype(np.float64), np.ones(WS.shape[0])])
+    r = linprog(c, A_eq=A, b_eq=np.append(b, 1.0), bounds=(0, None), method="highs")
+    dt = time.perf_counter() - t
+    if r.status != 0:
+        return None, dt
+    return r.x, dt
+
+
+def rel_res(p, WS, b):
+    return float(np.linalg.norm(p @ WS.astype(np.float64) - b) / np.linalg.norm(b))
+
+
+def support_problem(W, ph, K):
+    """Top-K support by p_hat (shared by the batch: union over positions' top tokens)."""
+    score = ph.max(0)
+    S = np.sort(np.argsort(-score)[:K])
+    return S
+
+
+def part_speed(W, rng, rows):
+    K = FLAGS.K
+    Bmax = max(int(b) for b in FLAGS.batches)
+    ph = member_dists(W, Bmax, rng)
+    S = support_problem(W, ph, K)
+    Wf = jnp.asarray(W)
+    WS = W[S]
+    basis = bn.truncate(bn.constraint_basis(jnp.asarray(WS), jnp.asarray(S)))
+    # The support basis indexes the rows of the full W (b uses the full p_hat).
+    b_full = ph @ W.astype(np.float64)
+    c_all = -np.log(ph[:, S])
+    print(f"# speed: V={W.shape[0]}, K={K}, rank {int(basis.rank)}", flush=True)
+    ref_x, ref_t = [], []
+    for i in range(FLAGS.highs_positions):
+        x, dt = highs(WS, b_full[i], c_all[i])
+        ref_x.append(x)
+        ref_t.append(dt)
+        print(f"  HiGHS position {i}: {dt:.2f} s, status {'ok' if x is not None else 'failed'}",
+              flush=True)
+    t_highs = float(np.median(ref_t))
+    for B in (int(b) for b in FLAGS.batches):
+        args = (basis, Wf, (W.shape[1],), ph[:B, None], np.ones((B, 1)))
+
+        def call():
+            return bn.solve("lp", *args, tol=FLAGS.tol)[0]
+        t = time_call(call, repeats=1 if B > 8 else 3, warmup=1)
+        sol = call()
+        gaps, ress = [], []
+        for i in range(min(B, FLAGS.highs_positions)):
+            if ref_x[i] is None:
+                continue
+            p = np.asarray(sol.p_K[i], np.float64)
+            fo, fr = p @ c_all[i], ref_x[i] @ c_all[i]
+            gaps.append(abs(fo - fr) / abs(fr))
+            ress.append(rel_res(p, WS, b_full[i]))
+        rows.append(["speed", f"LP K={K}", B, t / B, t_highs, t_highs / (t / B),
+                     int(np.max(sol.iters)), bool(np.all(sol.converged)),
+                     f"{max(gaps):.1e}" if gaps else "", f"{max(ress):.1e}" if ress else ""])
+        print(rows[-1], flush=True)
+
+
+def part_bound(W, rows):
+    V, d = W.shape
+    bw = memory_bandwidth(1 << 27, 5)
+    E = jnp.asarray(np.linalg.qr(W[:, :])[0].T)  # r x V with orthonormal rows (r = d)
+    print(f"# bound: V={V}, r={E.shape[0]}, jnp.sum bandwidth {bw / 1e9:.1f} GB/s", flush=True)
+    ET = jnp.asarray(np.asarray(E).T.copy())
+    naive = jax.jit(lambda E, X, Y: (E @ X, E.T @ Y))   # one layout, transposed product
+    kept = jax.jit(lambda E, ET, X, Y: (E @ X, ET @ Y))  # both layouts (what brf does)
+    for B in (int(b) for b in FLAGS.batches):
+        X = jnp.ones((V, B), jnp.float32) / V
+        Y = jnp.ones((E.shape[0], B), jnp.float32)
+        floor = 2 * E.size * 4 / bw
+        for name, call in (("E x, E^T y (one layout)", lambda: naive(E, X, Y)),
+                           ("E x, ET y (both layouts)", lambda: kept(E, ET, X, Y))):
+            t = time_call(call, repeats=5, warmup=1)
+            rows.append(["bound", name, B, t / B, floor / B, floor / t, "", "", "", ""])
+            print(rows[-1], flush=True)
+
+
+def part_tractability(W, rng, out):
+    Vp = FLAGS.sub_vocab
+    idx = np.sort(rng.choice(W.shape[0], Vp, replace=False))
+    Wv = W[idx]
+    B = 8
+    ph = member_dists(Wv, B, rng, drift=0.05)
+    b = ph @ Wv.astype(np.float64)
+    c = -np.log(ph)
+    Wf = jnp.asarray(Wv)
+    full = bn.truncate(bn.constraint_basis(Wf, jnp.arange(Vp)))
+    ref = [highs(Wv, b[i], c[i])[0] for i in range(B)]
+    fref = np.array([ref[i] @ c[i] for i in range(B)])
+    print(f"# tractability: V'={Vp}, full rank {int(full.rank)}", flush=True)
+    rows = []
+
+    def report(name, P, sol, t):
+        P = np.asarray(P, np.float64)
+        obj = np.array([P[i] @ c[i] for i in range(B)])
+        tv = 0.5 * np.abs(P - np.stack(ref)).sum(1)
+        res = [rel_res(P[i], Wv, b[i]) for i in range(B)]
+        rows.append([name, t / B, f"{np.max(np.abs(obj - fref) / np.abs(fref)):.1e}",
+                     f"{np.max(tv):.1e}", f"{np.max(res):.1e}", int(np.mean(sol.iters)),
+                     bool(np.all(sol.converged))])
+        print(rows[-1], flush=True)
+
+    args = (Wf, (Wv.shape[1],), ph[:, None], np.ones((B, 1)))
+    t0 = time.perf_counter()
+    sol = jax.block_until_ready(bn.solve("lp", full, *args, tol=FLAGS.tol)[0])
+    report("full problem (cold)", sol.p_K, sol, time.perf_counter() - t0)
+    # (a) top-K support, shared by the batch.
+    for K in (1024, 2048, 4096):
+        if K >= Vp:
+            continue
+        S = support_problem(Wv, ph, K)
+        basis = bn.truncate(bn.constraint_basis(Wf[S], jnp.asarray(S)))
+        t0 = time.perf_counter()
+        sol = jax.block_until_ready(bn.solve("lp", basis, *args, tol=FLAGS.tol)[0])
+        dt = time.perf_counter() - t0
+        P = np.zeros((B, Vp))
+        P[:, S] = np.asarray(sol.p_K)
+        report(f"top-K support K={K}", P, sol, dt)
+    # (b) reduced basis: drop singular directions below rank_rtol * sigma_max.
+    for rt in (1e-2, 3e-2, 1e-1):
+        basis = bn.truncate(bn.constraint_basis(Wf, jnp.arange(Vp), rank_rtol=rt))
+        t0 = time.perf_counter()
+        sol = jax.block_until_ready(bn.solve("lp", basis, *args, tol=FLAGS.tol)[0])
+        report(f"reduced basis rtol={rt:g} (r={int(basis.rank)})", sol.p_K, sol,
+               time.perf_counter() - t0)
+    # (c) warm starts: position t starts from position t-1's answer (sequential).
+    t0 = time.perf_counter()
+    P, its, conv = [], [], []
+    prev = None
+    for i in range(B):
+        x0 = None if prev is None else prev[None]
+        s = bn.solve("lp", full, Wf, (Wv.shape[1],), ph[i:i + 1, None], np.ones((1, 1)),
+                     tol=FLAGS.tol, x0_BxK=x0)[0]
+        prev = s.p_K[0]
+        P.append(np.asarray(prev))
+        its.append(int(s.iters[0]))
+        conv.append(bool(s.converged[0]))
+    dt = time.perf_counter() - t0
+    fake = bn.Solution(None, None, None, None, None, np.array(its), np.array(conv))
+    report("warm start from previous position (B=1 x 8)", np.stack(P), fake, dt)
+    t0 = time.perf_counter()
+    P, its, conv = [], [], []
+    for i in range(B):
+        s = bn.solve("lp", full, Wf, (Wv.shape[1],), ph[i:i + 1, None], np.ones((1, 1)),
+                     tol=FLAGS.tol)[0]
+        P.append(np.asarray(s.p_K[0]))
+        its.append(int(s.iters[0]))
+        conv.append(bool(s.converged[0]))
+    dt = time.perf_counter() - t0
+    fake = bn.Solution(None, None, None, None, None, np.array(its), np.array(conv))
+    report("cold start, same positions (B=1 x 8)", np.stack(P), fake, dt)
+    out.append(markdown_table(
+        ["variant", "s / position", "max rel objective diff vs HiGHS full",
+         "max TV vs HiGHS full", "max rel constraint residual (full V')", "mean iters",
+         "converged"], rows))
+
+
+def main(argv):
+    del argv
+    if FLAGS.quick:
+        FLAGS.K, FLAGS.batches, FLAGS.highs_positions, FLAGS.sub_vocab = 700, ["1", "8"], 1, 1024
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}; "
+          f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
+    W = smollm2_unembedding()
+    rng = np.random.default_rng(0)
+    rows, tables = [], []
+    if "speed" in FLAGS.parts:
+        part_speed(W, rng, rows)
+    if "bound" in FLAGS.parts:
+        part_bound(W, rows)
+    if rows:
+        tables.append(markdown_table(
+            ["part", "problem", "batch", "brf s / position", "HiGHS s / position (or floor)",
+             "speedup (or x floor)", "max iters", "converged", "rel objective gap vs HiGHS",
+             "rel constraint residual"], rows))
+    if "tractability" in FLAGS.parts:
+        part_tractability(W, rng, tables)
+    print(f"# load average {os.getloadavg()[0]:.1f} at end")
+    for t in tables:
+        print(t)
+        print()
+
+
+if __name__ == "__main__":
+    cli.run(main)

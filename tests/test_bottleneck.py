@@ -1,0 +1,434 @@
+"""Softmax-bottleneck fusion against float64 references (scipy HiGHS, NNLS, SLSQP, KKT).
+
+Each solver's answer is checked three ways: objective against an independent
+scipy solve in float64, the constraints ``p W_i = p_hat_i W_i`` in float64 from
+the returned p, and the optimality (KKT) conditions re-derived in float64 from p
+alone (multipliers by least squares on the active set, reduced costs >= 0).
+"""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.optimize import linprog, minimize, nnls
+
+from brf.fusion import FusionInputError, fuse
+from brf.fusion import bottleneck as bn
+
+OBJ_RTOL = 1e-4
+RES_RTOL = 1e-5
+
+
+# --- problems ---------------------------------------------------------------------
+
+def feasible(rng, V, dims, p_floor=0.5):
+    """Members whose p_hat_i differ but share one p* with p* W_i = p_hat_i W_i."""
+    pstar = rng.dirichlet(np.ones(V))
+    Ws, ph = [], []
+    for d in dims:
+        W = rng.standard_normal((V, d))
+        A = np.concatenate([W, np.ones((V, 1))], 1).T
+        N = np.linalg.svd(A)[2][A.shape[0]:].T
+        delta = N @ rng.standard_normal(N.shape[1]) if N.size else np.zeros(V)
+        if N.size:
+            delta *= p_floor * pstar.min() / np.abs(delta).max()
+        Ws.append(W.astype(np.float32))
+        ph.append(pstar + delta)
+    return Ws, np.array(ph), pstar
+
+
+def stacked(Ws, ph):
+    A = np.concatenate([np.asarray(W, np.float64) for W in Ws], 1).T
+    b = np.concatenate([ph[i] @ np.asarray(W, np.float64) for i, W in enumerate(Ws)])
+    return A, b
+
+
+def run(kind, Ws, ph, w=None, tol=1e-6, **kw):
+    Wf, dims = bn.stack_unembeddings(Ws)
+    V = Wf.shape[0]
+    basis = bn.constraint_basis(Wf, jnp.arange(V))
+    w = np.full(len(Ws), 1 / len(Ws)) if w is None else w
+    sol, code, inc, cres = bn.solve(kind, basis, Wf, dims, ph[None], w[None], tol=tol, **kw)
+    one = lambda a: np.asarray(a)[0]
+    return (np.asarray(sol.p_K[0], np.float64), {k: one(v) for k, v in sol._asdict().items()},
+            int(code[0]), float(cres[0]))
+
+
+def assert_distribution(p):
+    assert p.min() >= 0
+    np.testing.assert_allclose(p.sum(), 1.0, atol=1e-5)
+
+
+def assert_constraints(p, Ws, ph):
+    for i, W in enumerate(Ws):
+        W = np.asarray(W, np.float64)
+        res = np.linalg.norm(p @ W - ph[i] @ W) / np.linalg.norm(ph[i] @ W)
+        assert res < RES_RTOL, (i, res)
+
+
+# --- references (float64) ------------------------------------------------------------
+
+def highs_lp(Ws, ph, w):
+    A, b = stacked(Ws, ph)
+    c = -(w[:, None] * np.log(ph)).sum(0)
+    r = linprog(c, A_eq=np.vstack([A, np.ones(A.shape[1])]), b_eq=np.append(b, 1.0),
+                bounds=(0, None), method="highs")
+    assert r.status == 0, r.message
+    return r.fun, c
+
+
+def slsqp_qp(Ws, ph, w, x0):
+    A, b = stacked(Ws, ph)
+    L = np.log(ph)
+    Aeq, beq = np.vstack([A, np.ones(A.shape[1])]), np.append(b, 1.0)
+    # Express the equality constraints in an orthonormal basis (well scaled).
+    U, s, Vt = np.linalg.svd(Aeq, full_matrices=False)
+    r = (s > 1e-10 * s[0]).sum()
+    E, h = Vt[:r], (U[:, :r].T @ beq) / s[:r]
+    f = lambda p: float(sum(w[i] * (p @ L[i]) ** 2 for i in range(len(w))))
+    g = lambda p: sum(2 * w[i] * (p @ L[i]) * L[i] for i in range(len(w)))
+    res = minimize(f, x0, jac=g, method="SLSQP", bounds=[(0, None)] * len(x0),
+                   constraints=[{"type": "eq", "fun": lambda p: E @ p - h, "jac": lambda p: E}],
+                   options=dict(ftol=1e-15, maxiter=2000))
+    assert np.abs(E @ res.x - h).max() < 1e-9 and res.x.min() > -1e-9
+    return res.fun
+
+
+def nnls_simplex_lsq(Ws, ph, w):
+    """min_{p in simplex} sum_i w_i ||W_i^T (p - p_hat_i)||^2 by NNLS with a heavy sum row."""
+    rows, rhs_ = [], []
+    for i, W in enumerate(Ws):
+        W = np.asarray(W, np.float64)
+        rows.append(np.sqrt(w[i]) * W.T)
+        rhs_.append(np.sqrt(w[i]) * (ph[i] @ W))
+    A, b = np.vstack(rows), np.concatenate(rhs_)
+    big = 1e4 * np.linalg.norm(A, 2)
+    x, _ = nnls(np.vstack([A, big * np.ones(A.shape[1])]), np.append(b, big), maxiter=50 * A.shape[1])
+    return float(np.sum((A @ x - b) ** 2)), x
+
+
+def kkt_lp_like(p, grad, Ws, active_tol=1e-7):
+    """KKT residual of min f s.t. A p = b, 1.p = 1, p >= 0 at p (float64).
+
+    Multipliers (y, nu) from least squares of grad + A^T y + nu = 0 on the
+    active set {p_j > active_tol}; returns (stationarity on the active set,
+    most negative reduced cost elsewhere), both relative to ||grad||.
+    """
+    A = np.concatenate([np.asarray(W, np.float64) for W in Ws], 1).T
+    Aa = np.vstack([A, np.ones(A.shape[1])])
+    act = p > active_tol
+    sol = np.linalg.lstsq(Aa[:, act].T, -grad[act], rcond=None)[0]
+    lam = grad + Aa.T @ sol
+    scale = np.linalg.norm(grad) + 1.0
+    return np.abs(lam[act]).max() / scale, min(lam[~act].min(), 0.0) / scale if (~act).any() else 0.0
+
+
+# --- synthetic problems ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lp_underdetermined_matches_highs(seed):
+    rng = np.random.default_rng(seed)
+    Ws, ph, _ = feasible(rng, 60, (6, 5))
+    w = np.array([0.3, 0.7])
+    p, d, code, cres = run("lp", Ws, ph, w)
+    assert code == bn.UNDERDETERMINED and d["converged"]
+    ref, c = highs_lp(Ws, ph, w)
+    assert abs(p @ c - ref) <= OBJ_RTOL * abs(ref)
+    assert_distribution(p)
+    assert_constraints(p, Ws, ph)
+    assert cres < RES_RTOL
+    stat, neg = kkt_lp_like(p, c, Ws, active_tol=1e-6)
+    assert stat < 1e-4 and neg > -1e-4
+
+
+def test_qp_underdetermined_matches_slsqp_and_kkt():
+    rng = np.random.default_rng(2)
+    Ws, ph, pstar = feasible(rng, 40, (5, 4))
+    w = np.array([0.5, 0.5])
+    p, d, code, _ = run("qp", Ws, ph, w)
+    assert code == bn.UNDERDETERMINED and d["converged"]
+    L = np.log(ph)
+    obj = sum(w[i] * (p @ L[i]) ** 2 for i in range(2))
+    ref = slsqp_qp(Ws, ph, w, pstar)
+    assert obj <= ref * (1 + OBJ_RTOL) and obj >= ref * (1 - OBJ_RTOL)
+    assert_distribution(p)
+    assert_constraints(p, Ws, ph)
+    grad = sum(2 * w[i] * (p @ L[i]) * L[i] for i in range(2))
+    stat, neg = kkt_lp_like(p, grad, Ws, active_tol=1e-6)
+    assert stat < 1e-4 and neg > -1e-4
+
+
+def test_maxent_is_the_min_kl_projection():
+    rng = np.random.default_rng(3)
+    Ws, ph, _ = feasible(rng, 50, (4, 4))
+    p, d, code, _ = run("maxent", Ws, ph, tol=1e-7)
+    assert code == bn.UNDERDETERMINED and d["converged"]
+    assert_distribution(p)
+    assert_constraints(p, Ws, ph)
+    # KKT of min sum p log p s.t. A p = b, 1.p = 1: log p is in the row space of [A; 1].
+    A, b = stacked(Ws, ph)
+    Aa = np.vstack([A, np.ones(A.shape[1])])
+    coef = np.linalg.lstsq(Aa.T, np.log(p), rcond=None)[0]
+    assert np.abs(Aa.T @ coef - np.log(p)).max() < 1e-3
+    # Objective against scipy on the float64 dual.
+    f = lambda y: np.log(np.exp(Aa.T @ y).sum()) - y @ np.append(b, 1.0)
+    g = lambda y: Aa @ (np.exp(Aa.T @ y) / np.exp(Aa.T @ y).sum()) - np.append(b, 1.0)
+    ref = minimize(f, np.zeros(Aa.shape[0]), jac=g, method="BFGS", options=dict(gtol=1e-12))
+    q = np.exp(Aa.T @ ref.x) / np.exp(Aa.T @ ref.x).sum()
+    ent_ref = -(q * np.log(q)).sum()
+    ent = -(p * np.log(p)).sum()
+    assert abs(ent - ent_ref) <= OBJ_RTOL * abs(ent_ref)
+
+
+def test_lsq_infeasible_one_model_two_prompts_matches_nnls():
+    rng = np.random.default_rng(4)
+    V, d = 50, 8
+    W = rng.standard_normal((V, d)).astype(np.float32)
+    ph = np.stack([rng.dirichlet(np.ones(V)), rng.dirichlet(np.ones(V) * 0.3)])
+    w = np.array([0.4, 0.6])
+    p, dg, code, cres = run("lsq", [W, W], ph, w, tol=1e-7)
+    assert code == bn.INFEASIBLE and dg["converged"]
+    assert cres > 1e-2  # it is a misfit, and it is reported
+    ref, xref = nnls_simplex_lsq([W, W], ph, w)
+    obj = sum(w[i] * np.sum((np.asarray(W, np.float64).T @ (p - ph[i])) ** 2) for i in range(2))
+    assert abs(obj - ref) <= OBJ_RTOL * ref
+    assert_distribution(p)
+    # KKT: gradient >= nu everywhere with equality on the support.
+    Wd = np.asarray(W, np.float64)
+    g = sum(2 * w[i] * Wd @ (Wd.T @ (p - ph[i])) for i in range(2))
+    nu = g[p > 1e-6].mean()
+    assert np.abs(g[p > 1e-6] - nu).max() < 1e-3 * (1 + np.abs(g).max())
+    assert (g - nu).min() > -1e-3 * (1 + np.abs(g).max())
+
+
+def test_lp_and_maxent_on_infeasible_use_the_projected_rhs():
+    """With W_1 = W_2 the nearest consistent rhs is the average image: p W = mean_i p_hat_i W."""
+    rng = np.random.default_rng(5)
+    V, d = 40, 5
+    W = rng.standard_normal((V, d)).astype(np.float32)
+    ph = np.stack([rng.dirichlet(np.ones(V)), rng.dirichlet(np.ones(V))])
+    for kind in ("lp", "maxent"):
+        p, dg, code, _ = run(kind, [W, W], ph)
+        assert code == bn.INFEASIBLE and dg["converged"]
+        target = ph.mean(0) @ np.asarray(W, np.float64)
+        assert np.linalg.norm(p @ W - target) < RES_RTOL * np.linalg.norm(target) * 10
+
+
+@pytest.mark.parametrize("kind", ["lp", "qp", "maxent", "lsq"])
+def test_unique_regime_every_solver_finds_the_point(kind):
+    rng = np.random.default_rng(6)
+    V = 10
+    Ws = [rng.standard_normal((V, 6)).astype(np.float32) for _ in range(2)]
+    pstar = rng.dirichlet(np.ones(V) * 3)
+    ph = np.stack([pstar, pstar])
+    p, d, code, _ = run(kind, Ws, ph, tol=1e-7)
+    assert code == bn.UNIQUE and d["converged"]
+    np.testing.assert_allclose(p, pstar, atol=2e-5)
+
+
+def test_batched_equals_one_at_a_time():
+    rng = np.random.default_rng(7)
+    Ws, ph, _ = feasible(rng, 30, (4, 4))
+    Wf, dims = bn.stack_unembeddings(Ws)
+    basis = bn.constraint_basis(Wf, jnp.arange(30))
+    batch = np.stack([ph, ph[::-1], np.stack([ph[0], ph[0]])])
+    w = np.full((3, 2), 0.5)
+    sol, *_ = bn.solve("lp", basis, Wf, dims, batch, w)
+    for b in range(3):
+        one, *_ = bn.solve("lp", basis, Wf, dims, batch[b:b + 1], w[b:b + 1])
+        np.testing.assert_allclose(sol.p_K[b], one.p_K[0], atol=1e-6)
+
+
+def test_simplex_projection_matches_qp():
+    rng = np.random.default_rng(8)
+    y = rng.standard_normal(17) * 2
+    p = np.asarray(bn.project_simplex(jnp.asarray(y, jnp.float32)), np.float64)
+    res = minimize(lambda x: np.sum((x - y) ** 2), np.full(17, 1 / 17), method="SLSQP",
+                   bounds=[(0, None)] * 17, jac=lambda x: 2 * (x - y),
+                   constraints=[{"type": "eq", "fun": lambda x: x.sum() - 1}],
+                   options=dict(ftol=1e-14))
+    np.testing.assert_allclose(p, res.x, atol=1e-5)
+
+
+# --- the real SmolLM2 unembedding -----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_rows():
+    from brf.checkpoints import registry
+    m = registry.load("smollm2-135m-instruct", progress=False)
+    key = "embed" if m.cfg.tie_embeddings else "lm_head"
+    W = np.asarray(m.params[key], np.float32)
+    rng = np.random.default_rng(9)
+    # Two "prompts": hidden states near two tokens' rows (a peaked, realistic p_hat).
+    h = W[rng.integers(0, W.shape[0], 2)] * 1.5 + 0.2 * rng.standard_normal((2, W.shape[1]))
+    logits = h @ W.T
+    order = np.argsort(-logits.max(0))
+    return W, logits, order
+
+
+def real_problem(K, n_prompts):
+    W, logits, order = smollm2_rows()
+    S = order[:K]
+    WS = W[S]
+    x = logits[:n_prompts, S].astype(np.float64)
+    ph = np.exp(x - x.max(1, keepdims=True))
+    ph /= ph.sum(1, keepdims=True)
+    # Keep p_hat away from 0 so that log p_hat and HiGHS stay well scaled.
+    ph = 0.9 * ph + 0.1 / K
+    return WS, ph
+
+
+@pytest.mark.slow
+def test_real_smollm2_underdetermined_lp_matches_highs():
+    WS, ph = real_problem(900, 1)  # K = 900 > d + 1 = 577
+    w = np.ones(1)
+    p, d, code, cres = run("lp", [WS], ph, w)
+    assert code == bn.UNDERDETERMINED and d["converged"], d
+    ref, c = highs_lp([WS], ph, w)
+    assert abs(p @ c - ref) <= OBJ_RTOL * abs(ref)
+    assert_distribution(p)
+    assert_constraints(p, [WS], ph)
+
+
+@pytest.mark.slow
+def test_real_smollm2_infeasible_two_prompts_lsq_matches_nnls():
+    WS, ph = real_problem(700, 2)
+    w = np.array([0.5, 0.5])
+    p, d, code, cres = run("lsq", [WS, WS], ph, w, tol=1e-7)
+    assert code == bn.INFEASIBLE and d["converged"], d
+    ref, _ = nnls_simplex_lsq([WS, WS], ph, w)
+    Wd = WS.astype(np.float64)
+    obj = sum(w[i] * np.sum((Wd.T @ (p - ph[i])) ** 2) for i in range(2))
+    assert abs(obj - ref) <= OBJ_RTOL * ref + 1e-9
+    assert_distribution(p)
+
+
+@pytest.mark.slow
+def test_real_smollm2_unique_on_a_small_support():
+    WS, ph = real_problem(400, 1)  # K = 400 <= rank: one point, p_hat itself
+    p, d, code, _ = run("lp", [WS], ph, np.ones(1))
+    assert code == bn.UNIQUE and d["converged"], d
+    np.testing.assert_allclose(p, ph[0], atol=1e-5)
+    assert_constraints(p, [WS], ph)
+
+
+# --- bad input and the registry ---------------------------------------------------------------
+
+
+def logits_for(W, rng, n=2, B=3):
+    h = rng.standard_normal((B, n, W.shape[1])).astype(np.float32)
+    return np.einsum("bnd,vd->bnv", h, W)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda W: [W[:, 0]], "shape \\[V, d\\]"),
+    (lambda W: [W[None]], "shape \\[V, d\\]"),
+    (lambda W: [W.astype(np.int32)], "floating point"),
+    (lambda W: [np.where(np.arange(W.shape[0])[:, None] == 3, np.nan, W)], "NaN or inf"),
+    (lambda W: [W, np.full_like(W, np.inf)], "NaN or inf"),
+    (lambda W: [W, W[:-1]], "different vocabulary sizes"),
+    (lambda W: [W[:-1], W[:-1]], "logits have V="),
+    (lambda W: None, "required"),
+])
+def test_bad_unembeddings_raise(bad, match):
+    rng = np.random.default_rng(10)
+    W = rng.standard_normal((30, 4)).astype(np.float32)
+    x = logits_for(W, rng)
+    with pytest.raises(FusionInputError, match=match):
+        fuse("bottleneck_lp", x, unembeddings=bad(W), top_k=0)
+
+
+def test_nan_logits_raise():
+    rng = np.random.default_rng(11)
+    W = rng.standard_normal((30, 4)).astype(np.float32)
+    x = logits_for(W, rng)
+    x[0, 1, 2] = np.nan
+    with pytest.raises(FusionInputError, match="NaN"):
+        fuse("bottleneck_lsq", x, unembeddings=[W, W], top_k=0)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "negative", "shape"])
+def test_bad_phat_to_the_solver_raises(bad):
+    rng = np.random.default_rng(15)
+    Ws, ph, _ = feasible(rng, 20, (3, 3))
+    ph = ph.copy()
+    if bad == "nan":
+        ph[0, 3] = np.nan
+    elif bad == "inf":
+        ph[1, 0] = np.inf
+    elif bad == "negative":
+        ph[1, 0] = -0.1
+    else:
+        ph = ph[:, :-1]
+    with pytest.raises(FusionInputError, match="p_hat"):
+        run("lp", Ws, ph)
+
+
+def test_unreachable_tolerance_in_the_solver_is_flagged():
+    rng = np.random.default_rng(16)
+    Ws, ph, _ = feasible(rng, 60, (6, 5))
+    for kind in ("lp", "qp", "lsq", "maxent"):
+        _, d, _, _ = run(kind, Ws, ph, tol=1e-12, max_iters=64)
+        assert not d["converged"] and d["iters"] <= 64 + 64, (kind, d)
+
+
+def test_unreachable_tolerance_is_flagged_and_falls_back():
+    rng = np.random.default_rng(12)
+    W = rng.standard_normal((40, 5)).astype(np.float32)
+    x = logits_for(W, rng)
+    logq, info = fuse("bottleneck_qp", x, unembeddings=[W, W], top_k=0, tol=1e-12,
+                      max_iters=64, return_info=True)
+    assert not np.asarray(info["converged"]).any()
+    assert np.asarray(info["fallback"]).all()
+    lin = np.log(np.exp(x - np.log(np.exp(x).sum(-1, keepdims=True))).mean(1))
+    np.testing.assert_allclose(np.asarray(logq), lin, atol=1e-5)
+
+
+def test_registered_method_full_support_matches_direct_solver():
+    rng = np.random.default_rng(13)
+    W = rng.standard_normal((80, 6)).astype(np.float32)
+    x = logits_for(W, rng, n=1)
+    logq, info = fuse("bottleneck_lp", x, unembeddings=W, top_k=0, return_info=True)
+    assert np.asarray(info["regime"] == bn.UNDERDETERMINED).all()
+    assert not np.asarray(info["fallback"]).any()
+    ph = np.exp(x[:, 0] - np.log(np.exp(x[:, 0]).sum(-1, keepdims=True))).astype(np.float64)
+    for b in range(x.shape[0]):
+        ref, c = highs_lp([W], ph[b:b + 1], np.ones(1))
+        q = np.exp(np.asarray(logq[b], np.float64))
+        assert abs(q @ c - ref) <= OBJ_RTOL * abs(ref)
+        assert_constraints(q, [W], ph[b:b + 1])
+
+
+def test_registered_method_top_k_support():
+    rng = np.random.default_rng(14)
+    W = rng.standard_normal((200, 4)).astype(np.float32)
+    x = logits_for(W, rng, n=2) * 2
+    logq, info = fuse("bottleneck_lsq", x, unembeddings=[W, W], top_k=5, return_info=True)
+    q = np.exp(np.asarray(logq))
+    np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+    assert ((q > 0).sum(-1) <= 10).all()  # the support: top 5 * 2 tokens by max_i p_hat_i
+    assert not np.asarray(info["fallback"]).any()
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    top = np.argsort(-logp.max(1), -1)[:, :10]
+    for b in range(x.shape[0]):
+        assert set(np.flatnonzero(q[b] > 0)) <= set(top[b])
+
+
+def test_decoding_fills_in_the_members_heads_and_refuses_aligned_spaces():
+    import sys
+    import os
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_lm import tiny_member
+    from brf.ensemble import decode
+    from brf.ensemble.member import EnsembleInputError
+    a, b = tiny_member(0), tiny_member(1)
+    pieces = list(decode.stream([a, b], ["hello there"], method="bottleneck_lsq",
+                                method_params={"top_k": 0}, max_new_tokens=2,
+                                sampler="greedy"))
+    assert pieces and pieces[-1].finished
+    with pytest.raises(EnsembleInputError, match="one shared vocabulary"):
+        list(decode.stream([a, b], ["hello there"], method="bottleneck_lp",
+                           max_new_tokens=2, sampler="greedy", aligner="union"))
