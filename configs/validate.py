@@ -50,6 +50,9 @@ def get_config(arg=None):
     # Variants in the prompt study's analyses (prefix pair, same-model pair, swarm);
     # its NLL question is BRF's gap to the calibrated baselines. "" = c.variants.
     c.prompt_variants = "calibrated"
+    # Softmax-bottleneck rows (brf/eval/bottleneck_eval.py) for the same-model pair:
+    # full logits recomputed at this many sampled test positions (0 = off).
+    c.bottleneck_positions = 64
     c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
     c.default_plays = ("tragedies/hamlet",)
     c.min_chars = 2000
@@ -130,6 +133,7 @@ def get_config(arg=None):
     if arg == "short":
         c.corpora = format_spec("hamlet", dict(max_chars=6000, prefix=HAMLET_PREFIX))
         c.topk_sensitivity = 128
+        c.bottleneck_positions = 8
         c.max_chars = 6000
         c.segment_chars = 1500
         c.n_perm = 300

@@ -300,6 +300,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
     cfg.second_prefix = "Text:\n"
     cfg.topk_sensitivity = 32
     cfg.variants = "calibrated"  # both variants run in test_pipeline_end_to_end
+    cfg.bottleneck_positions = 4
     cfg.n_perm = cfg.n_boot = 60
     cfg.fit_steps = 10
     cfg.sweep = cfg.sweep[:1]
@@ -315,6 +316,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
     pr = data["prompts"]["first"]
     assert pr["effect"]["paired"] and pr["effect"]["phase_concentration"]
     assert len(pr["swarm"]["members"]) == 4 and len(pr["same_model"]["members"]) == 2
+    assert pr["bottleneck"]["positions"] == 4 and len(pr["bottleneck"]["rows"]) == 6
     assert pr["same_model"]["coverage"]["fraction_of_member_positions"] == [1.0, 1.0]
     assert data["topk_sensitivity"]["top_k"] == [16, 32]
     for key in ("nll: first", "nll: pooled (calibrated)", "prompts: first", "swarm: first",

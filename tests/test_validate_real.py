@@ -80,4 +80,11 @@ def test_study_on_the_default_pair(tmp_path):
     # One model under two prefixes: one tokenizer, every position co-aligned.
     assert pr["same_model"]["coverage"]["fraction_of_member_positions"] == [1.0, 1.0]
     assert data["topk_sensitivity"]["top_k"] == [64, 128]
+    # Softmax-bottleneck rows on the same-model pair: W_1 = W_2 makes every sampled
+    # position infeasible unless the prompts agree; least squares converges there.
+    b = {r["method"]: r for r in pr["bottleneck"]["rows"]}
+    assert set(b) == {"linear", "loglinear", "bottleneck_lsq", "bottleneck_lp",
+                      "bottleneck_qp", "bottleneck_maxent"}
+    assert b["bottleneck_lsq"]["regimes"]["infeasible"] == pr["bottleneck"]["positions"] == 8
+    assert b["bottleneck_lsq"]["converged_fraction"] == 1.0
     assert "nll: pooled (calibrated)" in rep["verdict"] and "event space" in rep["verdict"]

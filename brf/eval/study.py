@@ -344,6 +344,14 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
                 entry["same_model"] = _brief(run_table(cfg, f"{c['label']} same model",
                                                        same, segments, run_dir, loader,
                                                        store_k=store_k, variants=aux)[0])
+                if int(cfg.get("bottleneck_positions", 0)) > 0:
+                    from brf.eval.bottleneck_eval import bottleneck_rows
+                    n_cal = max(1, int(round(len(segments) * cfg.calibration_fraction)))
+                    entry["bottleneck"] = bottleneck_rows(
+                        loader(m0[0]), m0[0], (c["prefix"], second), segments,
+                        list(range(n_cal, len(segments))),
+                        n_positions=int(cfg.bottleneck_positions), n_boot=cfg.n_boot,
+                        seed=cfg.seed)
             if cfg.get("swarm", True):
                 swarm = ", ".join(format_spec(n, q) for n, p in members
                                   for q in (p, {**p, "prefix": c["prefix"]}))
@@ -445,6 +453,21 @@ def verdicts(rep: dict) -> dict[str, str]:
             + "; ".join(parts) + f". Cross-term AUROC {ct['auroc_plain']:.3f} -> "
             f"{ct['auroc_prefix']:.3f} (change {ct['auroc_change']:+.3f} "
             f"[{ct['auroc_change_ci'][0]:+.3f}, {ct['auroc_change_ci'][1]:+.3f}]). {gap}.")
+        b = pr.get("bottleneck")
+        if b:
+            parts = []
+            for r in b["rows"]:
+                if r["method"].startswith("bottleneck"):
+                    d = r["difference_to_linear"]
+                    reg = ", ".join(f"{v} {k}" for k, v in r["regimes"].items() if v)
+                    parts.append(f"{r['method']} {r['nll']:.3f} (vs the linear pool "
+                                 f"{d['mean_difference']:+.3f} [{d['ci'][0]:+.3f}, "
+                                 f"{d['ci'][1]:+.3f}]; regimes: {reg}; fell back to the linear "
+                                 f"pool at {100 * r['fallback_fraction']:.0f}% of positions)")
+            lin = next(r for r in b["rows"] if r["method"] == "linear")
+            out[f"softmax bottleneck: {label}"] = (
+                f"One model under two prefixes, {b['positions']} sampled test positions, full "
+                f"distributions: linear pool NLL {lin['nll']:.3f}; " + "; ".join(parts) + ".")
         for key, what in (("same_model", "One model under two prefixes"),
                           ("swarm", "The four-member swarm")):
             if key in pr:

@@ -1,0 +1,117 @@
+"""Softmax-bottleneck fusion in the study: one model under two prompts.
+
+The bottleneck methods (``brf.fusion.bottleneck``) need each member's full
+next-token distribution and its unembedding, which the stored summaries (top-k
+per position) do not keep. For the prompt ensemble of one model (a shared
+vocabulary and ``W_1 = W_2``: the *infeasible* regime unless the two prompts
+agree), this module recomputes both members' full logits at a sample of test
+positions and scores every bottleneck method next to the linear and log-linear
+pools on exactly those positions, reporting each method's regime counts and
+how often it fell back to the linear pool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from brf.eval import hypotheses
+from brf.eval.fitting import NLL_CAP
+from brf.fusion import fuse
+from brf.models import iter_logits_chunks
+
+METHODS = ("bottleneck_lsq", "bottleneck_lp", "bottleneck_qp", "bottleneck_maxent")
+REGIME_NAMES = ("unique", "infeasible", "underdetermined")
+
+
+def _rows_logits(model, ids: np.ndarray, rows: np.ndarray, chunk: int) -> np.ndarray:
+    """Full next-token logits [len(rows), V] of one sequence at the given rows."""
+    n = len(ids)
+    pad = -(-n // chunk) * chunk
+    tokens = np.zeros((1, pad), np.int32)
+    tokens[0, :n] = ids
+    valid = np.arange(pad)[None] < n
+    out = np.zeros((len(rows), model.cfg.vocab_size), np.float32)
+    for start, logits in iter_logits_chunks(model.params, model.cfg, tokens, valid, chunk=chunk):
+        sel = (rows >= start) & (rows < start + logits.shape[1])
+        if sel.any():
+            out[sel] = np.asarray(logits[0, rows[sel] - start])
+    return out
+
+
+def bottleneck_rows(model, label: str, prefixes: tuple[str, str], segments: list[str],
+                    test_segments: list[int], *, n_positions: int = 64, top_k: int = 256,
+                    batch: int = 16, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Every bottleneck method vs the linear and log-linear pools on sampled positions.
+
+    Args:
+        model: the one model (``registry.load``: cfg, params, tokenizer).
+        label: the model's name, for the report.
+        prefixes: the two members' prefixes (conditioning texts).
+        segments: the corpus segments.
+        test_segments: indices of the test split's segments.
+        n_positions: positions sampled, evenly over the test segments' tokens.
+        top_k: the bottleneck methods' support (top_k * 2 tokens).
+        batch: positions per fused call.
+        n_boot, seed: bootstrap of the mean NLL.
+
+    Returns:
+        {"members", "positions", "top_k", "rows": [{"method", "nll", "nll_ci",
+         "fallback_fraction", "regimes": {name: count}, "difference_to_linear":
+         {"mean_difference", "ci", ...}}]}
+    """
+    tok, cfg = model.tokenizer, model.cfg
+    bos = [cfg.bos_id] if cfg.bos_id is not None else []
+    seg_ids = [list(tok.encode(segments[s], add_special_tokens=False)) for s in test_segments]
+    total = sum(max(len(x) - 1, 0) for x in seg_ids)
+    picks = set(np.linspace(0, total - 1, min(n_positions, total)).astype(int).tolist())
+    logits, gold, k = [[], []], [], 0
+    for x in tqdm(seg_ids, desc=f"bottleneck rows: full logits ({label})", unit="segment",
+                  dynamic_ncols=True):
+        local = [r for r in range(len(x) - 1) if k + r in picks]
+        k += max(len(x) - 1, 0)
+        if not local:
+            continue
+        gold += [x[r + 1] for r in local]
+        for i, pre in enumerate(prefixes):
+            p = list(tok.encode(pre, add_special_tokens=False)) if pre else []
+            ids = np.asarray(bos + p + x, np.int32)
+            rows = np.asarray(local) + len(bos) + len(p)
+            logits[i].append(_rows_logits(model, ids, rows, 256))
+    logits_PxnxV = jnp.asarray(np.stack([np.concatenate(l) for l in logits], axis=1))
+    gold = np.asarray(gold)
+    W = model.params["embed"] if cfg.tie_embeddings else model.params["lm_head"]
+    W = jnp.asarray(W, jnp.float32)
+    W = W if W.shape[0] == cfg.vocab_size else W.T
+    w = jnp.asarray([0.5, 0.5], jnp.float32)
+    P = len(gold)
+    nll, info, floored = {}, {}, {}
+    for method in ("linear", "loglinear") + METHODS:
+        parts, infos = [], []
+        for a in tqdm(range(0, P, batch), desc=f"bottleneck rows: {method}", unit="batch",
+                      dynamic_ncols=True, leave=False):
+            params = ({} if not method.startswith("bottleneck") else
+                      {"unembeddings": [W, W], "top_k": top_k})
+            lq, inf = fuse(method, logits_PxnxV[a:a + batch], w, return_info=True, **params)
+            parts.append(-np.asarray(lq)[np.arange(lq.shape[0]), gold[a:a + batch]])
+            infos.append({k2: np.asarray(v) for k2, v in inf.items()})
+        x = np.concatenate(parts).astype(np.float64)
+        floored[method] = int(np.sum(~(x <= NLL_CAP)))  # gold outside the support: q = 0
+        nll[method] = np.where(x <= NLL_CAP, x, NLL_CAP)
+        info[method] = {k2: np.concatenate([i[k2] for i in infos]) for k2 in infos[0]}
+    out = {"members": [f"{label} + prefix {i + 1}" for i in range(2)], "prefixes": list(prefixes),
+           "positions": int(P), "top_k": top_k, "rows": []}
+    for method, x in nll.items():
+        mean, ci = hypotheses.mean_ci(x, n_boot=n_boot, block=8, seed=seed)
+        row = {"method": method, "nll": mean, "nll_ci": ci, "floored_positions": floored[method],
+               "fallback_fraction": float(np.mean(info[method]["fallback"]))}
+        if "regime" in info[method]:
+            r = info[method]["regime"]
+            row["regimes"] = {name: int(np.sum(r == c)) for c, name in enumerate(REGIME_NAMES)}
+            row["converged_fraction"] = float(np.mean(info[method]["converged"]))
+        if method != "linear":
+            row["difference_to_linear"] = hypotheses.nll_difference(
+                x, nll["linear"], n_boot=n_boot, block=8, seed=seed)
+        out["rows"].append(row)
+    return out
