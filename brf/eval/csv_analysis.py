@@ -249,5 +249,22 @@ def write_report(out_dir: str, report: dict, coherence: list[dict]) -> dict:
     return paths
 
 
-__all__ = ["CsvError", "DEFAULT_PHASE_MAPS", "analyze", "fusion_rows", "load_table",
+__all__ = ["CsvError", "DEFAULT_PHASE_MAPS", "analyze", "fusion_rows", "load_table", "run",
            "markdown", "plot", "write_report"]
+
+
+def run(c) -> dict:
+    """What experiments/analyze_csv.py runs, for a configs/analyze_csv.py config."""
+    from brf.specs import split_list
+    paths = split_list(c.csvs) if isinstance(c.csvs, str) else list(c.csvs)
+    sizes = None
+    if c.vocab_sizes:
+        try:
+            sizes = [int(v) for v in split_list(str(c.vocab_sizes))]
+        except ValueError:
+            raise UserError(f"config.vocab_sizes={c.vocab_sizes!r}: give integers") from None
+    methods = split_list(c.fusion_methods) if c.fusion_methods else None
+    report, arrays = analyze(paths, align=c.align, phase_maps=dict(c.phase_maps),
+                             born_phase=c.born_phase, methods=methods, vocab_sizes=sizes,
+                             n_perm=c.n_perm, n_boot=c.n_boot, seed=c.seed)
+    return write_report(c.out_dir, report, arrays["coherence"])

@@ -262,3 +262,61 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
         rows = w.n_rows
     return {"rows": rows, "rows_written": written, "seconds": time.perf_counter() - t0,
             "texts": outs, "path": path}
+
+
+def load_model(source: str):
+    """``brf.checkpoints.registry.load`` with a missing model as a user error."""
+    from brf.checkpoints import registry
+    if not source:
+        raise DumpError("config.model is empty; give a model name, .gguf file or directory")
+    try:
+        model = registry.load(source, progress=False)
+    except FileNotFoundError as e:
+        raise DumpError(f"model {source!r}: {e.args[0] if e.args else e}") from None
+    except (OSError, KeyError) as e:  # an unreadable file or directory given as a model
+        raise DumpError(f"model {source!r} cannot be loaded: {type(e).__name__}: {e}") from None
+    if model.tokenizer is None:
+        raise DumpError(f"model {source!r} has no tokenizer; the CSV needs token texts")
+    return model
+
+
+def _score_text(c) -> str:
+    if c.text:
+        return c.text
+    from brf.eval import corpus
+    if c.text_file:
+        return corpus.load_corpus(c.text_file, min_chars=1)
+    text = corpus.load_default_corpus()
+    return text[:c.max_chars] if c.max_chars else text
+
+
+def _prompts(c) -> list[str]:
+    from brf.ensemble.run import read_prompts
+    prompts = [p for p in str(c.prompts).split("\n") if p.strip()]
+    return read_prompts(prompts, c.prompts_file)
+
+
+def run(c) -> dict:
+    """What experiments/dump_logits.py runs, for a configs/dump_logits.py config."""
+    if c.mode not in ("score", "generate"):
+        raise DumpError(f"config.mode={c.mode!r}; use score or generate")
+    if c.get("compilation_cache"):
+        from brf.runtime import enable_compilation_cache
+        enable_compilation_cache()
+    # Settings are checked before the model is loaded.
+    text = _score_text(c) if c.mode == "score" else None
+    prompts = _prompts(c) if c.mode == "generate" else None
+    if c.mode == "generate":
+        from brf.fusion import Sampler
+        Sampler.parse(c.sampler)
+    model = load_model(c.model)
+    meta = {"model": c.model}
+    if c.mode == "score":
+        return dump_scores(model, text, c.output, k=c.k, system=c.system, prefix=c.prefix,
+                           segment_tokens=c.segment_tokens, chunk=c.chunk,
+                           max_positions=c.max_positions, meta=meta,
+                           resume=not c.overwrite, desc=f"dumping {c.model}")
+    return dump_generations(model, prompts, c.output, k=c.k, system=c.system,
+                            prefix=c.prefix, chat=c.chat, template=c.template or None,
+                            sampler=c.sampler, max_new_tokens=c.max_new_tokens, seed=c.seed,
+                            meta=meta, resume=not c.overwrite, desc=f"generating {c.model}")
