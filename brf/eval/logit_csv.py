@@ -282,8 +282,8 @@ class CsvWriter:
             if ok and bad_at is not None:
                 raise CsvError(f"{self.path}: line {bad_at} is damaged but later rows are "
                                f"intact (edited?); refusing to resume")
-            if not ok:
-                if raw and bad_at is None:
+            if not ok:  # only the tail may be bad: a partial line, nothing after it
+                if bad_at is None and (raw or complete):
                     bad_at = i
                 continue
             seq = int(raw.split(b",", 1)[0])
