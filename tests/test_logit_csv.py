@@ -72,6 +72,30 @@ def test_written_values_read_back_bit_exact(tmp_path):
     assert len(rows) == 50 and np.float32(rows[3]["logit_2"]) == block.top_logits[3, 1]
 
 
+def test_writer_resume_keeps_complete_rows_and_refuses_damage(tmp_path):
+    rng = np.random.default_rng(4)
+    texts = np.array([lc.escape_bytes(b"t%d" % i) for i in range(1000)], object)
+    block = _random_block(rng)
+    path = tmp_path / "r.csv"
+    with lc.CsvWriter(str(path), {"a": 1}, 6, texts, resume=False) as w:
+        w.write(block)
+    full = path.read_bytes()
+    lines = full.split(b"\n")
+    # Cut inside row 21's checksum: 20 rows are kept, the partial line dropped.
+    path.write_bytes(b"\n".join(lines[:23]) + b"\n" + lines[23][:-3])
+    with lc.CsvWriter(str(path), {"a": 1}, 6, texts) as w:
+        assert w.done == {0: 20}
+        w.write(lc.RowBlock(*(np.asarray(a)[20:] for a in block)))
+    assert path.read_bytes() == full
+    # A damaged row with intact rows after it is not resumed over.
+    bad = lines[:10] + [lines[10].replace(b",", b";", 1)] + lines[11:]
+    path.write_bytes(b"\n".join(bad))
+    with pytest.raises(lc.CsvError, match="line 11 is damaged"):
+        lc.CsvWriter(str(path), {"a": 1}, 6, texts)
+    with pytest.raises(lc.CsvError, match=r"line 11 \(row 8\), column 'crc32'.*edited"):
+        lc.read_csv(str(path))
+
+
 # ---------------------------------------------------------------------------
 # Real model.
 # ---------------------------------------------------------------------------
