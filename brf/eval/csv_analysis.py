@@ -1,0 +1,270 @@
+"""brf's analyses on logit CSVs: phase coherence, cross-terms, fusion.
+
+Two (or more) runs on the same text — two models, or one model under two
+prompts — are read (:func:`brf.eval.logit_csv.read_csv`), put on common
+positions (same tokenizer: the same (seq, position) rows; different
+tokenizers: co-aligned byte offsets as in the validation experiment), and
+turned into the validation's event table (:func:`brf.eval.logit_csv.event_table`):
+each run's renormalised top-k distribution plus its tail mass, recovered from
+the log-normaliser, on an OTHER event. Then, with the validation's own code:
+
+* the Phase Coherence Test per phase map (:func:`brf.eval.hypotheses.phase_coherence`:
+  Rayleigh z, R̄, Zar's p, permutation null);
+* the Cross-Term Discrimination Test for one Born setting with uniform
+  weights (:func:`brf.eval.hypotheses.cross_term_test`, with its equal-phase
+  control);
+* every registered fusion method (``brf.fusion.METHODS``) at its default
+  parameters and uniform weights, and each run alone: NLL of the gold token
+  (block-bootstrap CI), top-1 accuracy, positions floored.
+
+Nothing is fitted here: for tuned comparisons run the validation experiment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from brf.errors import UserError
+from brf.eval import hypotheses
+from brf.eval.fitting import EventTable, Fitted, evaluate
+from brf.eval.logit_csv import (CsvError, LogitRun, align_bytes, align_positions, event_table,
+                                read_csv)
+from brf.fusion import METHODS, FusionInputError, phase_map
+
+DEFAULT_PHASE_MAPS = {
+    "linear": "linear(scale=0.2)",
+    "tanh": "tanh(scale=1.5, rate=0.5)",
+    "arctan": "arctan(scale=1.5, rate=0.5)",
+    "log1p": "log1p(scale=0.5, rate=1.0)",
+    "token_tanh": "token_tanh(scale=1.5, rate=0.5)",
+    "token_log1p": "token_log1p(scale=0.5, rate=1.0)",
+}
+
+
+def load_table(paths: Sequence[str], *, align: str = "auto",
+               vocab_sizes: Sequence[int] | None = None):
+    """Reads the CSVs and builds their event table.
+
+    Args:
+      paths: two or more logit CSVs on the same text.
+      align: "position" (same tokenizer), "bytes" (different tokenizers) or
+        "auto" (bytes when the metadata's vocabulary sizes differ).
+      vocab_sizes: each run's V when the metadata lacks it.
+
+    Returns:
+      (runs, rows_PxN, EventTable, align used).
+
+    Raises:
+      CsvError: unreadable files, missing columns, mismatched positions.
+    """
+    if len(paths) < 2:
+        raise UserError(f"give at least two CSVs to compare; got {len(paths)}")
+    runs = [read_csv(p) for p in paths]
+    if align == "auto":
+        sizes = {r.meta.get("vocab_size") for r in runs}
+        align = "bytes" if len(sizes - {None}) > 1 else "position"
+    if align == "position":
+        rows = align_positions(runs)
+        by = "id"
+    elif align == "bytes":
+        rows = align_bytes(runs)
+        by = "bytes"
+    else:
+        raise UserError(f"align={align!r}; use auto, position or bytes")
+    table = event_table(runs, rows, by=by, vocab_sizes=vocab_sizes)
+    return runs, rows, table, align
+
+
+def _member_summary(run: LogitRun, rows: np.ndarray) -> dict:
+    lp = run.top_logp()[rows].astype(np.float64)
+    out = {"path": run.path, "model": run.meta.get("model"), "rows": run.n_rows,
+           "k": run.k, "top_k_mass": float(np.exp(lp).sum(-1).mean()),
+           "gap_mean": float(run.gap[rows].mean())}
+    if run.entropy is not None:
+        out["entropy_mean"] = float(run.entropy[rows].mean())
+    for key in ("system", "prefix", "mode"):
+        if key in run.meta:
+            out[key] = run.meta[key]
+    return out
+
+
+def fusion_rows(table: EventTable, methods: Sequence[str] | None = None, *,
+                seed: int = 0) -> list[dict]:
+    """Every method (default: all registered) at default parameters, uniform weights."""
+    n = table.logp.shape[1]
+    w = np.full(n, 1.0 / n)
+    specs = [(f"member {i} alone", "linear", np.eye(n)[i]) for i in range(n)]
+    specs += [(m, m, w) for m in (methods or METHODS.names())]
+    out = []
+    for label, method, weights in specs:
+        try:
+            ev = evaluate(Fitted(label, method, {}, weights, float("nan")), table)
+        except FusionInputError as e:
+            out.append({"label": label, "method": method, "error": str(e)})
+            continue
+        mean, ci = hypotheses.mean_ci(ev["nll"], seed=seed)
+        out.append({"label": label, "method": method, "nll": mean, "nll_ci": ci,
+                    "perplexity": math.exp(mean), "top1_accuracy": float(ev["correct"].mean()),
+                    "floored_positions": int(ev["floored"].sum())})
+    return out
+
+
+def analyze(paths: Sequence[str], *, align: str = "auto",
+            phase_maps: Mapping[str, Any] | None = None,
+            born_phase: str = "tanh(scale=1.5, rate=0.5)", methods: Sequence[str] | None = None,
+            vocab_sizes: Sequence[int] | None = None, n_perm: int = 2000,
+            n_boot: int = 1000, seed: int = 0) -> tuple[dict, dict]:
+    """All analyses on two or more CSVs.
+
+    Returns:
+      (report dict, arrays for plots: {"coherence": rows with "diffs"}).
+    """
+    phase_maps = dict(phase_maps or DEFAULT_PHASE_MAPS)
+    for label, spec in phase_maps.items():
+        try:
+            phase_map(spec)
+        except ValueError as e:
+            raise UserError(f"phase map {label!r}: {e}") from None
+    for m in methods or ():
+        if m not in METHODS.names():
+            raise UserError(f"unknown fusion method {m!r}; known: {', '.join(METHODS.names())}")
+    runs, rows, table, align = load_table(paths, align=align, vocab_sizes=vocab_sizes)
+    n = len(runs)
+    coherence = hypotheses.phase_coherence(table, phase_maps, n_perm=n_perm, seed=seed)
+    born = Fitted(f"born {born_phase}", "born", {"phase": born_phase}, np.full(n, 1.0 / n),
+                  float("nan"))
+    try:
+        cross = hypotheses.cross_term_test(table, born, n_boot=n_boot, seed=seed)
+    except ValueError as e:
+        raise UserError(f"born_phase={born_phase!r}: {e}") from None
+    ids = [r.top_ids[rows[:, i], 0] for i, r in enumerate(runs)]
+    report = {
+        "inputs": [_member_summary(r, rows[:, i]) for i, r in enumerate(runs)],
+        "align": align, "positions": int(table.n_positions),
+        "top1_agreement": float(np.mean(ids[0] == ids[1])) if align == "position" else None,
+        "phase_coherence": [{k: v for k, v in c.items() if k != "diffs"} for c in coherence],
+        "cross_term": {k: v for k, v in cross.items() if k != "scores"},
+        "fusion": fusion_rows(table, methods, seed=seed),
+        "settings": {"phase_maps": phase_maps, "born_phase": born_phase, "n_perm": n_perm,
+                     "n_boot": n_boot, "seed": seed},
+    }
+    return report, {"coherence": coherence, "table": table}
+
+
+def markdown(report: dict) -> str:
+    """A short human-readable summary of :func:`analyze`'s report."""
+    lines = ["# Logit CSV analysis", "",
+             f"{report['positions']} common positions ({report['align']} alignment).", ""]
+    lines += ["| run | model | prompt | top-k mass | mean gap | mean entropy |",
+              "|---|---|---|---|---|---|"]
+    for i, m in enumerate(report["inputs"]):
+        prompt = m.get("system") or m.get("prefix") or ""
+        lines.append(f"| {i}: `{os.path.basename(m['path'])}` | {m.get('model')} | "
+                     f"{prompt[:40]!r} | {m['top_k_mass']:.4f} | {m['gap_mean']:.3f} | "
+                     f"{m.get('entropy_mean', float('nan')):.3f} |")
+    if report.get("top1_agreement") is not None:
+        lines += ["", f"Top-1 agreement: {report['top1_agreement']:.3f}."]
+    lines += ["", "## Phase coherence", "",
+              "| map | pair | n | R̄ | Rayleigh z | Rayleigh p | permutation p | null R̄ |",
+              "|---|---|---|---|---|---|---|---|"]
+    for c in report["phase_coherence"]:
+        lines.append(f"| {c['phase_map']} | {c['pair']} | {c['n']} | "
+                     f"{c['mean_resultant_length']:.4f} | {c['rayleigh_z']:.1f} | "
+                     f"{c['rayleigh_p']:.3g} | {c['permutation_p']:.3g} | "
+                     f"{c['null_mean_resultant_length']:.4f} |")
+    ct = report["cross_term"]
+    lines += ["", f"## Cross-term discrimination ({ct['setting']}, uniform weights)", "",
+              "| score | AUROC | 95% CI | gold | competitors |", "|---|---|---|---|---|"]
+    for key in ("cross", "rel", "rel_equal_phases"):
+        v = ct[key]
+        lines.append(f"| {key} | {v['auroc']:.4f} | [{v['ci'][0]:.4f}, {v['ci'][1]:.4f}] | "
+                     f"{v['n_gold']} | {v['n_competitors']} |")
+    lines += ["", "## Fusion (default parameters, uniform weights; nothing fitted)", "",
+              "| method | NLL | 95% CI | top-1 acc | floored |", "|---|---|---|---|---|"]
+    for f in report["fusion"]:
+        if "error" in f:
+            lines.append(f"| {f['label']} | error: {f['error']} | | | |")
+        else:
+            lines.append(f"| {f['label']} | {f['nll']:.4f} | [{f['nll_ci'][0]:.4f}, "
+                         f"{f['nll_ci'][1]:.4f}] | {f['top1_accuracy']:.3f} | "
+                         f"{f['floored_positions']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out_dir: str, report: dict, coherence: list[dict]) -> list[str]:
+    """Phase-difference histograms and the fusion NLLs as PNGs; returns the paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    k = max(1, len(coherence))
+    cols = min(3, k)
+    nrows = -(-k // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.6 * nrows), squeeze=False)
+    for ax, c in zip(axes.flat, coherence):
+        ax.hist(c["diffs"], bins=48, range=(-np.pi, np.pi), color="tab:blue")
+        ax.set_title(f"{c['phase_map']} {c['pair']}\nR̄={c['mean_resultant_length']:.3f} "
+                     f"perm p={c['permutation_p']:.2g}", fontsize=8)
+        ax.set_xlabel("phase difference (rad)", fontsize=7)
+    for ax in list(axes.flat)[len(coherence):]:
+        ax.axis("off")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "phase_differences.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    ok = [f for f in report["fusion"] if "error" not in f]
+    fig, ax = plt.subplots(figsize=(6.5, 0.32 * len(ok) + 1.2))
+    y = np.arange(len(ok))
+    nll = np.array([f["nll"] for f in ok])
+    ci = np.array([f["nll_ci"] for f in ok])
+    ax.errorbar(nll, y, xerr=[nll - ci[:, 0], ci[:, 1] - nll], fmt="o", capsize=3)
+    ax.set_yticks(y, [f["label"] for f in ok], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("NLL of the gold token (nats), 95% block-bootstrap CI")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "fusion_nll.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_report(out_dir: str, report: dict, coherence: list[dict]) -> dict:
+    """analysis.json, analysis.md and the plots under out_dir; returns their paths."""
+    from brf.eval.report import _jsonable
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, "analysis.json"),
+             "markdown": os.path.join(out_dir, "analysis.md")}
+    tmp = paths["json"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(report), f, indent=1)
+    os.replace(tmp, paths["json"])
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown(report))
+    paths["plots"] = plot(out_dir, report, coherence)
+    return paths
+
+
+__all__ = ["CsvError", "DEFAULT_PHASE_MAPS", "analyze", "fusion_rows", "load_table", "run",
+           "markdown", "plot", "write_report"]
+
+
+def run(c) -> dict:
+    """What experiments/analyze_csv.py runs, for a configs/analyze_csv.py config."""
+    from brf.specs import split_list
+    paths = split_list(c.csvs) if isinstance(c.csvs, str) else list(c.csvs)
+    sizes = None
+    if c.vocab_sizes:
+        try:
+            sizes = [int(v) for v in split_list(str(c.vocab_sizes))]
+        except ValueError:
+            raise UserError(f"config.vocab_sizes={c.vocab_sizes!r}: give integers") from None
+    methods = split_list(c.fusion_methods) if c.fusion_methods else None
+    report, arrays = analyze(paths, align=c.align, phase_maps=dict(c.phase_maps),
+                             born_phase=c.born_phase, methods=methods, vocab_sizes=sizes,
+                             n_perm=c.n_perm, n_boot=c.n_boot, seed=c.seed)
+    return write_report(c.out_dir, report, arrays["coherence"])

@@ -1,0 +1,322 @@
+"""Dumping one model's logits to a logit CSV (:mod:`brf.eval.logit_csv`).
+
+Two producers, both streaming rows block by block and resuming an
+interrupted file:
+
+* :func:`dump_scores` — teacher-forced: the text's tokens are scored in
+  segments of at most ``segment_tokens`` tokens, each read after the model's
+  BOS and the optional system prompt / prefix (its own context), through the
+  same chunked forward pass as the validation experiment
+  (:func:`brf.models.iter_logits_chunks`, one cache shape for every segment).
+  Row t is the distribution over text token t given the context and the
+  segment's tokens before it; a segment's first token gets no row when there
+  is no context at all (no BOS, no prefix).
+* :func:`dump_generations` — prompts, greedy or sampled with
+  :func:`brf.fusion.sample` (keys folded from seed, prompt and step, so a
+  resumed run draws the same tokens). Row t is the step-t distribution (raw
+  logits, before temperature or truncation) and the token chosen from it.
+
+The per-position statistics are computed on the device in one pass over the
+vocabulary per chunk (:func:`row_stats`); the CSV text is formatted per
+block on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from brf.errors import UserError
+from brf.eval.logit_csv import CsvWriter, RowBlock, vocab_texts
+from brf.eval.scoring import chunked_top_k
+from brf.models import iter_logits_chunks
+
+
+class DumpError(UserError):
+    """Bad dump settings (text, prompts, sizes), reported before any model runs."""
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def row_stats(logits_CxV: jax.Array, token_C: jax.Array, k: int):
+    """Per-position row fields from raw logits, one pass over V.
+
+    Same computation as the validation's scoring (:mod:`brf.eval.scoring`),
+    but the top-k values and the token's logit stay raw (not log-probs).
+
+    Returns:
+      (top_logits [C, k], top_ids [C, k], token_logit [C], lse [C],
+      entropy [C], gap [C]).
+    """
+    m = jnp.max(logits_CxV, axis=-1, keepdims=True)
+    z = logits_CxV - m
+    e = jnp.exp(z)
+    s0 = jnp.sum(e, axis=-1)
+    s1 = jnp.sum(jnp.where(e > 0, e * z, 0.0), axis=-1)
+    log_s0 = jnp.log(s0)
+    lse = m[:, 0] + log_s0
+    entropy = log_s0 - s1 / s0
+    top, ids = chunked_top_k(logits_CxV, k)
+    tok = jnp.take_along_axis(logits_CxV, token_C[:, None], axis=-1)[:, 0]
+    # See brf.eval.scoring._summarise: keeps the [C, V] reductions out of the
+    # small consumers.
+    top, tok, lse = jax.lax.optimization_barrier((top, tok, lse))
+    return top, ids, tok, lse, entropy, top[:, 0] - top[:, 1]
+
+
+def context_ids(model, *, system: str = "", prefix: str = "") -> list[int]:
+    """BOS (if the model has one), the chat-templated system turn, then the prefix."""
+    tok, cfg = model.tokenizer, model.cfg
+    ids = [cfg.bos_id] if cfg.bos_id is not None else []
+    if system:
+        if getattr(tok, "chat_template", None) is None:
+            raise DumpError("system prompt given but the model's tokenizer has no chat "
+                            "template; use prefix instead")
+        out = tok.apply_chat_template([{"role": "system", "content": system}], tokenize=True)
+        out = out["input_ids"] if hasattr(out, "keys") else out
+        out = [int(i) for i in out]
+        ids += out[1:] if ids and out and out[0] == ids[0] else out
+    if prefix:
+        ids += [int(i) for i in tok.encode(prefix, add_special_tokens=False)]
+    return ids
+
+
+def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
+                prefix: str = "", segment_tokens: int = 2048, chunk: int = 256,
+                max_positions: int = 0, meta: dict | None = None, resume: bool = True,
+                desc: str = "dumping") -> dict:
+    """Teacher-forced scores of ``text`` into a logit CSV.
+
+    Args:
+      model: a loaded model (``brf.checkpoints.registry.load``).
+      text: the text to score.
+      path: the CSV file.
+      k: top entries per row.
+      system, prefix: the context before the text (see :func:`context_ids`).
+      segment_tokens: text tokens per forward context.
+      chunk: tokens per forward pass.
+      max_positions: stop after this many text tokens (0: all).
+      meta: extra metadata (the model's name...).
+      resume: continue an interrupted file with the same settings.
+      desc: progress-bar label.
+
+    Returns:
+      {"rows", "rows_written", "seconds", "positions_per_second", "path"}.
+    """
+    cfg, tok = model.cfg, model.tokenizer
+    if not text:
+        raise DumpError("nothing to score: the text is empty")
+    if k < 2 or k > cfg.vocab_size:
+        raise DumpError(f"k={k} must lie in [2, vocab size {cfg.vocab_size}]")
+    ctx = context_ids(model, system=system, prefix=prefix)
+    ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
+    if max_positions:
+        ids = ids[:max_positions]
+    n_ctx = len(ctx)
+    if segment_tokens < 2 or n_ctx + segment_tokens > cfg.max_seq_len:
+        raise DumpError(f"segment_tokens={segment_tokens} plus {n_ctx} context tokens must "
+                        f"fit the model's context of {cfg.max_seq_len} tokens")
+    meta = dict(meta or {}, mode="score", vocab_size=int(cfg.vocab_size), system=system,
+                prefix=prefix, text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+                text_tokens=int(len(ids)), segment_tokens=segment_tokens,
+                context_tokens=n_ctx)
+    texts_V = vocab_texts(tok, cfg.vocab_size)
+    starts = list(range(0, len(ids), segment_tokens))
+    total = sum(min(segment_tokens, len(ids) - a) - (n_ctx == 0) for a in starts)
+    pad_to = -(-(n_ctx + min(segment_tokens, len(ids))) // chunk) * chunk
+    t0 = time.perf_counter()
+    with CsvWriter(path, meta, k, texts_V, resume=resume) as w:
+        done = w.done.get(0, 0)
+        bar = tqdm(total=total, initial=done, desc=desc, unit="pos", dynamic_ncols=True)
+        written, seen = 0, 0
+        for a in starts:
+            seg = ids[a:a + segment_tokens]
+            n_rows = len(seg) - (n_ctx == 0)
+            if seen + n_rows <= done:  # a finished segment of a resumed file
+                seen += n_rows
+                continue
+            seq_ids = np.concatenate([np.asarray(ctx, np.int32), seg])
+            padded = np.zeros(pad_to, np.int32)
+            padded[:len(seq_ids)] = seq_ids
+            valid = np.arange(pad_to) < len(seq_ids)
+            for start, logits_1xCxV in iter_logits_chunks(model.params, cfg, padded[None],
+                                                          valid[None], chunk=chunk):
+                # Logits at sequence index j predict index j + 1 = text token
+                # a + j + 1 - n_ctx.
+                j = start + np.arange(logits_1xCxV.shape[1])
+                t = a + j + 1 - n_ctx
+                keep = (t >= a) & (t < a + len(seg))
+                if not keep.any():
+                    continue
+                row_no = seen + np.cumsum(keep) - 1
+                keep &= row_no >= done
+                seen += int(((t >= a) & (t < a + len(seg))).sum())
+                if not keep.any():
+                    continue
+                gold = np.zeros(chunk, np.int32)
+                c = logits_1xCxV.shape[1]
+                gold[:c] = np.where(keep, ids[np.clip(t, 0, len(ids) - 1)], 0)
+                logits = logits_1xCxV[0]
+                if c < chunk:  # one compiled shape
+                    logits = jnp.pad(logits, ((0, chunk - c), (0, 0)))
+                top, top_ids, tl, lse, ent, gap = jax.device_get(
+                    row_stats(logits, jnp.asarray(gold), k))
+                sel = np.nonzero(keep)[0]
+                w.write(RowBlock(np.zeros(len(sel), np.int64), t[sel], gold[sel], tl[sel],
+                                 lse[sel], ent[sel], gap[sel], top[sel], top_ids[sel]))
+                written += len(sel)
+                bar.update(len(sel))
+        bar.close()
+        rows = w.n_rows
+    sec = time.perf_counter() - t0
+    return {"rows": rows, "rows_written": written, "seconds": sec,
+            "positions_per_second": written / max(sec, 1e-9), "path": path}
+
+
+def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
+                     system: str = "", prefix: str = "", chat: bool = True,
+                     template: str | None = None, sampler: Any = "greedy",
+                     max_new_tokens: int = 64, seed: int = 0, meta: dict | None = None,
+                     resume: bool = True, desc: str = "generating") -> dict:
+    """Generates from each prompt and dumps every step's distribution.
+
+    Args:
+      model: a loaded model.
+      prompts: the prompts; prompt i is sequence ``seq = i``.
+      path: the CSV file.
+      k: top entries per row.
+      system: system prompt (chat members), prefix: text before the prompt
+        (plain members); see :class:`brf.ensemble.member.Member`.
+      chat, template: how the prompt is wrapped (Member's fields).
+      sampler: a :class:`brf.fusion.Sampler` spec ("greedy",
+        "temperature=0.7,top_p=0.9").
+      max_new_tokens: steps per prompt (stops earlier at EOS).
+      seed: sampling seed.
+      meta, resume, desc: as in :func:`dump_scores`.
+
+    Returns:
+      {"rows", "rows_written", "seconds", "texts", "path"}.
+    """
+    from brf.ensemble.member import Member, check_prompt_fits
+    from brf.fusion import Sampler, sample
+    from brf.models import decode_step_donated, init_cache, prefill_donated
+    cfg, tok = model.cfg, model.tokenizer
+    if not prompts:
+        raise DumpError("no prompts to generate from")
+    if max_new_tokens < 1:
+        raise DumpError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    sampler = Sampler.parse(sampler)
+    member = Member("dump", cfg, model.params, tok, prefix=system or prefix,
+                    chat=chat and template is None, template=template)
+    meta = dict(meta or {}, mode="generate", vocab_size=int(cfg.vocab_size), system=system,
+                prefix=prefix, chat=chat, template=template, prompts=list(prompts),
+                sampler=str(sampler), seed=seed, max_new_tokens=max_new_tokens)
+    texts_V = vocab_texts(tok, cfg.vocab_size)
+    eos = member.eos_ids()
+    t0 = time.perf_counter()
+    outs = []
+    with CsvWriter(path, meta, k, texts_V, resume=resume) as w:
+        last_seq = max(w.done) if w.done else -1
+        bar = tqdm(total=len(prompts) * max_new_tokens, desc=desc, unit="tok",
+                   dynamic_ncols=True)
+        written = 0
+        for s, prompt in enumerate(prompts):
+            if s < last_seq:
+                bar.update(max_new_tokens)
+                outs.append(None)
+                continue
+            skip = w.done.get(s, 0)
+            p_ids = member.prompt_ids(prompt)
+            check_prompt_fits(member, p_ids, max_new_tokens)
+            cache = init_cache(cfg, 1, len(p_ids) + max_new_tokens)
+            logits, cache = prefill_donated(model.params, cfg, jnp.asarray([p_ids], jnp.int32),
+                                            None, cache, logits="last")
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), s)
+            gen, block = [], []
+            for t in range(max_new_tokens):
+                nxt = sample(jax.random.fold_in(key, t), jax.nn.log_softmax(logits), sampler)
+                stats = jax.device_get(row_stats(logits, nxt, k))
+                token = int(nxt[0])
+                gen.append(token)
+                if t >= skip:
+                    block.append((t, token, stats))
+                bar.update(1)
+                if token in eos or t == max_new_tokens - 1:
+                    break
+                logits, cache = decode_step_donated(model.params, cfg, nxt, cache)
+            if block:
+                st = [np.concatenate([b[2][i] for b in block]) for i in range(6)]
+                top, top_ids, tl, lse, ent, gap = st
+                w.write(RowBlock(np.full(len(block), s), np.array([b[0] for b in block]),
+                                 np.array([b[1] for b in block]), tl, lse, ent, gap, top,
+                                 top_ids))
+                written += len(block)
+            outs.append(tok.decode(gen, skip_special_tokens=True))
+        bar.close()
+        rows = w.n_rows
+    return {"rows": rows, "rows_written": written, "seconds": time.perf_counter() - t0,
+            "texts": outs, "path": path}
+
+
+def load_model(source: str):
+    """``brf.checkpoints.registry.load`` with a missing model as a user error."""
+    from brf.checkpoints import registry
+    if not source:
+        raise DumpError("config.model is empty; give a model name, .gguf file or directory")
+    try:
+        model = registry.load(source, progress=False)
+    except FileNotFoundError as e:
+        raise DumpError(f"model {source!r}: {e.args[0] if e.args else e}") from None
+    except (OSError, KeyError) as e:  # an unreadable file or directory given as a model
+        raise DumpError(f"model {source!r} cannot be loaded: {type(e).__name__}: {e}") from None
+    if model.tokenizer is None:
+        raise DumpError(f"model {source!r} has no tokenizer; the CSV needs token texts")
+    return model
+
+
+def _score_text(c) -> str:
+    if c.text:
+        return c.text
+    from brf.eval import corpus
+    if c.text_file:
+        return corpus.load_corpus(c.text_file, min_chars=1)
+    text = corpus.load_default_corpus()
+    return text[:c.max_chars] if c.max_chars else text
+
+
+def _prompts(c) -> list[str]:
+    from brf.ensemble.run import read_prompts
+    prompts = [p for p in str(c.prompts).split("\n") if p.strip()]
+    return read_prompts(prompts, c.prompts_file)
+
+
+def run(c) -> dict:
+    """What experiments/dump_logits.py runs, for a configs/dump_logits.py config."""
+    if c.mode not in ("score", "generate"):
+        raise DumpError(f"config.mode={c.mode!r}; use score or generate")
+    if c.get("compilation_cache"):
+        from brf.runtime import enable_compilation_cache
+        enable_compilation_cache()
+    # Settings are checked before the model is loaded.
+    text = _score_text(c) if c.mode == "score" else None
+    prompts = _prompts(c) if c.mode == "generate" else None
+    if c.mode == "generate":
+        from brf.fusion import Sampler
+        Sampler.parse(c.sampler)
+    model = load_model(c.model)
+    meta = {"model": c.model}
+    if c.mode == "score":
+        return dump_scores(model, text, c.output, k=c.k, system=c.system, prefix=c.prefix,
+                           segment_tokens=c.segment_tokens, chunk=c.chunk,
+                           max_positions=c.max_positions, meta=meta,
+                           resume=not c.overwrite, desc=f"dumping {c.model}")
+    return dump_generations(model, prompts, c.output, k=c.k, system=c.system,
+                            prefix=c.prefix, chat=c.chat, template=c.template or None,
+                            sampler=c.sampler, max_new_tokens=c.max_new_tokens, seed=c.seed,
+                            meta=meta, resume=not c.overwrite, desc=f"generating {c.model}")

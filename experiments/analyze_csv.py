@@ -1,0 +1,24 @@
+"""Phase coherence, cross-term statistics and fusion on two or more logit CSVs.
+
+  python experiments/analyze_csv.py --config=configs/analyze_csv.py --config.csvs=a.csv,b.csv
+
+See configs/analyze_csv.py and brf/eval/csv_analysis.py.
+"""
+
+from ml_collections import config_flags
+
+from brf import cli
+from brf.eval.csv_analysis import run
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/analyze_csv.py")
+
+
+def main(argv):
+    del argv
+    paths = run(_CONFIG.value)
+    print(open(paths["markdown"]).read())
+    print(f"Report: {paths['markdown']}, {paths['json']}, plots: {', '.join(paths['plots'])}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,27 @@
+"""Dumps one model's logits to a logit CSV (teacher-forced scoring or generation).
+
+  python experiments/dump_logits.py --config=configs/dump_logits.py --config.output=runs/x.csv
+
+See configs/dump_logits.py for every field and brf/eval/logit_csv.py for the format.
+"""
+
+from ml_collections import config_flags
+
+from brf import cli
+from brf.eval.dump import run
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/dump_logits.py")
+
+
+def main(argv):
+    del argv
+    out = run(_CONFIG.value)
+    print(f"wrote {out['rows_written']} rows ({out['rows']} in the file) to {out['path']} "
+          f"in {out['seconds']:.1f} s")
+    for i, t in enumerate(out.get("texts") or []):
+        if t is not None:
+            print(f"[{i}] {t!r}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

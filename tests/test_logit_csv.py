@@ -1,0 +1,412 @@
+"""Logit CSVs: format round trips, hand-written files, agreement with the
+validation experiment, resuming, and one-line errors from the mains."""
+
+import csv
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from brf.eval import logit_csv as lc
+from brf.eval import csv_analysis
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TEXT = ("HAMLET. To be, or not to be, that is the question: Whether 'tis nobler in the "
+        "mind to suffer The slings and arrows of outrageous fortune, Or to take arms "
+        "against a sea of troubles, And by opposing end them? To die, to sleep; No more; "
+        "and by a sleep to say we end The heart-ache and the thousand natural shocks "
+        "That flesh is heir to: 'tis a consummation Devoutly to be wish'd. To die, to "
+        "sleep. To sleep, perchance to dream - ay, there's the rub, For in that sleep of "
+        "death what dreams may come, When we have shuffled off this mortal coil, Must "
+        "give us pause. #2: costs 100 ducats, \"quoted\", a\\b, caf\u00e9.\n")
+
+
+@given(st.binary(max_size=40))
+def test_escape_round_trip_and_field_safety(data):
+    field = lc.escape_bytes(data)
+    assert lc.unescape(field) == (data, False)
+    assert field.isascii() and not set(field) & set(',"#\n\r\t')
+
+
+def test_control_tokens_are_distinct_from_text():
+    assert lc.unescape(lc.escape_token(b"", True, "<|im_end|>")) == (b"", True)
+    assert lc.unescape(lc.escape_bytes(b"\\!x")) == (b"\\!x", False)
+
+
+def _random_block(rng, c=50, k=6, v=1000):
+    top = np.sort(rng.normal(0, 8, (c, k)).astype(np.float32), axis=1)[:, ::-1]
+    return lc.RowBlock(np.zeros(c, np.int64), np.arange(c), rng.integers(0, v, c),
+                       rng.normal(0, 8, c).astype(np.float32),
+                       rng.normal(30, 5, c).astype(np.float32),
+                       rng.uniform(0, 8, c).astype(np.float32),
+                       (top[:, 0] - top[:, 1]).astype(np.float32), top,
+                       rng.integers(0, v, (c, k)))
+
+
+def test_written_values_read_back_bit_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    texts = np.array([lc.escape_bytes(bytes([i % 256, 44, 35])) for i in range(1000)], object)
+    block = _random_block(rng)
+    path = str(tmp_path / "x.csv")
+    with lc.CsvWriter(path, {"vocab_size": 1000}, 6, texts, resume=False) as w:
+        w.write(block)
+    run = lc.read_csv(path)
+    for name in ("token_logit", "lse", "entropy", "gap", "top_logits"):
+        got, want = getattr(run, name), getattr(block, name)
+        np.testing.assert_array_equal(got.view(np.int32), np.asarray(want).view(np.int32))
+    np.testing.assert_array_equal(run.top_ids, block.top_ids)
+    assert [lc.unescape(t)[0] for t in run.token_text] == [
+        bytes([i % 256, 44, 35]) for i in block.token_id]
+    assert run.meta["k"] == 6 and run.meta["format"] == lc.FORMAT
+    # Any csv reader sees the same table once the '#' lines are dropped.
+    with open(path) as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert len(rows) == 50 and np.float32(rows[3]["logit_2"]) == block.top_logits[3, 1]
+
+
+def test_writer_resume_keeps_complete_rows_and_refuses_damage(tmp_path):
+    rng = np.random.default_rng(4)
+    texts = np.array([lc.escape_bytes(b"t%d" % i) for i in range(1000)], object)
+    block = _random_block(rng)
+    path = tmp_path / "r.csv"
+    with lc.CsvWriter(str(path), {"a": 1}, 6, texts, resume=False) as w:
+        w.write(block)
+    full = path.read_bytes()
+    lines = full.split(b"\n")
+    # Cut inside row 21's checksum: 20 rows are kept, the partial line dropped.
+    path.write_bytes(b"\n".join(lines[:23]) + b"\n" + lines[23][:-3])
+    with lc.CsvWriter(str(path), {"a": 1}, 6, texts) as w:
+        assert w.done == {0: 20}
+        w.write(lc.RowBlock(*(np.asarray(a)[20:] for a in block)))
+    assert path.read_bytes() == full
+    # A damaged row with intact rows after it is not resumed over.
+    bad = lines[:10] + [lines[10].replace(b",", b";", 1)] + lines[11:]
+    path.write_bytes(b"\n".join(bad))
+    with pytest.raises(lc.CsvError, match="line 11 is damaged"):
+        lc.CsvWriter(str(path), {"a": 1}, 6, texts)
+    with pytest.raises(lc.CsvError, match=r"line 11 \(row 8\), column 'crc32'.*edited"):
+        lc.read_csv(str(path))
+
+
+# ---------------------------------------------------------------------------
+# Real model.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from brf.checkpoints.registry import load
+    return load("smollm2-135m-instruct", progress=False)
+
+
+@pytest.fixture(scope="module")
+def dumps(smollm, tmp_path_factory):
+    from brf.eval.dump import dump_scores
+    d = tmp_path_factory.mktemp("dumps")
+    plain = dump_scores(smollm, TEXT * 2, str(d / "plain.csv"), k=20, chunk=64,
+                        segment_tokens=200)
+    sys_ = dump_scores(smollm, TEXT * 2, str(d / "pirate.csv"), k=20, chunk=64,
+                       segment_tokens=200, system="You are a pirate. Speak like one.")
+    return d, plain, sys_
+
+
+def _log_softmax64(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_round_trip_reproduces_model_log_probs(smollm, dumps):
+    """CSV logit - lse == the model's top-k log-probs to float32 precision
+    (float64 log-softmax of the model's logits from the scoring path), and to
+    2e-4 of one unchunked forward pass (chunking changes the last bits)."""
+    from brf.eval.dump import context_ids
+    from brf.models import forward, iter_logits_chunks
+    d, plain, sys_ = dumps
+    for name, system in (("plain", ""), ("pirate", "You are a pirate. Speak like one.")):
+        run = lc.read_csv(str(d / f"{name}.csv"))
+        ids = smollm.tokenizer.encode(TEXT * 2, add_special_tokens=False)
+        assert run.n_rows == len(ids) >= 300
+        np.testing.assert_array_equal(run.position, np.arange(len(ids)))
+        np.testing.assert_array_equal(run.token_id, ids)
+        ctx = context_ids(smollm, system=system)
+        pad_to = -(-(len(ctx) + 200) // 64) * 64
+        for a in range(0, len(ids), 200):
+            seg = np.asarray(ctx + ids[a:a + 200], np.int32)
+            padded = np.zeros(pad_to, np.int32)
+            padded[:len(seg)] = seg
+            chunks = [np.asarray(l[0]) for _, l in iter_logits_chunks(
+                smollm.params, smollm.cfg, padded[None], (np.arange(pad_to) < len(seg))[None],
+                chunk=64)]
+            ref = _log_softmax64(np.concatenate(chunks)[len(ctx) - 1:len(seg) - 1])
+            rows = slice(a, a + len(seg) - len(ctx))
+            got = run.top_logp()[rows].astype(np.float64)
+            tol = 4 * np.finfo(np.float32).eps * np.maximum(1.0, np.abs(ref).max())
+            np.testing.assert_allclose(got, np.take_along_axis(ref, run.top_ids[rows], -1),
+                                       atol=tol, rtol=0)
+            np.testing.assert_allclose(got, -np.sort(-ref, -1)[:, :20], atol=tol, rtol=0)
+            gold = (run.token_logit - run.lse)[rows]
+            np.testing.assert_allclose(gold, ref[np.arange(len(gold)), ids[rows]],
+                                       atol=tol, rtol=0)
+            np.testing.assert_allclose(run.entropy[rows], -(np.exp(ref) * ref).sum(-1),
+                                       atol=1e-4)
+            full, _ = forward(smollm.params, smollm.cfg, jnp.asarray(seg[None]))
+            ref = _log_softmax64(np.asarray(full[0])[len(ctx) - 1:-1])
+            np.testing.assert_allclose(got, np.take_along_axis(ref, run.top_ids[rows], -1),
+                                       atol=2e-4, rtol=0)
+    # The system prompt changes the distributions (else the pair test is empty).
+    a, b = lc.read_csv(str(d / "plain.csv")), lc.read_csv(str(d / "pirate.csv"))
+    assert np.abs(a.top_logp()[:, 0] - b.top_logp()[:, 0]).mean() > 1e-3
+
+
+def test_phase_analysis_matches_hypotheses_on_same_positions(dumps):
+    """Same tokenizer, with and without a system prompt: the analysis is
+    brf.eval.hypotheses on the validation's event table of these positions,
+    with gaps and gold log-probs read off the CSVs (recomputed here in float64)."""
+    d, *_ = dumps
+    paths = [str(d / "plain.csv"), str(d / "pirate.csv")]
+    rep, arr = csv_analysis.analyze(paths, n_perm=200, n_boot=100)
+    runs = [lc.read_csv(p) for p in paths]
+    assert rep["align"] == "position" and rep["positions"] == runs[0].n_rows
+    rows = {r["phase_map"]: r for r in rep["phase_coherence"]}
+    # tanh(scale=1.5, rate=0.5) of the top-1/top-2 gap, independent NumPy.
+    phi = [1.5 * np.tanh(0.5 * (r.top_logits[:, 0].astype(np.float64) - r.top_logits[:, 1]))
+           for r in runs]
+    diff = np.angle(np.exp(1j * (phi[0] - phi[1])))
+    rbar = abs(np.mean(np.exp(1j * diff)))
+    assert rows["tanh"]["n"] == len(diff)
+    assert rows["tanh"]["mean_resultant_length"] == pytest.approx(rbar, rel=1e-6)
+    # Per-token maps read the event table as the validation does (x = max event
+    # log-prob minus the gold's; OTHER counts as an event there): checked against
+    # the validation's own route in the cross-tokenizer test below.
+    # Linear pool NLL from the CSVs by hand.
+    lin = [f for f in rep["fusion"] if f["label"] == "linear"][0]
+    p = np.mean([np.exp(r.token_logit.astype(np.float64) - r.lse) for r in runs], 0)
+    assert lin["nll"] == pytest.approx(-np.log(p).mean(), rel=1e-5)
+
+
+def test_phase_analysis_matches_validation_pipeline_across_tokenizers(smollm, tmp_path):
+    """Two tokenizers: the CSV route (dump, byte co-alignment) and the
+    validation's route (score_segments + build_event_table) find the same
+    co-aligned positions and give the same Phase Coherence statistics."""
+    from brf.checkpoints.registry import load
+    from brf.eval import hypotheses
+    from brf.eval.dump import dump_scores
+    from brf.eval.events import build_event_table
+    from brf.eval.pipeline import _encode, member_token_bytes
+    from brf.eval.scoring import score_segments
+    gemma = load("gemma3-270m", progress=False)
+    text = TEXT[:600]
+    maps = {"tanh": "tanh(scale=1.5, rate=0.5)", "token_log1p": "token_log1p(scale=0.5)"}
+    scores, tbs, paths = [], [], []
+    for name, m in (("smollm", smollm), ("gemma", gemma)):
+        scores.append(score_segments(m.params, m.cfg, [_encode(m.tokenizer, m.cfg, text)],
+                                     top_k=20, desc=name))
+        tbs.append(member_token_bytes(m.tokenizer, m.cfg.vocab_size))
+        paths.append(str(tmp_path / f"{name}.csv"))
+        dump_scores(m, text, paths[-1], k=20)
+    table, cov = build_event_table(scores, tbs, [text])
+    want = hypotheses.phase_coherence(table, maps, n_perm=300, seed=0)
+    rep, _ = csv_analysis.analyze(paths, phase_maps=maps, n_perm=300, n_boot=50, seed=0)
+    assert rep["align"] == "bytes"
+    assert rep["positions"] == cov.positions == table.n_positions
+    assert cov.positions < min(cov.member_positions)  # alignment did drop positions
+    for got, ref in zip(rep["phase_coherence"], want):
+        assert got["n"] == ref["n"]
+        for key in ("mean_resultant_length", "rayleigh_z", "mean_direction"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+        assert got["permutation_p"] == pytest.approx(ref["permutation_p"], abs=0.02)
+
+
+def test_resume_after_interruption(smollm, dumps, tmp_path):
+    from brf.eval.dump import dump_scores
+    d, plain, _ = dumps
+    full = (d / "plain.csv").read_bytes()
+    lines = full.split(b"\n")
+    cut = len(b"\n".join(lines[:3 + 130])) + 1 + 57  # 130 rows and part of the next
+    path = tmp_path / "cut.csv"
+    path.write_bytes(full[:cut])
+    with pytest.raises(lc.CsvError, match=r"line 134 \(row 131\), column 'crc32'.*partial"):
+        lc.read_csv(str(path))
+    out = dump_scores(smollm, TEXT * 2, str(path), k=20, chunk=64, segment_tokens=200)
+    assert out["rows_written"] == plain["rows"] - 130
+    assert path.read_bytes() == full
+    # Complete already: nothing to do.
+    assert dump_scores(smollm, TEXT * 2, str(path), k=20, chunk=64,
+                       segment_tokens=200)["rows_written"] == 0
+    # Different settings are refused, not mixed into the file.
+    with pytest.raises(lc.CsvError, match="different settings.*prefix"):
+        dump_scores(smollm, TEXT * 2, str(path), k=20, chunk=64, segment_tokens=200,
+                    prefix="Once:")
+
+
+def test_generation_dump_and_resume(smollm, tmp_path):
+    from brf.eval.dump import dump_generations
+    path = str(tmp_path / "gen.csv")
+    kw = dict(k=5, max_new_tokens=6, sampler="temperature=0.8", seed=3)
+    out = dump_generations(smollm, ["Say hi.", "Name a colour."], path, **kw)
+    run = lc.read_csv(path)
+    assert set(run.seq.tolist()) == {0, 1} and out["rows"] == run.n_rows
+    # The chosen token's logit is the logit of that id.
+    in_top = run.top_ids == run.token_id[:, None]
+    np.testing.assert_array_equal(run.top_logits[in_top],
+                                  run.token_logit[in_top.any(1)])
+    full = pathlib.Path(path).read_bytes()
+    keep = full[:full.rfind(b"\n", 0, len(full) - 200)]  # lose the last rows and cut one
+    pathlib.Path(path).write_bytes(keep)
+    dump_generations(smollm, ["Say hi.", "Name a colour."], path, **kw)
+    assert pathlib.Path(path).read_bytes() == full
+
+
+# ---------------------------------------------------------------------------
+# A CSV written by hand (no brf writer), the minimal columns.
+# ---------------------------------------------------------------------------
+
+
+def _hand_csv(path, logits_RxK, ids_RxK, lse, tok, tok_logit, positions=None,
+              extra_header=None, bad=None):
+    """Writes the documented columns with the csv module; quoted fields allowed."""
+    r, k = logits_RxK.shape
+    header = (["position", "token_id", "token_logit", "lse"]
+              + [f"logit_{j + 1}" for j in range(k)] + [f"id_{j + 1}" for j in range(k)])
+    if extra_header:
+        header = [h for h in header if h != extra_header]
+    with open(path, "w", newline="") as f:
+        f.write("# written by another tool\n")
+        w = csv.writer(f, quoting=csv.QUOTE_NONNUMERIC if bad == "quote" else csv.QUOTE_MINIMAL)
+        w.writerow(header)
+        for i in range(r):
+            row = {"position": i if positions is None else positions[i], "token_id": tok[i],
+                   "token_logit": repr(float(tok_logit[i])), "lse": repr(float(lse[i]))}
+            row.update({f"logit_{j + 1}": repr(float(logits_RxK[i, j])) for j in range(k)})
+            row.update({f"id_{j + 1}": int(ids_RxK[i, j]) for j in range(k)})
+            if bad == "text" and i == 7:
+                row["logit_3"] = "twelve"
+            w.writerow([row[h] for h in header])
+
+
+def _hand_pair(tmp_path, rng, n=120, k=5, v=50):
+    out = []
+    base = rng.normal(0, 2, (n, v))
+    for m in range(2):
+        logits = base + rng.normal(0, 1.0, (n, v))
+        order = np.argsort(-logits, 1)[:, :k]
+        top = np.take_along_axis(logits, order, 1)
+        lse = np.log(np.exp(logits).sum(1))
+        tok = rng.integers(0, v, n) if m == 0 else out[0][4]
+        out.append((logits, top, order, lse, tok, logits[np.arange(n), tok]))
+    paths = []
+    for m, (logits, top, order, lse, tok, tl) in enumerate(out):
+        paths.append(str(tmp_path / f"hand{m}.csv"))
+        _hand_csv(paths[-1], top, order, lse, tok, tl)
+    return paths, out
+
+
+def test_hand_written_csv_is_read_and_analysed(tmp_path):
+    rng = np.random.default_rng(1)
+    paths, members = _hand_pair(tmp_path, rng)
+    rep, _ = csv_analysis.analyze(paths, vocab_sizes=[50, 50], n_perm=100, n_boot=50)
+    assert rep["positions"] == 120 and rep["align"] == "position"
+    # Phase coherence of the tanh map, by hand in float64.
+    phi = [1.5 * np.tanh(0.5 * (m[1][:, 0] - m[1][:, 1])) for m in members]
+    rbar = abs(np.mean(np.exp(1j * (phi[0] - phi[1]))))
+    row = [r for r in rep["phase_coherence"] if r["phase_map"] == "tanh"][0]
+    assert row["mean_resultant_length"] == pytest.approx(rbar, rel=1e-5)
+    # Linear pool: each member's exact gold probability (gold kept exactly).
+    p = np.mean([np.exp(m[5] - m[3]) for m in members], 0)
+    lin = [f for f in rep["fusion"] if f["label"] == "linear"][0]
+    assert lin["nll"] == pytest.approx(-np.log(p).mean(), rel=1e-5)
+    # The tail rule: mass outside a member's listed tokens is shared over V - listed.
+    table = csv_analysis.load_table(paths, vocab_sizes=[50, 50])[2]
+    np.testing.assert_allclose(np.exp(table.logp.astype(np.float64)).sum(-1), 1.0, atol=1e-5)
+    assert sorted(f["method"] for f in rep["fusion"][2:]) == sorted(
+        __import__("brf").fusion.METHODS.names())
+
+
+# ---------------------------------------------------------------------------
+# Bad input through the mains: one stderr line, exit status 2.
+# ---------------------------------------------------------------------------
+
+
+def _main(script, *args, cwd):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / script), *args],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def _analyze(paths, cwd, *extra):
+    return _main("analyze_csv.py", f"--config={ROOT}/configs/analyze_csv.py:tiny",
+                 f"--config.csvs={','.join(paths)}", f"--config.out_dir={cwd}/out",
+                 "--config.vocab_sizes=50,50", *extra, cwd=cwd)
+
+
+def _bad_inputs(tmp_path):
+    rng = np.random.default_rng(2)
+    paths, members = _hand_pair(tmp_path, rng, n=20)
+    logits, top, order, lse, tok, tl = members[1]
+    cases = {}
+    p = str(tmp_path / "nocol.csv")
+    _hand_csv(p, top, order, lse, tok, tl, extra_header="lse")
+    cases["missing column"] = ([paths[0], p], r"nocol\.csv: line 2: missing column 'lse'")
+    p = str(tmp_path / "shifted.csv")
+    pos = np.arange(20)
+    pos[9:] += 1
+    _hand_csv(p, top, order, lse, tok, tl, positions=pos)
+    cases["mismatched positions"] = (
+        [paths[0], p], r"shifted\.csv: line 12 \(row 10\), column 'position': position 10 "
+                       r"where .*hand0\.csv line 12 has 9")
+    p = str(tmp_path / "text.csv")
+    _hand_csv(p, top, order, lse, tok, tl, bad="text")
+    cases["non-numeric"] = ([paths[0], p], r"text\.csv: line 10 \(row 8\), column 'logit_3': "
+                                           r"'twelve' is not a number")
+    p = str(tmp_path / "binary.csv")
+    pathlib.Path(p).write_bytes(bytes(range(256)) * 4)
+    cases["bad file"] = ([paths[0], p], r"binary\.csv: not a text \(UTF-8\) file")
+    cases["no file"] = ([paths[0], str(tmp_path / "nope.csv")], r"nope\.csv: cannot read")
+    return cases
+
+
+@pytest.mark.parametrize("case", ["missing column", "mismatched positions", "non-numeric",
+                                  "bad file", "no file"])
+def test_analyze_main_bad_input_is_one_line(case, tmp_path):
+    import re
+    paths, pattern = _bad_inputs(tmp_path)[case]
+    r = _analyze(paths, str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("analyze_csv.py: error: "), r.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_analyze_main_accepts_hand_written_pair(tmp_path):
+    paths, _ = _hand_pair(tmp_path, np.random.default_rng(3), n=40)
+    r = _analyze(paths, str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "analysis.json").is_file()
+    assert (tmp_path / "out" / "phase_differences.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("model,pattern", [
+    ("no-such-model", r"model 'no-such-model': .*neither a model name"),
+    ("{bad}", r"bad\.gguf is a .*GGUF"),
+])
+def test_dump_main_bad_model_is_one_line(model, pattern, tmp_path):
+    import re
+    if model == "{bad}":
+        model = str(tmp_path / "bad.gguf")
+        pathlib.Path(model).write_bytes(b"GGUF" + b"\x00" * 64)
+    r = _main("dump_logits.py", f"--config={ROOT}/configs/dump_logits.py:tiny",
+              f"--config.model={model}", f"--config.output={tmp_path}/x.csv",
+              "--config.compilation_cache=False", cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dump_logits.py: error: "), r.stderr
+    assert re.search(pattern, lines[0]), lines[0]
