@@ -93,13 +93,22 @@ def _member_summary(run: LogitRun, rows: np.ndarray) -> dict:
     return out
 
 
+def default_methods() -> list[str]:
+    """Registered methods whose parameters all have defaults (no required arrays)."""
+    return [m for m in METHODS.names()
+            if not any(p.kind == "array" for p in METHODS.get(m).params.values())]
+
+
 def fusion_rows(table: EventTable, methods: Sequence[str] | None = None, *,
                 seed: int = 0) -> list[dict]:
-    """Every method (default: all registered) at default parameters, uniform weights."""
+    """Every method (default: all registered that need no extra input) at default
+    parameters, uniform weights. The softmax-bottleneck methods need the members'
+    unembeddings and full distributions, which a CSV does not carry: they are left
+    out by default."""
     n = table.logp.shape[1]
     w = np.full(n, 1.0 / n)
     specs = [(f"member {i} alone", "linear", np.eye(n)[i]) for i in range(n)]
-    specs += [(m, m, w) for m in (methods or METHODS.names())]
+    specs += [(m, m, w) for m in (methods or default_methods())]
     out = []
     for label, method, weights in specs:
         try:

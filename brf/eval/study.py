@@ -345,13 +345,8 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
                                                        same, segments, run_dir, loader,
                                                        store_k=store_k, variants=aux)[0])
                 if int(cfg.get("bottleneck_positions", 0)) > 0:
-                    from brf.eval.bottleneck_eval import bottleneck_rows
-                    n_cal = max(1, int(round(len(segments) * cfg.calibration_fraction)))
-                    entry["bottleneck"] = bottleneck_rows(
-                        loader(m0[0]), m0[0], (c["prefix"], second), segments,
-                        list(range(n_cal, len(segments))),
-                        n_positions=int(cfg.bottleneck_positions), n_boot=cfg.n_boot,
-                        seed=cfg.seed)
+                    entry["bottleneck"] = _bottleneck(cfg, m0[0], (c["prefix"], second),
+                                                      segments, run_dir, loader)
             if cfg.get("swarm", True):
                 swarm = ", ".join(format_spec(n, q) for n, p in members
                                   for q in (p, {**p, "prefix": c["prefix"]}))
@@ -373,6 +368,29 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
         f.write(markdown(rep))
     plots(cfg.out_dir, rep)
     return rep
+
+
+def _bottleneck(cfg, model_name: str, prefixes, segments, run_dir: str, loader) -> dict:
+    """The softmax-bottleneck rows, cached in the run directory like scores and fits."""
+    import pathlib
+    from brf.eval import bottleneck_eval
+    from brf.fusion import bottleneck
+    h = hashlib.sha256(repr((model_name, prefixes, segments, int(cfg.bottleneck_positions),
+                             cfg.calibration_fraction, cfg.n_boot, cfg.seed)).encode())
+    for mod in (bottleneck, bottleneck_eval):
+        h.update(pathlib.Path(mod.__file__).read_bytes())
+    path = os.path.join(run_dir, f"bottleneck-{h.hexdigest()[:12]}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    n_cal = max(1, int(round(len(segments) * cfg.calibration_fraction)))
+    out = report_lib._jsonable(bottleneck_eval.bottleneck_rows(
+        loader(model_name), model_name, prefixes, segments, list(range(n_cal, len(segments))),
+        n_positions=int(cfg.bottleneck_positions), n_boot=cfg.n_boot, seed=cfg.seed))
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".tmp", path)
+    return out
 
 
 def _score_only(cfg, c, ci, members, segments, run_dir, loader, store_k, k2) -> None:
