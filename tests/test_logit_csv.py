@@ -327,8 +327,12 @@ def test_hand_written_csv_is_read_and_analysed(tmp_path):
     # The tail rule: mass outside a member's listed tokens is shared over V - listed.
     table = csv_analysis.load_table(paths, vocab_sizes=[50, 50])[2]
     np.testing.assert_allclose(np.exp(table.logp.astype(np.float64)).sum(-1), 1.0, atol=1e-5)
+    # Every registered method that needs no extra input (the bottleneck methods need the
+    # members' unembeddings, which a CSV does not carry).
     assert sorted(f["method"] for f in rep["fusion"][2:]) == sorted(
-        __import__("brf").fusion.METHODS.names())
+        csv_analysis.default_methods())
+    assert {"born", "linear", "loglinear"} <= set(csv_analysis.default_methods())
+    assert not any(m.startswith("bottleneck") for m in csv_analysis.default_methods())
 
 
 # ---------------------------------------------------------------------------
