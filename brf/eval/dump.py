@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from brf.errors import UserError
 from brf.eval.logit_csv import CsvWriter, RowBlock, vocab_texts
-from brf.eval.scoring import chunked_top_k
+from brf.eval.scoring import raw_summary
 from brf.models import iter_logits_chunks
 
 
@@ -54,19 +54,7 @@ def row_stats(logits_CxV: jax.Array, token_C: jax.Array, k: int):
       (top_logits [C, k], top_ids [C, k], token_logit [C], lse [C],
       entropy [C], gap [C]).
     """
-    m = jnp.max(logits_CxV, axis=-1, keepdims=True)
-    z = logits_CxV - m
-    e = jnp.exp(z)
-    s0 = jnp.sum(e, axis=-1)
-    s1 = jnp.sum(jnp.where(e > 0, e * z, 0.0), axis=-1)
-    log_s0 = jnp.log(s0)
-    lse = m[:, 0] + log_s0
-    entropy = log_s0 - s1 / s0
-    top, ids = chunked_top_k(logits_CxV, k)
-    tok = jnp.take_along_axis(logits_CxV, token_C[:, None], axis=-1)[:, 0]
-    # See brf.eval.scoring._summarise: keeps the [C, V] reductions out of the
-    # small consumers.
-    top, tok, lse = jax.lax.optimization_barrier((top, tok, lse))
+    top, ids, tok, lse, entropy = raw_summary(logits_CxV, token_C, k)
     return top, ids, tok, lse, entropy, top[:, 0] - top[:, 1]
 
 

@@ -76,6 +76,32 @@ def _segment_rows(scores: MemberScores, tb: Sequence[bytes | None], s: int,
     return out
 
 
+def fill_member_events(logp_E: np.ndarray, events: dict, mass: dict, vocab_size: int,
+                       expressible=None) -> None:
+    """One member's log-probs over a position's events, in place (the module's rule).
+
+    Args:
+        logp_E: the member's row, -inf where it has no mass; OTHER is column
+            ``len(events)``.
+        events: event key -> column, in order.
+        mass: the member's listed events (its top-k and the gold) -> exact log-prob.
+        vocab_size: V of the member.
+        expressible: the keys the member can express as one token (None: all);
+            an unlisted key it can express gets an equal share of its tail mass,
+            one it cannot gets 0.
+    """
+    listed = np.exp(np.array(list(mass.values()), np.float64)).sum()
+    tail = max(0.0, 1.0 - listed)
+    missing = [key for key in events if key not in mass
+               and (expressible is None or key in expressible)]
+    share = tail / max(1, vocab_size - len(mass)) if missing else 0.0
+    for key, lp in mass.items():
+        logp_E[events[key]] = lp
+    for key in missing:
+        logp_E[events[key]] = np.log(share) if share > 0 else -np.inf
+    logp_E[len(events)] = np.log(max(tail - share * len(missing), 1e-30))
+
+
 def build_event_table(scores: Sequence[MemberScores],
                       token_bytes: Sequence[Sequence[bytes | None]],
                       segments: Sequence[str]) -> tuple[EventTable, Coverage]:
@@ -125,18 +151,8 @@ def build_event_table(scores: Sequence[MemberScores],
             for b in mass:
                 events.setdefault(b, len(events))
         for i, (sc, mass) in enumerate(zip(scores, lists)):
-            r = row_ids[i]
-            listed = np.exp(np.array(list(mass.values()), np.float64)).sum()
-            tail = max(0.0, 1.0 - listed)
-            missing = [b for b in events if b not in mass and b in vocab[i]]
-            share = tail / max(1, sc.vocab_size - len(mass)) if missing else 0.0
-            for b, lp in mass.items():
-                logp[q, i, events[b]] = lp
-            for b in missing:
-                logp[q, i, events[b]] = np.log(share) if share > 0 else -np.inf
-            rest = max(tail - share * len(missing), 1e-30)
-            logp[q, i, len(events)] = np.log(rest)
-            gap[q, i] = sc.gap[r]
+            fill_member_events(logp[q, i], events, mass, sc.vocab_size, vocab[i])
+            gap[q, i] = sc.gap[row_ids[i]]
     used = int(np.isfinite(logp).any(axis=(0, 1)).nonzero()[0].max()) + 1
     table = EventTable(logp[:, :, :used], np.zeros(p, np.int64), gap,
                        np.array([len(g) for g in golds], np.int64), np.array(segs, np.int64))

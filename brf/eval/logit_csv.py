@@ -608,6 +608,7 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
     Raises:
       CsvError: a run lacks token_id/token_logit or its vocabulary size.
     """
+    from brf.eval.events import fill_member_events
     from brf.eval.fitting import EventTable
     n = len(runs)
     sizes = []
@@ -660,18 +661,8 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
             for key in mass:
                 events.setdefault(key, len(events))
         for i, (run, mass) in enumerate(zip(runs, lists)):
-            r = rows_PxN[q, i]
-            listed = np.exp(np.array(list(mass.values()), np.float64)).sum()
-            tail = max(0.0, 1.0 - listed)
-            missing = [key for key in events if key not in mass]
-            share = tail / max(1, sizes[i] - len(mass)) if missing else 0.0
-            for key, lp in mass.items():
-                logp[q, i, events[key]] = lp
-            for key in missing:
-                logp[q, i, events[key]] = np.log(share) if share > 0 else -np.inf
-            rest = max(tail - share * len(missing), 1e-30)
-            logp[q, i, len(events)] = np.log(rest)
-            gap[q, i] = run.gap[r]
+            fill_member_events(logp[q, i], events, mass, sizes[i])
+            gap[q, i] = run.gap[rows_PxN[q, i]]
     used = int(np.isfinite(logp).any(axis=(0, 1)).nonzero()[0].max()) + 1
     return EventTable(logp[:, :, :used], np.zeros(p, np.int64), gap, gold_bytes,
                       np.asarray(runs[0].seq[rows_PxN[:, 0]], np.int64))
