@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from brf.errors import UserError
-from brf.eval import hypotheses
+from brf.eval import hypotheses, report as report_lib
 from brf.eval.fitting import EventTable, Fitted, evaluate
 from brf.eval.logit_csv import (CsvError, LogitRun, align_bytes, align_positions, event_table,
                                 read_csv)
@@ -207,39 +207,14 @@ def markdown(report: dict) -> str:
 
 def plot(out_dir: str, report: dict, coherence: list[dict]) -> list[str]:
     """Phase-difference histograms and the fusion NLLs as PNGs; returns the paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    paths = []
-    k = max(1, len(coherence))
-    cols = min(3, k)
-    nrows = -(-k // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.6 * nrows), squeeze=False)
-    for ax, c in zip(axes.flat, coherence):
-        ax.hist(c["diffs"], bins=48, range=(-np.pi, np.pi), color="tab:blue")
-        ax.set_title(f"{c['phase_map']} {c['pair']}\nR̄={c['mean_resultant_length']:.3f} "
-                     f"perm p={c['permutation_p']:.2g}", fontsize=8)
-        ax.set_xlabel("phase difference (rad)", fontsize=7)
-    for ax in list(axes.flat)[len(coherence):]:
-        ax.axis("off")
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "phase_differences.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
     ok = [f for f in report["fusion"] if "error" not in f]
-    fig, ax = plt.subplots(figsize=(6.5, 0.32 * len(ok) + 1.2))
-    y = np.arange(len(ok))
-    nll = np.array([f["nll"] for f in ok])
-    ci = np.array([f["nll_ci"] for f in ok])
-    ax.errorbar(nll, y, xerr=[nll - ci[:, 0], ci[:, 1] - nll], fmt="o", capsize=3)
-    ax.set_yticks(y, [f["label"] for f in ok], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("NLL of the gold token (nats), 95% block-bootstrap CI")
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "fusion_nll.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return [report_lib.plot_phase_differences(os.path.join(out_dir, "phase_differences.png"),
+                                              coherence),
+            report_lib.plot_nll_ci(os.path.join(out_dir, "fusion_nll.png"),
+                                   [f["label"] for f in ok], [f["nll"] for f in ok],
+                                   [f["nll_ci"] for f in ok],
+                                   "NLL of the gold token (nats), 95% block-bootstrap CI",
+                                   dpi=110)]
 
 
 def write_report(out_dir: str, report: dict, coherence: list[dict]) -> dict:

@@ -245,36 +245,13 @@ def plots(out_dir: str, report: dict, phase_rows: list[dict], cross_scores: dict
     import matplotlib.pyplot as plt
 
     paths = []
-    # NLL by method with CIs.
     ms = sorted(report["methods"], key=lambda m: m["test"]["nll"])
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(ms) + 1.2))
-    y = np.arange(len(ms))
-    nll = np.array([m["test"]["nll"] for m in ms])
-    ci = np.array([m["test"]["nll_ci"] for m in ms])
-    ax.errorbar(nll, y, xerr=[nll - ci[:, 0], ci[:, 1] - nll], fmt="o", capsize=3)
-    ax.set_yticks(y, [m["label"] for m in ms], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("test NLL (nats per co-aligned position), 95% block-bootstrap CI")
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "nll_by_method.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    # Phase-difference histograms.
-    k = len(phase_rows)
-    cols = min(4, k)
-    rows = -(-k // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
-    for ax, r in zip(axes.flat, phase_rows):
-        ax.hist(r["diffs"], bins=48, range=(-np.pi, np.pi), color="tab:blue")
-        ax.set_title(f"{r['phase_map']} {r['pair']}\nR̄={r['mean_resultant_length']:.3f} "
-                     f"perm p={r['permutation_p']:.2g}", fontsize=8)
-        ax.set_xlabel("phase difference (rad)", fontsize=7)
-    for ax in list(axes.flat)[k:]:
-        ax.axis("off")
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "phase_differences.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(plot_nll_ci(os.path.join(out_dir, "nll_by_method.png"),
+                             [m["label"] for m in ms], [m["test"]["nll"] for m in ms],
+                             [m["test"]["nll_ci"] for m in ms],
+                             "test NLL (nats per co-aligned position), 95% block-bootstrap CI"))
+    paths.append(plot_phase_differences(os.path.join(out_dir, "phase_differences.png"),
+                                        phase_rows))
     # Sweep curves.
     fig, ax = plt.subplots(figsize=(7, 4))
     for s in report["sweep"]:
@@ -308,6 +285,46 @@ def plots(out_dir: str, report: dict, phase_rows: list[dict], cross_scores: dict
         paths.append(plot_gain_by_entropy(os.path.join(out_dir, "gain_by_entropy.png"),
                                           report["forking"]))
     return paths
+
+
+def plot_nll_ci(path: str, labels, nll, ci, xlabel: str, dpi: int = 120) -> str:
+    """One row per label: the NLL with its CI as an error bar (shared by the reports)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    nll, ci = np.asarray(nll, np.float64), np.asarray(ci, np.float64).reshape(-1, 2)
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(labels) + 1.2))
+    y = np.arange(len(labels))
+    ax.errorbar(nll, y, xerr=[nll - ci[:, 0], ci[:, 1] - nll], fmt="o", capsize=3)
+    ax.set_yticks(y, list(labels), fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def plot_phase_differences(path: str, rows: list[dict]) -> str:
+    """A histogram of the phase differences per (phase map, pair) coherence row."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    k = max(1, len(rows))
+    cols = min(4, k)
+    nrows = -(-k // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.6 * nrows), squeeze=False)
+    for ax, r in zip(axes.flat, rows):
+        ax.hist(r["diffs"], bins=48, range=(-np.pi, np.pi), color="tab:blue")
+        ax.set_title(f"{r['phase_map']} {r['pair']}\nR̄={r['mean_resultant_length']:.3f} "
+                     f"perm p={r['permutation_p']:.2g}", fontsize=8)
+        ax.set_xlabel("phase difference (rad)", fontsize=7)
+    for ax in list(axes.flat)[len(rows):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_gain_by_entropy(path: str, forking: dict) -> str:

@@ -421,10 +421,10 @@ def _brief(rep: dict) -> dict:
                        "test_nll": m["test"]["nll"], "test_nll_ci": m["test"]["nll_ci"],
                        "calib_nll": m["calib_nll"]} for m in rep["methods"]]
     if "forking" in rep:
+        # Keep the gated methods' rows whole (gains, CIs, top share): the study's
+        # plot and markdown read them as the per-corpus report has them.
         out["forking"] = {v: {k: f[k] for k in ("reference", "top_fraction", "gated")}
-                          | {"top_share": {g["method"]: f["by_method"][g["method"]]["top_share"]
-                                           for g in f["gated"].values()},
-                             "by_decile": {g["method"]: f["by_method"][g["method"]]["mean_gain"]
+                          | {"by_method": {g["method"]: f["by_method"][g["method"]]
                                            for g in f["gated"].values()}}
                           for v, f in rep["forking"].items()}
     return out
@@ -515,7 +515,8 @@ def markdown(rep: dict) -> str:
     for k, v in rep["verdict"].items():
         lines.append(f"- **{k}**: {v}")
     lines += ["", "## Best BRF vs best baseline, per corpus and pooled", "",
-              "| corpus | variant | BRF | baseline | difference [95% CI] |", "|---|---|---|---|---|"]
+              "| corpus | variant | BRF | baseline | difference [95% CI] |",
+              "|---|---|---|---|---|"]
     for label, r in rep["per_corpus"].items():
         for v, c in r["nll_comparison"].items():
             lines.append(f"| {label} | {v} | {c['brf']} | {c['baseline']} | "
@@ -527,9 +528,10 @@ def markdown(rep: dict) -> str:
     for label, r in rep["per_corpus"].items():
         for v, f in r.get("forking", {}).items():
             for kind, g in f["gated"].items():
+                share = f["by_method"][g["method"]]["top_share"]
                 lines.append(
                     f"- {label} [{v}] {g['method']}: top {100 * f['top_fraction']:.0f}% entropy "
-                    f"positions carry {100 * f['top_share'][g['method']]:.0f}% of the gain over "
+                    f"positions carry {100 * share:.0f}% of the gain over "
                     f"{f['reference']}; gated fusion keeps {100 * g['kept']:.0f}% of it and "
                     f"saves {100 * g['calls_saved']:.0f}% of member calls.")
     lines += ["", "Plots: `gain_by_entropy.png` (this directory and each corpus's), "
@@ -560,15 +562,8 @@ def plots(out_dir: str, rep: dict) -> list[str]:
     plt.close(fig)
     first = next(iter(rep["per_corpus"].values()))
     if first.get("forking"):
-        fk = {v: {"reference": f["reference"], "top_fraction": f["top_fraction"],
-                  "gated": f["gated"],
-                  "by_method": {g["method"]: {"mean_gain": f["by_decile"][g["method"]],
-                                              "ci": [[x, x] for x in f["by_decile"][g["method"]]],
-                                              "top_share": f["top_share"][g["method"]]}
-                                for g in f["gated"].values()}}
-              for v, f in first["forking"].items()}
         paths.append(report_lib.plot_gain_by_entropy(
-            os.path.join(out_dir, "gain_by_entropy.png"), fk))
+            os.path.join(out_dir, "gain_by_entropy.png"), first["forking"]))
     return paths
 
 
