@@ -19,19 +19,29 @@ its own devices (:func:`make_mesh`), scores its share of the corpus
 (:func:`process_share`) and writes its share of the store; the report step
 merges the shares (``brf.eval.pipeline``).
 
+Members of an ensemble share the mesh (``placement="shared"``: every member
+on every device, each split as above), or are kept apart
+(``placement="apart"``, :func:`member_meshes`): the devices are cut into one
+contiguous group per member and each member gets a ('data', 'model') mesh of
+its own group. Apart, the members run at the same time on different devices
+and no member's layer waits on another device's all-reduce; shared, each
+member is spread over every device (the choice for a member too large for a
+group, or for one member).
+
 Config (``configs/validate.py``, ``configs/generate.py``)::
 
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, placement="shared"))
     c.distributed = ml_collections.ConfigDict(dict(
         enabled=False, coordinator_address="", num_processes=1, process_id=0))
 
-``data=-1`` takes every local device not used by ``model``.
+``data=-1`` takes every device (of the member's group, when apart) not used
+by ``model``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -40,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from brf.errors import UserError
 
 DATA, MODEL = "data", "model"
+PLACEMENTS = ("shared", "apart")
 
 
 class ShardingError(UserError):
@@ -61,9 +72,11 @@ def mesh_shape(spec: Mapping[str, int] | None, n_devices: int) -> tuple[int, int
       ShardingError: sizes that are not positive, or more devices than exist.
     """
     spec = dict(spec or {})
-    unknown = set(spec) - {DATA, MODEL}
+    unknown = set(spec) - {DATA, MODEL, "placement"}
     if unknown:
-        raise ShardingError(f"config.mesh: unknown axes {sorted(unknown)}; use data, model")
+        raise ShardingError(f"config.mesh: unknown axes {sorted(unknown)}; use data, model "
+                            "(and placement)")
+    placement(spec)
     d, m = int(spec.get(DATA, -1)), int(spec.get(MODEL, 1))
     if d == -1 and m == -1:
         raise ShardingError("config.mesh: only one of data, model may be -1")
@@ -81,7 +94,7 @@ def mesh_shape(spec: Mapping[str, int] | None, n_devices: int) -> tuple[int, int
     return d, m
 
 
-def make_mesh(spec: Mapping[str, int] | None = None,
+def make_mesh(spec: Mapping[str, Any] | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ('data', 'model') mesh over this process's devices.
 
@@ -99,6 +112,86 @@ def make_mesh(spec: Mapping[str, int] | None = None,
         spec = spec.to_dict()
     d, m = mesh_shape(spec, len(devices))
     return Mesh(np.array(devices[:d * m], dtype=object).reshape(d, m), (DATA, MODEL))
+
+
+def placement(spec: Mapping[str, Any] | None) -> str:
+    """The members' placement of a mesh spec: 'shared' (default) or 'apart'."""
+    spec = dict(spec.to_dict() if hasattr(spec, "to_dict") else (spec or {}))
+    value = spec.get("placement", "shared") or "shared"
+    if value not in PLACEMENTS:
+        raise ShardingError(f"config.mesh.placement={value!r}: use one of {list(PLACEMENTS)}")
+    return value
+
+
+def member_meshes(spec: Mapping[str, Any] | None, n_members: int,
+                  devices: Sequence[jax.Device] | None = None) -> list[Mesh]:
+    """One mesh per member, by ``spec['placement']``.
+
+    Args:
+      spec: axis sizes (:func:`mesh_shape`) and ``placement``: 'shared' gives
+        every member the same mesh over all devices; 'apart' cuts the devices
+        into ``min(n_members, n_devices)`` contiguous groups of equal size and
+        gives member i a mesh over group ``i % groups`` (with fewer devices than
+        members, members take turns on the groups). Apart, the axis sizes are
+        those of each group's mesh (``data=-1`` fills the group).
+      n_members: members to place.
+      devices: default ``jax.local_devices()``.
+
+    Returns:
+      ``n_members`` meshes; apart, members on different groups share no device.
+    """
+    if n_members < 1:
+        raise ValueError(f"n_members must be >= 1; got {n_members}")
+    devices = list(jax.local_devices() if devices is None else devices)
+    if placement(spec) == "shared":
+        return [make_mesh(spec, devices)] * n_members
+    groups = min(n_members, len(devices))
+    size = len(devices) // groups
+    try:
+        meshes = [make_mesh(spec, devices[g * size:(g + 1) * size]) for g in range(groups)]
+    except ShardingError as e:
+        raise ShardingError(f"{e} in each of {groups} member groups (placement='apart')"
+                            ) from None
+    return [meshes[i % groups] for i in range(n_members)]
+
+
+def mesh_devices(mesh: Mesh) -> tuple:
+    """A mesh's devices in mesh order (hashable: tells meshes on the same devices)."""
+    return tuple(mesh.devices.flat)
+
+
+def per_device_group(meshes: Sequence[Mesh | None], fn: Callable[[int], Any]) -> list:
+    """``[fn(0), ..., fn(n-1)]``, member j's work on ``meshes[j]``, at the same time
+    across device groups.
+
+    Members whose meshes share devices (or have none) run one after another in
+    one thread; members on different devices (:func:`member_meshes`, 'apart')
+    run in one thread per group, at once: JAX releases the GIL while a device
+    computes, so each group's programs are dispatched and run side by side. An
+    exception in any member is raised here, after every group has stopped.
+    """
+    groups: dict[Any, list[int]] = {}
+    for j, m in enumerate(meshes):
+        groups.setdefault(None if m is None else mesh_devices(m), []).append(j)
+    if len(groups) <= 1:
+        return [fn(j) for j in range(len(meshes))]
+    from concurrent.futures import ThreadPoolExecutor
+    out: dict[int, Any] = {}
+    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+        futures = [pool.submit(lambda js: [(j, fn(j)) for j in js], js)
+                   for js in groups.values()]
+        for f in futures:
+            out.update(f.result())
+    return [out[j] for j in range(len(meshes))]
+
+
+def device_set(tree: Any) -> frozenset:
+    """The devices holding a pytree's arrays (empty for host data)."""
+    out = set()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            out |= set(leaf.sharding.device_set)
+    return frozenset(out)
 
 
 def data_size(mesh: Mesh | None) -> int:
@@ -286,7 +379,8 @@ def barrier(name: str, timeout_s: float = 3600.0) -> None:
     client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
-__all__ = ["DATA", "MODEL", "ShardingError", "barrier", "batch_sharding", "data_size",
-           "initialize_distributed", "make_mesh", "mesh_shape", "model_size", "param_shardings",
-           "param_spec", "process_count", "process_index", "process_share", "shard_batch",
-           "shard_cache", "shard_params", "sharding", "vocab_sharding"]
+__all__ = ["DATA", "MODEL", "PLACEMENTS", "ShardingError", "barrier", "batch_sharding",
+           "data_size", "device_set", "initialize_distributed", "make_mesh", "member_meshes",
+           "mesh_devices", "mesh_shape", "model_size", "param_shardings", "param_spec",
+           "per_device_group", "placement", "process_count", "process_index", "process_share",
+           "shard_batch", "shard_cache", "shard_params", "sharding", "vocab_sharding"]

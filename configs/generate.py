@@ -81,8 +81,10 @@ def get_config(arg=None):
     c.prompts_file = ""
     c.output = ""                 # '' prints; a path writes JSONL
     c.stream = True
-    # Devices (brf/sharding.py): each member's weights split over 'model'.
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    # Devices (brf/sharding.py): each member's weights split over 'model', the
+    # prompts over 'data'; placement="apart" gives each member its own devices
+    # (members run at the same time; data/model then size each member's mesh).
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, placement="shared"))
     if "tiny" in flags:
         c.members = ", ".join(
             format_spec(f"random:{DEFAULT_PAIR[0]}:{i}", dict(chat=True, weight=0.5, prefix=p))

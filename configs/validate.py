@@ -127,7 +127,9 @@ def get_config(arg=None):
     # 'model'; -1 = every device of this process the other axis leaves. Multi-host:
     # --config.distributed.enabled=True (+ coordinator_address, num_processes,
     # process_id, or none of them on a TPU pod / SLURM): each host scores its share.
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    # placement="apart": each member on its own group of devices (the members are
+    # scored at the same time; data/model then size each group's mesh).
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, placement="shared"))
     c.distributed = ml_collections.ConfigDict(dict(
         enabled=False, coordinator_address="", num_processes=0, process_id=-1))
     if arg == "short":

@@ -3,6 +3,7 @@
   python experiments/bench_sharding.py                          # synthetic SmolLM2-width model, 4 layers
   python experiments/bench_sharding.py --model=smollm2-135m-instruct --devices=1,8
   python experiments/bench_sharding.py --devices=1 --repeats=5  # the 1-device overhead alone
+  python experiments/bench_sharding.py --members=2 --devices=2,8  # members shared vs apart
 
 Each device count runs in its own process (brf/eval/scaling.py). Rows: today's
 single-device path (no mesh) and data-, model- and mixed-parallel meshes over
@@ -29,6 +30,9 @@ flags.DEFINE_integer("segments", 8, "segments scored per timed run")
 flags.DEFINE_integer("seg_len", 128, "tokens per segment")
 flags.DEFINE_integer("chunk", 128, "tokens per forward pass")
 flags.DEFINE_integer("repeats", 2, "timed rounds (best kept)")
+flags.DEFINE_integer("members", 0, "> 0: score an ensemble of this many members, shared "
+                     "(every member on every device, in turn) vs apart (each on its own "
+                     "devices, at once)")
 flags.DEFINE_integer("worker_devices", 0, "internal: run as the worker for N devices")
 
 
@@ -39,9 +43,11 @@ def main(argv):
     if FLAGS.worker_devices:
         n = FLAGS.worker_devices
         assert jax.device_count() == n, jax.devices()
-        print("ROWS " + json.dumps(scaling.measure(FLAGS.model, scaling.default_meshes(n), **kw)))
+        rows = (scaling.measure_members(FLAGS.model, FLAGS.members, **kw) if FLAGS.members
+                else scaling.measure(FLAGS.model, scaling.default_meshes(n), **kw))
+        print("ROWS " + json.dumps(rows))
         return
-    argv = [f"--model={FLAGS.model}", f"--segments={FLAGS.segments}",
+    argv = [f"--members={FLAGS.members}", f"--model={FLAGS.model}", f"--segments={FLAGS.segments}",
             f"--seg_len={FLAGS.seg_len}", f"--chunk={FLAGS.chunk}", f"--repeats={FLAGS.repeats}"]
     table = []
     for n in map(int, FLAGS.devices):
@@ -51,7 +57,8 @@ def main(argv):
             table.append([n, r["label"], int(round(r["tokens_per_s"])),
                           f"{r['tokens_per_s'] / base:.3f}"])
         print(f"{n} device(s) done", flush=True)
-    print(f"\nmodel {FLAGS.model}, {FLAGS.segments} segments x {FLAGS.seg_len} tokens, "
+    what = f"{FLAGS.members} members of " if FLAGS.members else ""
+    print(f"\n{what}model {FLAGS.model}, {FLAGS.segments} segments x {FLAGS.seg_len} tokens, "
           f"chunk {FLAGS.chunk}, best of {FLAGS.repeats}; host {platform.machine()}, "
           f"{jax.devices()[0].platform}\n")
     print(markdown_table(["devices", "row", "tokens/s", "vs today (same process)"], table))

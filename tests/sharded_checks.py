@@ -167,3 +167,116 @@ def generation() -> None:
     got = [r["text"] for r in run(c)]
     assert got == ref and all(ref), (got, ref)
     print("ok", ref)
+
+
+def _generate_config(*flags: str):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "configs" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(",".join(("tiny",) + flags))
+
+
+def generation_data_parallel() -> None:
+    """The prompts of a batch go over 'data' (each data shard decodes its own
+    sequences, the weights over 'model'); the text equals one device."""
+    from brf.ensemble import catchup
+    from brf.ensemble.run import load_members, member_specs, place_members, run
+
+    c = _generate_config()
+    c.sampler, c.max_new_tokens = "greedy", 5
+    c.prompts = ("Write one sentence about the sea.", "What is the capital of France?",
+                 "Name a colour.", "Count to three.")
+    c.mesh.data, c.mesh.model = 1, 1
+    ref = [r["text"] for r in run(c)]
+    c.mesh.data, c.mesh.model = 4, 2
+    got = [r["text"] for r in run(c)]
+    assert got == ref and all(ref), (got, ref)
+    # The decoding state really is split: 4 sequences, one per data shard.
+    members = place_members(load_members(member_specs(c.members))[:1],
+                            sharding.make_mesh(dict(data=4, model=2)))
+    state = catchup.start(members[0], [[1, 2, 3]] * 4)
+    for x in (state.cache["k"][0], state.cache["pos"], state.logits_BxV):
+        assert {s.data.shape[0] for s in x.addressable_shards} == {1}, x.sharding
+    print("ok", ref)
+
+
+def generation_apart() -> None:
+    """Members apart (each on its own 4 devices, weights over 'model' there):
+    fused and mixture decoding equal one device, and no member's weights share a
+    device with another member's."""
+    from brf.ensemble.run import load_members, member_specs, place_members, run
+
+    for flags in ((), ("me",)):
+        c = _generate_config(*flags)
+        c.max_new_tokens = 5
+        if not flags:
+            c.sampler = "greedy"  # mixture_exact draws (seeded): the same draws apart
+        c.mesh.data, c.mesh.model = 1, 1
+        ref = [r["text"] for r in run(c)]
+        c.mesh.data, c.mesh.model, c.mesh.placement = -1, 2, "apart"
+        got = [r["text"] for r in run(c)]
+        assert got == ref and all(ref), (flags, got, ref)
+    members = load_members(member_specs(c.members))
+    placed = place_members(members, sharding.member_meshes(c.mesh, len(members)))
+    sets = [sharding.device_set(m.params) for m in placed]
+    assert [len(s) for s in sets] == [4, 4] and not sets[0] & sets[1], sets
+    print("ok", ref)
+
+
+def scoring_apart() -> None:
+    """The validation's scoring with members apart (two members, each on a 2x2
+    mesh of its own 4 devices, scored at the same time) equals one device, store
+    for store."""
+    import os
+    import tempfile
+
+    import jax as _jax
+    from test_validate import TinyModel, _tokenizer, validate_config
+
+    from brf.eval import pipeline
+    from brf.eval.corpus import load_default_corpus
+    from brf.eval.scoring import ROW_FIELDS
+    from brf.models import ModelConfig, init_params
+
+    text = load_default_corpus(min_chars=100)[:3000]
+    members = {}
+    for i, (name, vocab) in enumerate([("tiny-a", 300), ("tiny-b", 420)]):
+        tok = _tokenizer(text, vocab)
+        cfg = ModelConfig(arch="llama", vocab_size=len(tok), d_model=32, n_layers=2,
+                          n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, norm_eps=1e-5,
+                          rope_theta=10000.0, layer_types=("global", "global"),
+                          max_seq_len=4096, bos_id=tok.convert_tokens_to_ids("<s>"))
+        members[name] = TinyModel(cfg, init_params(cfg, _jax.random.key(i)), tok)
+    c = validate_config.get_config("short")
+    c.members, c.top_k, c.chunk = "tiny-a, tiny-b", 8, 64
+    segs = pipeline.split_segments(text, 500)
+    # Groups: contiguous, equal, disjoint; members take turns when devices are few.
+    apart = dict(data=-1, model=1, placement="apart")
+    ids = lambda ms: [[d.id for d in sharding.mesh_devices(m)] for m in ms]
+    assert ids(sharding.member_meshes(apart, 3)) == [[0, 1], [2, 3], [4, 5]]
+    nine = ids(sharding.member_meshes(apart, 9))
+    assert nine == [[i] for i in range(8)] + [[0]], nine
+    assert len({id(m) for m in sharding.member_meshes(dict(apart, placement="shared"), 3)}) == 1
+    try:
+        sharding.member_meshes(dict(data=1, model=8, placement="apart"), 2)
+        raise AssertionError("a mesh larger than a member's group was accepted")
+    except sharding.ShardingError as e:
+        assert "this process has 4 in each of 2 member groups" in str(e), e
+    c.mesh = dict(data=-1, model=2, placement="apart")
+    meshes = pipeline.member_meshes(c)
+    assert [m.devices.shape for m in meshes] == [(2, 2), (2, 2)]
+    assert not set(sharding.mesh_devices(meshes[0])) & set(sharding.mesh_devices(meshes[1]))
+    with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as apart:
+        _, ref, _ = pipeline.score_all(c, segs, one, members.__getitem__, mesh=None)
+        _, got, _ = pipeline.score_all(c, segs, apart, members.__getitem__, mesh=meshes)
+        assert sorted(os.listdir(one)) == sorted(os.listdir(apart))
+    for r, g in zip(ref, got):
+        for f in ("token_ids", "tok_starts", "row_starts", "topk_ids"):
+            np.testing.assert_array_equal(getattr(g, f), getattr(r, f), err_msg=f)
+        for f in ROW_FIELDS[1:]:
+            np.testing.assert_allclose(getattr(g, f), getattr(r, f), rtol=1e-5, atol=2e-5,
+                                       err_msg=f)
+    print("ok")

@@ -51,9 +51,22 @@ def test_generation_with_model_sharded_members_equals_one_device():
     assert "ok" in _run_check("generation()")
 
 
+def test_generation_with_prompts_over_data_equals_one_device():
+    assert "ok" in _run_check("generation_data_parallel()")
+
+
+def test_members_apart_on_their_own_devices_generate_as_one_device():
+    assert "ok" in _run_check("generation_apart()")
+
+
+def test_members_apart_are_scored_at_once_and_equal_one_device():
+    assert "ok" in _run_check("scoring_apart()")
+
+
 @pytest.mark.parametrize("spec,n,want", [
     (None, 8, (8, 1)), (dict(data=-1, model=2), 8, (4, 2)), (dict(data=2, model=-1), 8, (2, 4)),
     (dict(data=3, model=1), 8, (3, 1)), (dict(data=-1, model=1), 1, (1, 1)),
+    (dict(data=-1, model=2, placement="apart"), 4, (2, 2)),
 ])
 def test_mesh_shape(spec, n, want):
     assert sharding.mesh_shape(spec, n) == want
@@ -62,6 +75,7 @@ def test_mesh_shape(spec, n, want):
 @pytest.mark.parametrize("spec,match", [
     (dict(data=4, model=4), "this process has 8"), (dict(data=-1, model=-1), "only one"),
     (dict(data=0), "must be >= 1"), (dict(data=1, tensor=2), "unknown axes"),
+    (dict(placement="scattered"), "placement='scattered'"),
 ])
 def test_bad_mesh_is_refused_by_name(spec, match):
     with pytest.raises(sharding.ShardingError, match=match):

@@ -282,9 +282,35 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
                 tuple(stop), seed, space, choice, dtype, results, trace, prompt_ids)
 
 
+def _gatherer(members: Sequence[Member]) -> Callable[[jax.Array], jax.Array]:
+    """Brings a member's logits to where the fusion runs.
+
+    Members on the same devices (one device, or a shared mesh): nothing moves.
+    Members apart (``brf.sharding.member_meshes``): each member's logits ``[B, V_i]``
+    are copied to member 0's devices (replicated there), where the alignment,
+    the fusion and the draw run; only those rows cross devices, never weights
+    or caches.
+    """
+    from brf import sharding
+    placed = [sharding.device_set(m.params) for m in members]
+    if len(set(placed)) <= 1:
+        return lambda x: x
+    leaf = next(x for x in jax.tree_util.tree_leaves(members[0].params)
+                if isinstance(x, jax.Array))
+    s0 = leaf.sharding
+    target = (jax.sharding.NamedSharding(s0.mesh, jax.sharding.PartitionSpec())
+              if isinstance(s0, jax.sharding.NamedSharding) else s0)
+    return lambda x: jax.device_put(x, target)
+
+
 def _run(members, prompts, w, mode, method, method_params, sampler, max_new_tokens, stop,
          seed, space, choice, dtype, results, trace, prompt_ids) -> Iterator[Piece]:
     n, B = len(members), len(prompts)
+    gather = _gatherer(members)
+    if method_params and method_params.get("unembeddings") is not None:
+        # Softmax-bottleneck fusion reads every member's output head where it runs.
+        method_params = dict(method_params,
+                             unembeddings=[gather(u) for u in method_params["unembeddings"]])
     gens = [Generation(prompt=p, members_run=[0] * n) for p in prompts]
     if results is not None:
         results[:] = gens
@@ -309,12 +335,13 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
             member_B = np.asarray(member_B)
             needed = sorted({int(member_B[b]) for b in live})
         logp = {}
-        for i in needed:
+        for i in needed:  # dispatched without waiting: members apart run at once
             states[i] = catchup.catch_up(members[i], states[i], dtype=dtype)
             for b in live:
                 gens[b].members_run[i] += 1
+        logits = {i: gather(states[i].logits_BxV) for i in needed}
         if mode == "fuse":
-            logp_BxnxE, events = space.align_all([s.logits_BxV for s in states])
+            logp_BxnxE, events = space.align_all([logits[i] for i in range(n)])
             logp = {i: logp_BxnxE[:, i] for i in range(n)}
             logq_BxE = fuse(method, logp_BxnxE, w_dev, validate=False, **method_params)
             col_B = _draw(k_token, logq_BxE, _column_mask(space.mask_E, events), sampler)
@@ -325,14 +352,14 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
             # the token law), without aligning V_i logits onto all events.
             events, col_B = None, np.zeros(B, np.int64)
             for i in needed:
-                tok_B = np.asarray(_draw(jax.random.fold_in(k_token, i), states[i].logits_BxV,
+                tok_B = np.asarray(_draw(jax.random.fold_in(k_token, i), logits[i],
                                          space.token_mask(i), Sampler()))
                 ev_B = space.token_events(i, tok_B)
                 col_B = np.where(member_B == i, ev_B, col_B)
             logq_BxE = None
         else:
             events = None
-            logp = {i: space.align_one(i, states[i].logits_BxV) for i in needed}
+            logp = {i: space.align_one(i, logits[i]) for i in needed}
             if len(needed) == 1:
                 rows_BxE = logp[needed[0]]
             else:
@@ -345,8 +372,7 @@ def _run(members, prompts, w, mode, method, method_params, sampler, max_new_toke
                 col_B = np.asarray(col_B)
                 for i in needed:
                     tok_B = np.asarray(_draw(jax.random.fold_in(k_token, i),
-                                             states[i].logits_BxV, space.token_mask(i),
-                                             Sampler()))
+                                             logits[i], space.token_mask(i), Sampler()))
                     col_B = np.where(member_B == i, space.token_events(i, tok_B), col_B)
         col_B = np.asarray(col_B)
         if events is None:

@@ -171,19 +171,31 @@ def weighting_spec(weighting: str) -> float | None:
 
 
 def place_members(members: Sequence[Member], mesh) -> list[Member]:
-    """Members with their weights split over the mesh's 'model' axis (``brf.sharding``).
+    """Members with their weights split over a mesh's 'model' axis (``brf.sharding``).
 
-    Members that share a model keep sharing one placed copy. No mesh, or a
-    one-device mesh: the members unchanged.
+    Args:
+      members: the ensemble.
+      mesh: one mesh for every member, or one per member
+        (:func:`brf.sharding.member_meshes`, placement 'apart': each member on
+        its own devices). None, or one mesh of one device: the members unchanged.
+
+    Members that share a model and a mesh keep sharing one placed copy.
     """
-    if mesh is None or mesh.size == 1:
-        return list(members)
+    meshes = list(mesh) if isinstance(mesh, (list, tuple)) else [mesh] * len(members)
+    if len(meshes) != len(members):
+        raise ValueError(f"{len(meshes)} meshes for {len(members)} members")
     from brf import sharding
-    placed: dict[int, Any] = {}
-    for m in members:
-        if id(m.params) not in placed:
-            placed[id(m.params)] = sharding.shard_params(m.params, mesh)
-    return [dataclasses.replace(m, params=placed[id(m.params)]) for m in members]
+    if all(x is None for x in meshes) or (
+            len({sharding.mesh_devices(x) for x in meshes}) == 1 and meshes[0].size == 1):
+        return list(members)
+    placed: dict[tuple, Any] = {}
+    out = []
+    for m, x in zip(members, meshes):
+        key = (id(m.params), None if x is None else sharding.mesh_devices(x))
+        if key not in placed:
+            placed[key] = sharding.shard_params(m.params, x)
+        out.append(dataclasses.replace(m, params=placed[key]))
+    return out
 
 
 def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
@@ -192,7 +204,9 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     With ``c.weighting = 'perplexity(...)'`` every prompt gets its own PackLLM
     weights (:mod:`brf.ensemble.packllm`), so prompts are generated one at a time.
     ``c.mesh`` (optional): the members' weights are split over its 'model'
-    axis (tensor-parallel decoding; see :mod:`brf.sharding`).
+    axis (tensor-parallel decoding), the prompts over 'data'; with
+    ``placement='apart'`` each member gets its own devices and the members run
+    at the same time (see :mod:`brf.sharding`).
     """
     specs = member_specs(c.members)
     method, method_params = method_spec(c.method, c.get("method_params", {}),
@@ -203,7 +217,7 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     members = load_members(specs)
     if c.get("mesh"):
         from brf import sharding
-        members = place_members(members, sharding.make_mesh(c.mesh))
+        members = place_members(members, sharding.member_meshes(c.mesh, len(members)))
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
     aligner = c.aligner if c.aligner != "auto" else auto_aligner(members)
     weights = [m.get("weight") for m in specs]

@@ -137,8 +137,9 @@ def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
 
 MEMBER_KEYS = ("prefix",)
 MIN_SPLIT_POSITIONS = 50   # per split: below this no test or fit means much
-# Barrier names must be unique per use; every process makes the same scoring calls
-# in the same order, so their counters agree.
+# Barrier names must be unique per use; every process makes the same score_all
+# calls in the same order, so their counters agree (the members of one call are
+# told apart by their index, whatever order threads reach their barriers in).
 _BARRIERS = itertools.count()
 
 
@@ -159,8 +160,10 @@ def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable,
     its context before any member is scored. A model shared by several members
     is loaded once.
 
-    ``mesh`` (:mod:`brf.sharding`): segments go over its 'data' axis, each
-    member's weights over 'model'. In a multi-process run each process scores
+    ``mesh`` (:mod:`brf.sharding`; one mesh, or one per member as
+    :func:`member_meshes` gives): segments go over its 'data' axis, each
+    member's weights over 'model'; members on different devices are scored at
+    the same time. In a multi-process run each process scores
     its share of the segments into its own part of the store; process 0 merges
     the parts and returns the scores, the other processes return None.
     """
@@ -189,38 +192,50 @@ def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable,
                 f"segment make {longest} tokens, more than its context "
                 f"{model.cfg.max_seq_len}; shorten the prefix or lower segment_chars")
         plans.append((name, params, model, ids, len(pre), b))
-    infos, all_scores, tbs = [], [], []
-    for name, params, model, ids, n_pre, b in plans:
+    meshes = list(mesh) if isinstance(mesh, (list, tuple)) else [mesh] * len(plans)
+    if len(meshes) != len(plans):
+        raise ValueError(f"{len(meshes)} meshes for {len(plans)} members")
+    call = next(_BARRIERS)  # this call's barrier names, the same on every process
+
+    def score_one(j: int):
+        name, params, model, ids, n_pre, b = plans[j]
         label = member_label(name, params)
         safe = name.replace("/", "_").replace(os.sep, "_")
         if n_pre:
             safe += "-" + hashlib.sha256(params["prefix"].encode()).hexdigest()[:10]
         store = os.path.join(run_dir, f"scores-{safe}.npz")
         meta = {"member": label, "corpus": fingerprint, "segments": len(segments)}
-        params = None if model.params is None else sharding.shard_params(model.params, mesh)
+        placed = None if model.params is None else sharding.shard_params(model.params,
+                                                                         meshes[j])
         if n_proc == 1:
-            sc = score_segments(params, model.cfg, ids, top_k=top_k, chunk=cfg.chunk,
+            sc = score_segments(placed, model.cfg, ids, top_k=top_k, chunk=cfg.chunk,
                                 store_path=store, meta=meta, desc=f"scoring {label[:40]}",
-                                mesh=mesh)
+                                mesh=meshes[j])
         else:
-            sc = score_share(params, model.cfg, ids, store, meta, cfg, mesh, label, top_k)
-        if sc is not None:
-            sc = strip_prefix(sc, n_pre, bool(b))
+            sc = score_share(placed, model.cfg, ids, store, meta, cfg, meshes[j], label, top_k,
+                             barrier=f"brf.validate.scored.{call}.{j}")
+        del placed
+        return None if sc is None else strip_prefix(sc, n_pre, bool(b))
+
+    # Members apart score at the same time, one thread per device group.
+    results = sharding.per_device_group(meshes, score_one)
+    infos, all_scores, tbs = [], [], []
+    for j, (name, params, model, ids, n_pre, b) in enumerate(plans):
+        sc = results[j]
         all_scores.append(sc)
         tbs.append(member_token_bytes(model.tokenizer, model.cfg.vocab_size))
-        infos.append({"name": label, "vocab_size": int(model.cfg.vocab_size),
+        infos.append({"name": member_label(name, params), "vocab_size": int(model.cfg.vocab_size),
                       "prefix_tokens": n_pre,
                       "positions": None if sc is None else int(sc.row_starts[-1])})
-        del params
     if n_proc > 1:
-        sharding.barrier(f"brf.validate.merged.{next(_BARRIERS)}")  # process 0 has merged
+        sharding.barrier(f"brf.validate.merged.{call}")  # process 0 has merged
         if sharding.process_index() != 0:
             return None
     return infos, all_scores, tbs
 
 
 def score_share(params, model_cfg, ids, store: str, meta: dict, cfg, mesh, name: str,
-                top_k: int):
+                top_k: int, barrier: str):
     """Multi-process scoring of one member: this process's share into its part of
     the store; process 0 then merges every part into ``store`` (the single-process
     store, byte for byte the same format) and returns the scores; others None."""
@@ -235,7 +250,7 @@ def score_share(params, model_cfg, ids, store: str, meta: dict, cfg, mesh, name:
     score_segments(params, model_cfg, ids[share.start:share.stop], top_k=top_k,
                    chunk=cfg.chunk, store_path=parts[index], meta=part_meta,
                    desc=f"scoring {name[:40]} [{index}/{count}]", mesh=mesh)
-    sharding.barrier(f"brf.validate.scored.{next(_BARRIERS)}")
+    sharding.barrier(barrier)
     if index != 0:
         return None
     return merge_lib.merge_parts(store, parts, ids, meta, top_k=top_k,
@@ -519,6 +534,23 @@ def mesh_of(cfg):
     return None if mesh.size == 1 else mesh  # one device: today's path, unchanged
 
 
+def member_meshes(cfg, members: Any = None) -> Any:
+    """The meshes for scoring ``members`` (spec string; default ``cfg.members``).
+
+    ``cfg.mesh.placement='shared'``: :func:`mesh_of` (one mesh, or None on one
+    device). 'apart': one mesh per member entry (:func:`brf.sharding.member_meshes`).
+    """
+    spec = cfg.get("mesh")
+    if sharding.placement(spec) == "shared":
+        return mesh_of(cfg)
+    n = len(config_specs.member_entries(members if members is not None else cfg.members,
+                                        supported=MEMBER_KEYS))
+    meshes = sharding.member_meshes(spec, n)
+    if len({sharding.mesh_devices(m) for m in meshes}) == 1 and meshes[0].size == 1:
+        return None  # one device: today's path
+    return meshes
+
+
 def run(cfg, load_member: Callable | None = None) -> dict | None:
     """Runs the validation on one corpus; returns the report dict (also written to disk).
 
@@ -536,7 +568,7 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
         from brf.checkpoints.registry import resolve
         for name, _ in config_specs.member_entries(cfg.members, supported=MEMBER_KEYS):
             resolve(name)  # an unknown model fails before the first one is scored
-    scored = score_all(cfg, segments, cfg.out_dir, load_member, mesh=mesh_of(cfg))
+    scored = score_all(cfg, segments, cfg.out_dir, load_member, mesh=member_meshes(cfg))
     if scored is None:  # a multi-process run's other processes: process 0 reports
         return None
     infos, scores, tbs = scored

@@ -83,6 +83,53 @@ def measure(source: str, meshes: Sequence[dict], *, n_segments: int, seg_len: in
             for label, spec, _, _ in rows]
 
 
+def measure_members(source: str, n_members: int, *, n_segments: int, seg_len: int,
+                    chunk: int, repeats: int, top_k: int = 64) -> list[dict]:
+    """Tokens/s of scoring an ensemble: every member on every device, one member
+    after another ('shared'), against each member on its own devices, all at once
+    ('apart', :func:`brf.sharding.member_meshes`); today's path (one device, one
+    member after another) is the baseline. Members are ``source`` with different
+    one model's weights (each placed where its member runs).
+
+    Returns:
+      One dict per row: label, mesh, seconds, tokens_per_s (all members' tokens).
+    """
+    import contextlib
+    import io
+    cfg, params = load_model(source)
+    members = [params] * n_members  # the same weights: the work, not the values, matters
+    rng = np.random.default_rng(0)
+    segs = [rng.integers(3, cfg.vocab_size, size=seg_len).astype(np.int32)
+            for _ in range(n_segments)]
+    rows = [("today (no mesh), members in turn", None, [None] * n_members)]
+    for placement in ("shared", "apart"):
+        spec = dict(data=-1, model=1, placement=placement)
+        rows.append((f"{placement}: data=-1 model=1", spec,
+                     sharding.member_meshes(spec, n_members)))
+    placed = {label: [sharding.shard_params(p, m) for p, m in zip(members, ms)]
+              for label, _, ms in rows}
+
+    def once(label, meshes):
+        def one(j):
+            with contextlib.redirect_stderr(io.StringIO()):
+                score_segments(placed[label][j], cfg, segs, top_k=top_k, chunk=chunk,
+                               mesh=meshes[j])
+        sharding.per_device_group(meshes, one)
+
+    for label, _, ms in rows:
+        once(label, ms)
+    best = {}
+    for _ in range(repeats):
+        for label, _, ms in rows:
+            t0 = time.perf_counter()
+            once(label, ms)
+            dt = time.perf_counter() - t0
+            best[label] = min(best.get(label, dt), dt)
+    n_tok = n_members * sum(len(s) - 1 for s in segs)
+    return [dict(label=label, mesh=spec, seconds=best[label], tokens_per_s=n_tok / best[label])
+            for label, spec, _ in rows]
+
+
 def spawn(script: str, n_devices: int, argv: Sequence[str], timeout: float = 1800) -> list[dict]:
     """Runs ``script --worker_devices=N argv`` with N virtual CPU devices; its rows."""
     env = dict(os.environ)

@@ -115,7 +115,8 @@ def run_table(cfg, label: str, members: str, segments: list[str], run_dir: str,
         cfg.variants = variants
     os.makedirs(run_dir, exist_ok=True)
     scored = pipeline.score_all(cfg, segments, run_dir, load_member, members=members,
-                                top_k=store_k or cfg.top_k, mesh=pipeline.mesh_of(cfg))
+                                top_k=store_k or cfg.top_k,
+                                mesh=pipeline.member_meshes(cfg, members))
     if scored is None:  # multi-process: another process analyses
         return None, None
     infos, scores, tbs = scored
