@@ -1,12 +1,14 @@
-"""One process of the multi-process validation test (tests/test_sharding.py).
+"""One process of the multi-process study test (tests/test_sharding.py).
 
     python tests/multihost_worker.py TMP single
     python tests/multihost_worker.py TMP multi COORDINATOR NUM_PROCESSES PROCESS_ID
 
-Runs the validation pipeline on two tiny random members (BPE tokenizers trained
-on the corpus, as in tests/test_validate.py) over a short corpus, writing into
-TMP/single or TMP/multi. With 'multi' the process joins a
-``jax.distributed`` run (config.distributed) and scores its share.
+Runs the study (brf.eval.study.run: two pooled corpora, the prompt study with
+its prefix pair, same-model pair and swarm, the event-space check) on two tiny
+random members (BPE tokenizers trained on the corpus, as in
+tests/test_validate.py), writing into TMP/single or TMP/multi. With 'multi' the
+process joins a ``jax.distributed`` run (config.distributed) and scores its
+share of every scoring.
 """
 
 import importlib.util
@@ -22,19 +24,27 @@ def main(tmp: str, mode: str, *dist: str) -> None:
 
     import jax
 
-    from brf.eval import pipeline
+    from brf.eval import study
     from brf.eval.corpus import load_default_corpus
     from brf.models import ModelConfig, init_params
 
     corpus = os.path.join(tmp, "corpus.txt")
     if mode == "single":
         with open(corpus, "w", encoding="utf-8") as f:
-            f.write(load_default_corpus(min_chars=100)[:2400])
+            f.write(load_default_corpus(min_chars=100)[:3200])
     text = open(corpus, encoding="utf-8").read()
+    half = len(text) // 2
     c = validate_config.get_config("short")
     c.members = "tiny-a, tiny-b"
-    c.corpus = corpus
-    c.segment_chars = 600
+    c.corpus = ""
+    c.corpora = (f'{corpus}(label="first", max_chars={half}, prefix="A story.\\n\\n"), '
+                 f'{corpus}(label="second", skip_chars={half})')
+    c.min_chars = 1000
+    c.second_prefix = "Text:\n"
+    c.swarm = True
+    c.topk_sensitivity = 16
+    c.bottleneck_positions = 0
+    c.segment_chars = 400
     c.top_k = 8
     c.chunk = 64
     c.fit_steps = 5
@@ -44,7 +54,7 @@ def main(tmp: str, mode: str, *dist: str) -> None:
     c.methods = 'linear(label="linear (tuned)")'
     c.phase_maps = ('constant(label="hellinger (equal phases)", fixed=True), '
                     'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True), tanh')
-    c.variants = "proposed"
+    c.variants = c.prompt_variants = "proposed"
     c.sweep = c.sweep[:1]
     if mode == "multi":
         addr, n, pid = dist
@@ -69,7 +79,7 @@ def main(tmp: str, mode: str, *dist: str) -> None:
                           rope_theta=10000.0, layer_types=("global", "global"),
                           max_seq_len=4096, bos_id=tok.convert_tokens_to_ids("<s>"))
         members[name] = TinyModel(cfg, init_params(cfg, jax.random.key(i)), tok)
-    rep = pipeline.run(c, load_member=members.__getitem__)
+    rep = study.run(c, load_member=members.__getitem__)
     print("report written" if rep is not None else "share scored", flush=True)
 
 

@@ -111,10 +111,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stores(run: pathlib.Path) -> list[str]:
+    """Every member store of a study run (prefixed members' names carry a hash), by
+    path under the run directory; the per-process parts left out."""
+    return sorted(str(p.relative_to(run)) for p in run.glob("*/scores-*.npz")
+                  if ".part" not in p.name)
+
+
+def _timeless(rep: dict) -> dict:
+    rep.pop("seconds")
+    for key in ("out_dir", "distributed"):
+        rep["config"].pop(key)
+    return rep
+
+
 def test_two_processes_score_halves_and_the_merged_report_equals_one_process(tmp_path):
-    """Two processes joined by jax.distributed over loopback score halves of the
-    corpus; process 0 merges the stores and reports. Store and report equal
-    those of one process."""
+    """The study (two pooled corpora, prefix pair, same-model pair, swarm, event-space
+    check) in two processes joined by jax.distributed over loopback: each scoring is
+    split in halves, process 0 merges every store and reports. Stores and reports
+    equal those of one process."""
     worker = str(TESTS / "multihost_worker.py")
     env = _env(devices=1)
 
@@ -124,7 +139,7 @@ def test_two_processes_score_halves_and_the_merged_report_equals_one_process(tmp
                                 cwd=TESTS.parent)
 
     def finish(p):
-        out, _ = p.communicate(timeout=240)
+        out, _ = p.communicate(timeout=400)
         assert p.returncode == 0, out[-6000:]
         return out
 
@@ -134,25 +149,35 @@ def test_two_processes_score_halves_and_the_merged_report_equals_one_process(tmp
     outs = [finish(p) for p in procs]
     assert "report written" in outs[0] and "share scored" in outs[1], outs
     single, multi = tmp_path / "single", tmp_path / "multi"
-    # Each process wrote its share; process 0 merged them into the usual store.
-    for name in ("tiny-a", "tiny-b"):
-        parts = sorted(p.name for p in multi.glob(f"scores-{name}.part*of2.npz"))
-        assert parts == [f"scores-{name}.part0of2.npz", f"scores-{name}.part1of2.npz"]
-        with np.load(single / f"scores-{name}.npz") as a, \
-                np.load(multi / f"scores-{name}.npz") as b:
-            assert sorted(a.files) == sorted(b.files)
+    stores = _stores(single)
+    # plain pair on both corpora; prefix pair and the same-model pair's second
+    # prefix on the first (the swarm reuses them)
+    assert len(stores) == 7 and _stores(multi) == stores, (stores, _stores(multi))
+    for rel in stores:
+        # Each process wrote its share; process 0 merged them into the usual store.
+        base = (multi / rel).name[:-len(".npz")]
+        parts = sorted(p.name for p in (multi / rel).parent.glob(f"{base}.part*of2.npz"))
+        assert parts == [f"{base}.part0of2.npz", f"{base}.part1of2.npz"], (rel, parts)
+        # np.savez stamps every entry 1980-01-01, so equal stores are equal bytes
+        assert (single / rel).read_bytes() == (multi / rel).read_bytes(), rel
+        with np.load(single / rel) as a, np.load(multi / rel) as b:
+            assert sorted(a.files) == sorted(b.files), rel
             for k in a.files:
-                np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name} {k}")
-        with np.load(multi / f"scores-{name}.part0of2.npz") as p0, \
-                np.load(multi / f"scores-{name}.part1of2.npz") as p1:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=f"{rel} {k}")
+        with np.load((multi / rel).parent / parts[0]) as p0, \
+                np.load((multi / rel).parent / parts[1]) as p1:
             n0, n1 = len(p0["row_starts"]) - 1, len(p1["row_starts"]) - 1
-            assert n0 > 0 and n1 > 0 and abs(n0 - n1) <= 1
-    rep_a = json.loads((single / "report.json").read_text())
-    rep_b = json.loads((multi / "report.json").read_text())
-    for rep in (rep_a, rep_b):
-        rep.pop("seconds")
-        rep["config"].pop("out_dir")
-        rep["config"].pop("distributed")
+            assert n0 > 0 and n1 > 0 and abs(n0 - n1) <= 1, (rel, n0, n1)
+    # Each analysis's own report and fit cache (no timings in them) match byte for byte.
+    own = sorted(str(p.relative_to(single)) for pat in ("*/report-*", "*/fits-*.json")
+                 for p in single.glob(pat))
+    assert len(own) == 18, own
+    for rel in own:
+        assert (single / rel).read_bytes() == (multi / rel).read_bytes(), rel
+    rep_a = _timeless(json.loads((single / "report.json").read_text()))
+    rep_b = _timeless(json.loads((multi / "report.json").read_text()))
+    assert set(rep_a["prompts"]["first"]) >= {"effect", "same_model", "swarm"}
+    assert rep_a["topk_sensitivity"] and len(rep_a["pooled"]) == 1
     assert rep_a == rep_b
     md = lambda d: (d / "report.md").read_text().split("\n")
     assert [l for l in md(single) if "seconds" not in l and " s)" not in l] == \

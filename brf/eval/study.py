@@ -316,9 +316,9 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
         store_k = k2 if (ci == 0 and k2) else None
         rep, ex = run_table(cfg, c["label"], pair, segments, run_dir, loader,
                             store_k=store_k, sweep_curves=True)
-        if not lead:  # the other processes only score: follow process 0's sequence
-            _score_only(cfg, c, ci, members, segments, run_dir, loader, store_k, k2)
-            continue
+        # Every process makes the same run_table calls in the same order (their
+        # scorings meet at barriers); on the others run_table returns (None, None)
+        # and only process 0 analyses.
         per_corpus.append((c["label"], rep, ex))
         corpus_rows.append({"label": c["label"], "source": source, "licence": licence,
                             "chars": len(text), "segments": len(segments),
@@ -327,16 +327,17 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
         if ci == 0 and k2:
             rep2, _ = run_table(cfg, f"{c['label']} (top-{k2})", pair, segments, run_dir,
                                 loader, top_k=k2, store_k=k2)
-            sensitivity = {"corpus": c["label"], "top_k": [cfg.top_k, k2],
-                           "coverage": [rep["coverage"]["positions"],
-                                        rep2["coverage"]["positions"]],
-                           **topk_moves(rep, rep2), "report": _brief(rep2)}
+            if lead:
+                sensitivity = {"corpus": c["label"], "top_k": [cfg.top_k, k2],
+                               "coverage": [rep["coverage"]["positions"],
+                                            rep2["coverage"]["positions"]],
+                               **topk_moves(rep, rep2), "report": _brief(rep2)}
         if c["prefix"] and cfg.get("prompt_study", True):
             aux = cfg.get("prompt_variants") or None
             pre = run_table(cfg, f"{c['label']} + prefix", _with_prefix(members, c["prefix"]),
                             segments, run_dir, loader, store_k=store_k, variants=aux)
             entry = {"prefix": c["prefix"], "with_prefix": _brief(pre[0]),
-                     "effect": prefix_effect(cfg, (rep, ex), pre)}
+                     "effect": prefix_effect(cfg, (rep, ex), pre) if lead else None}
             m0 = members[0]
             second = cfg.get("second_prefix", "")
             if second:
@@ -345,7 +346,8 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
                 entry["same_model"] = _brief(run_table(cfg, f"{c['label']} same model",
                                                        same, segments, run_dir, loader,
                                                        store_k=store_k, variants=aux)[0])
-                if int(cfg.get("bottleneck_positions", 0)) > 0:
+                # No score_all (so no barrier) in here: process 0 alone computes it.
+                if int(cfg.get("bottleneck_positions", 0)) > 0 and lead:
                     entry["bottleneck"] = _bottleneck(cfg, m0[0], (c["prefix"], second),
                                                       segments, run_dir, loader)
             if cfg.get("swarm", True):
@@ -394,27 +396,11 @@ def _bottleneck(cfg, model_name: str, prefixes, segments, run_dir: str, loader) 
     return out
 
 
-def _score_only(cfg, c, ci, members, segments, run_dir, loader, store_k, k2) -> None:
-    """A non-lead process's share of the scorings the lead makes for corpus ``c``
-    (the same scorings, in the same order, so the barriers match)."""
-    if ci == 0 and k2:  # the sensitivity check re-reads corpus 1's stores
-        run_table(cfg, "", _plain(members), segments, run_dir, loader, top_k=k2, store_k=k2)
-    if c["prefix"] and cfg.get("prompt_study", True):
-        run_table(cfg, "", _with_prefix(members, c["prefix"]), segments, run_dir, loader,
-                  store_k=store_k)
-        m0 = members[0]
-        if cfg.get("second_prefix", ""):
-            same = ", ".join([format_spec(m0[0], {**m0[1], "prefix": c["prefix"]}),
-                              format_spec(m0[0], {**m0[1], "prefix": cfg.second_prefix})])
-            run_table(cfg, "", same, segments, run_dir, loader, store_k=store_k)
-        if cfg.get("swarm", True):
-            swarm = ", ".join(format_spec(n, q) for n, p in members
-                              for q in (p, {**p, "prefix": c["prefix"]}))
-            run_table(cfg, "", swarm, segments, run_dir, loader, store_k=store_k)
-
-
-def _brief(rep: dict) -> dict:
-    """An analysis without its per-method parameters (the per-corpus files keep them)."""
+def _brief(rep: dict | None) -> dict | None:
+    """An analysis without its per-method parameters (the per-corpus files keep them);
+    None for None (a multi-process run's other processes analyse nothing)."""
+    if rep is None:
+        return None
     keep = ("analysis", "members", "top_k", "coverage", "split", "nll_comparison",
             "phase_coherence", "cross_term", "verdict")
     out = {k: rep[k] for k in keep if k in rep}
