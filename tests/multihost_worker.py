@@ -8,7 +8,7 @@ its prefix pair, same-model pair and swarm, the event-space check) on two tiny
 random members (BPE tokenizers trained on the corpus, as in
 tests/test_validate.py), writing into TMP/single or TMP/multi. With 'multi' the
 process joins a ``jax.distributed`` run (config.distributed) and scores its
-share of every scoring.
+share of every scoring. The test gives each process two virtual devices.
 """
 
 import importlib.util
@@ -24,7 +24,7 @@ def main(tmp: str, mode: str, *dist: str) -> None:
 
     import jax
 
-    from brf.eval import study
+    from brf.eval import pipeline, study
     from brf.eval.corpus import load_default_corpus
     from brf.models import ModelConfig, init_params
 
@@ -56,6 +56,10 @@ def main(tmp: str, mode: str, *dist: str) -> None:
                     'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True), tanh')
     c.variants = c.prompt_variants = "proposed"
     c.sweep = c.sweep[:1]
+    # Each process has 2 (virtual) devices and keeps the members apart, one per
+    # device: the members of a scoring run at once in threads, each reaching its
+    # own barrier, so this also checks that the barriers match across processes.
+    c.mesh.placement = "apart"
     if mode == "multi":
         addr, n, pid = dist
         c.distributed.enabled = True
@@ -79,6 +83,9 @@ def main(tmp: str, mode: str, *dist: str) -> None:
                           rope_theta=10000.0, layer_types=("global", "global"),
                           max_seq_len=4096, bos_id=tok.convert_tokens_to_ids("<s>"))
         members[name] = TinyModel(cfg, init_params(cfg, jax.random.key(i)), tok)
+    meshes = pipeline.member_meshes(c)
+    assert [[d.id for d in m.devices.flat] for m in meshes] == [
+        [d.id for d in jax.local_devices()[:1]], [d.id for d in jax.local_devices()[1:2]]], meshes
     rep = study.run(c, load_member=members.__getitem__)
     print("report written" if rep is not None else "share scored", flush=True)
 

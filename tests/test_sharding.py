@@ -131,7 +131,7 @@ def test_two_processes_score_halves_and_the_merged_report_equals_one_process(tmp
     split in halves, process 0 merges every store and reports. Stores and reports
     equal those of one process."""
     worker = str(TESTS / "multihost_worker.py")
-    env = _env(devices=1)
+    env = _env(devices=2)  # members apart, one device each (tests/multihost_worker.py)
 
     def launch(out, *args):
         return subprocess.Popen([sys.executable, worker, str(tmp_path), out, *args], env=env,
@@ -139,10 +139,16 @@ def test_two_processes_score_halves_and_the_merged_report_equals_one_process(tmp
                                 cwd=TESTS.parent)
 
     def finish(p):
-        out, _ = p.communicate(timeout=400)
+        try:
+            out, _ = p.communicate(timeout=400)
+        except subprocess.TimeoutExpired:  # e.g. processes stuck at different barriers
+            for q in procs + [p]:
+                q.kill()
+            raise
         assert p.returncode == 0, out[-6000:]
         return out
 
+    procs = []
     finish(launch("single"))
     port = _free_port()
     procs = [launch("multi", f"127.0.0.1:{port}", "2", str(i)) for i in range(2)]
