@@ -20,13 +20,12 @@ HERE = pathlib.Path(__file__).parent
 
 
 def main(tmp: str, mode: str, *dist: str) -> None:
-    from test_validate import TinyModel, _tokenizer, validate_config  # noqa: E402
+    from test_validate import tiny_members, validate_config  # noqa: E402
 
     import jax
 
     from brf.eval import pipeline, study
     from brf.eval.corpus import load_default_corpus
-    from brf.models import ModelConfig, init_params
 
     corpus = os.path.join(tmp, "corpus.txt")
     if mode == "single":
@@ -75,14 +74,7 @@ def main(tmp: str, mode: str, *dist: str) -> None:
     from brf.runtime import enable_compilation_cache
     enable_compilation_cache(os.path.join(tmp, "jax_cache"))
 
-    members = {}
-    for i, (name, vocab) in enumerate([("tiny-a", 300), ("tiny-b", 420)]):
-        tok = _tokenizer(text, vocab)
-        cfg = ModelConfig(arch="llama", vocab_size=len(tok), d_model=32, n_layers=2,
-                          n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, norm_eps=1e-5,
-                          rope_theta=10000.0, layer_types=("global", "global"),
-                          max_seq_len=4096, bos_id=tok.convert_tokens_to_ids("<s>"))
-        members[name] = TinyModel(cfg, init_params(cfg, jax.random.key(i)), tok)
+    members = tiny_members(text)
     meshes = pipeline.member_meshes(c)
     assert [[d.id for d in m.devices.flat] for m in meshes] == [
         [d.id for d in jax.local_devices()[:1]], [d.id for d in jax.local_devices()[1:2]]], meshes

@@ -233,23 +233,14 @@ def scoring_apart() -> None:
     import os
     import tempfile
 
-    import jax as _jax
-    from test_validate import TinyModel, _tokenizer, validate_config
+    from test_validate import tiny_members, validate_config
 
     from brf.eval import pipeline
     from brf.eval.corpus import load_default_corpus
     from brf.eval.scoring import ROW_FIELDS
-    from brf.models import ModelConfig, init_params
 
     text = load_default_corpus(min_chars=100)[:3000]
-    members = {}
-    for i, (name, vocab) in enumerate([("tiny-a", 300), ("tiny-b", 420)]):
-        tok = _tokenizer(text, vocab)
-        cfg = ModelConfig(arch="llama", vocab_size=len(tok), d_model=32, n_layers=2,
-                          n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, norm_eps=1e-5,
-                          rope_theta=10000.0, layer_types=("global", "global"),
-                          max_seq_len=4096, bos_id=tok.convert_tokens_to_ids("<s>"))
-        members[name] = TinyModel(cfg, init_params(cfg, _jax.random.key(i)), tok)
+    members = tiny_members(text)
     c = validate_config.get_config("short")
     c.members, c.top_k, c.chunk = "tiny-a, tiny-b", 8, 64
     segs = pipeline.split_segments(text, 500)

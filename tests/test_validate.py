@@ -47,8 +47,9 @@ def text():
     return load_default_corpus(min_chars=100)[:5000]
 
 
-@pytest.fixture(scope="module")
-def members(text):
+def tiny_members(text: str) -> dict:
+    """'tiny-a' and 'tiny-b': random 2-layer models with BPE tokenizers (vocabularies
+    of 300 and 420) trained on ``text``; also used by the multi-device checks."""
     out = {}
     for i, (name, vocab) in enumerate([("tiny-a", 300), ("tiny-b", 420)]):
         tok = _tokenizer(text, vocab)
@@ -60,6 +61,11 @@ def members(text):
         params = init_params(cfg, jax.random.key(i))
         out[name] = TinyModel(cfg, params, tok)
     return out
+
+
+@pytest.fixture(scope="module")
+def members(text):
+    return tiny_members(text)
 
 
 def _cfg(tmp_path, text, **over):
