@@ -189,7 +189,8 @@ def test_bad_config_is_refused_before_any_model_runs(tmp_path, text, change, mat
 
 def test_split_with_no_test_positions_is_refused(tmp_path, text, members):
     cfg = _cfg(tmp_path, text[:700], segment_chars=5000, min_chars=100)
-    with pytest.raises(pipeline.ValidationError, match="no test positions|test positions \(fewer than"):
+    with pytest.raises(pipeline.ValidationError,
+                       match=r"no test positions|test positions \(fewer than"):
         pipeline.run(cfg, load_member=members.__getitem__)
 
 
