@@ -271,3 +271,43 @@ def scoring_apart() -> None:
             np.testing.assert_allclose(getattr(g, f), getattr(r, f), rtol=1e-5, atol=2e-5,
                                        err_msg=f)
     print("ok")
+
+
+def checkpoint_on_mesh() -> None:
+    """A checkpoint read straight onto a mesh (store.restore / registry.load with
+    ``mesh=``): every split weight arrives as 1/m of itself per device, in both
+    layouts, with the values of a one-device restore; scoring on it equals one
+    device."""
+    import tempfile
+
+    from brf.checkpoints import registry, store
+    from brf.eval.scoring import score_segments
+
+    mesh = sharding.make_mesh(MESHES["mixed"])  # data 2 x model 4
+    cfg = tiny_config(512, max_seq_len=512)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = store.save(f"{tmp}/ckpt", cfg, jax.device_get(tiny_params(cfg, 3)))
+        for layout in ("stacked", "layers"):
+            ref = registry.load(path, layout=layout).params
+            got = registry.load(path, layout=layout, mesh=mesh).params
+            n_split = 0
+            for (kp, r), g in zip(jax.tree_util.tree_leaves_with_path(ref),
+                                  jax.tree_util.tree_leaves(got)):
+                name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp)
+                want = sharding.param_spec(name, r.shape)
+                assert tuple(g.sharding.spec) == tuple(want) or (
+                    not tuple(want) and not any(g.sharding.spec)), (name, g.sharding, want)
+                if sharding.MODEL in tuple(want):
+                    n_split += 1
+                    dim = tuple(want).index(sharding.MODEL)
+                    assert {s.data.shape[dim] for s in g.addressable_shards} == \
+                        {r.shape[dim] // 4}, name
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+            assert n_split >= 5, (layout, n_split)
+        params = registry.load(path).params
+        segs = _segments(cfg.vocab_size, lengths=(60, 45, 80))
+        a = score_segments(params, cfg, segs, top_k=8, chunk=64)
+        b = score_segments(registry.load(path, mesh=mesh).params, cfg, segs, top_k=8, chunk=64,
+                           mesh=mesh)
+        np.testing.assert_allclose(b.gold_logp, a.gold_logp, rtol=1e-5, atol=2e-5)
+    print("ok")

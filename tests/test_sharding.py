@@ -55,6 +55,10 @@ def test_generation_with_prompts_over_data_equals_one_device():
     assert "ok" in _run_check("generation_data_parallel()")
 
 
+def test_a_checkpoint_is_read_straight_onto_a_mesh():
+    assert "ok" in _run_check("checkpoint_on_mesh()")
+
+
 def test_members_apart_on_their_own_devices_generate_as_one_device():
     assert "ok" in _run_check("generation_apart()")
 

@@ -177,7 +177,7 @@ class Model(NamedTuple):
 
 def load(source: str | os.PathLike, dtype=None, cache: bool = True,
          cache_root: str | None = None, progress: bool = True,
-         layout: str = "layers") -> Model:
+         layout: str = "layers", mesh=None) -> Model:
     """Loads a model, converting it into the cache on first use.
 
     Args:
@@ -190,6 +190,9 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
             dicts, the fast layout for `brf.models.prefill` / `decode_step`
             (`brf.models.transformer.unstack_layers`); 'stacked': the [L, ...]
             arrays of notes/MODEL_CONTRACT.md (as stored).
+        mesh: place the weights on this mesh (:mod:`brf.sharding`), split over
+            its 'model' axis as they are read: a member larger than one device
+            is never gathered onto one. None: the default device.
 
     Returns:
         Model(cfg, params, tokenizer, path); path is the checkpoint directory
@@ -197,23 +200,29 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
     """
     if layout not in ("layers", "stacked"):
         raise ValueError(f"layout={layout!r}; use 'layers' or 'stacked'")
-    m = _load(source, dtype, cache, cache_root, progress)
+    m = _load(source, dtype, cache, cache_root, progress, mesh)
     if layout == "layers":
         from brf.models.transformer import unstack_layers
         m = m._replace(params=unstack_layers(m.params))
+        if mesh is not None:  # the fused, transposed weights get their own split
+            from brf import sharding
+            m = m._replace(params=sharding.shard_params(m.params, mesh))
     return m
 
 
-def _load(source, dtype, cache, cache_root, progress) -> Model:
+def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
     source = os.fspath(source)
     if os.path.isdir(source) and store.is_checkpoint(source):
-        cfg, params, tokenizer = store.restore(source, dtype)
+        cfg, params, tokenizer = store.restore(source, dtype, mesh=mesh)
         return Model(cfg, params, tokenizer, os.path.abspath(source))
     path = resolve(source)
     if not cache:
         import jax
+        from brf import sharding
         cfg, params, tokenizer = read_source(path, np.dtype(dtype or np.float32), progress)
-        return Model(cfg, jax.device_put(params), tokenizer, path)
+        placed = (jax.device_put(params) if mesh is None else
+                  jax.device_put(params, sharding.param_shardings(params, mesh)))
+        return Model(cfg, placed, tokenizer, path)
     ckpt = cache_path(source, cache_root)
     stale = store.is_checkpoint(ckpt) and \
         {k: v for k, v in store.read_info(ckpt).items() if k in ("source", "files")} != \
@@ -223,7 +232,7 @@ def _load(source, dtype, cache, cache_root, progress) -> Model:
             convert(path, ckpt, overwrite=stale or os.path.exists(ckpt), progress=progress)
         except FileExistsError:  # another process finished the same conversion first
             pass
-    cfg, params, tokenizer = store.restore(ckpt, dtype)
+    cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh)
     return Model(cfg, params, tokenizer, ckpt)
 
 

@@ -53,11 +53,21 @@ def read_info(directory: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
-    """The params pytree of `cfg` as jax.ShapeDtypeStruct leaves (a restore target)."""
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype), sharding=sharding),
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32, mesh=None) -> dict:
+    """The params pytree of `cfg` as jax.ShapeDtypeStruct leaves (a restore target).
+
+    With a ``mesh`` (:mod:`brf.sharding`) each leaf carries its tensor-parallel
+    NamedSharding, so a restore writes every device's shard straight from the
+    files and no device ever holds a whole weight it is not meant to.
+    """
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype), sharding=one),
                         param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
+    if mesh is None:
+        return tree
+    from brf import sharding
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        tree, sharding.param_shardings(tree, mesh))
 
 
 def save(directory: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer=None,
@@ -129,7 +139,7 @@ def load_config(directory: str | os.PathLike) -> ModelConfig:
 
 
 def restore(directory: str | os.PathLike, dtype=None,
-            with_tokenizer: bool = True) -> tuple[ModelConfig, dict, Any]:
+            with_tokenizer: bool = True, mesh=None) -> tuple[ModelConfig, dict, Any]:
     """Loads a checkpoint directory.
 
     Args:
@@ -138,6 +148,8 @@ def restore(directory: str | os.PathLike, dtype=None,
             restore target is a tree of jax.ShapeDtypeStruct built from the
             config, so nothing is traced or initialised first.
         with_tokenizer: also load the tokenizer (None when the checkpoint has none).
+        mesh: restore each weight split over the mesh's 'model' axis
+            (:func:`brf.sharding.param_shardings`); None: on the default device.
 
     Returns:
         (cfg, params, tokenizer) with params a pytree of jax.Arrays.
@@ -151,7 +163,7 @@ def restore(directory: str | os.PathLike, dtype=None,
                                 f"(no {MARKER} of format version {FORMAT_VERSION})")
     info = read_info(directory)
     cfg = load_config(directory)
-    target = abstract_params(cfg, dtype or info["dtype"])
+    target = abstract_params(cfg, dtype or info["dtype"], mesh)
     ckptr = ocp.StandardCheckpointer()
     params = ckptr.restore(os.path.join(directory, "params"), target)
     ckptr.close()

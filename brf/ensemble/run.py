@@ -56,7 +56,7 @@ def member_specs(specs: str | Sequence[Any]) -> list[dict]:
     return out
 
 
-def load_members(specs: str | Sequence[Any], dtype=None) -> list[Member]:
+def load_members(specs: str | Sequence[Any], dtype=None, mesh=None) -> list[Member]:
     """Members from config specs; each distinct model is loaded once and shared.
 
     Args:
@@ -66,11 +66,15 @@ def load_members(specs: str | Sequence[Any], dtype=None) -> list[Member]:
             optional 'name', 'weight', 'prefix', 'chat', 'template' (see
             :class:`brf.ensemble.member.Member`).
         dtype: parameter dtype (default float32).
+        mesh: None; a mesh; or one per member (:func:`brf.sharding.member_meshes`):
+            each model is read straight onto the mesh of the first member that
+            uses it, split over its 'model' axis (``registry.load(mesh=)``).
 
     Returns:
         The members, in order.
     """
     specs = member_specs(specs)
+    meshes = list(mesh) if isinstance(mesh, (list, tuple)) else [mesh] * len(specs)
     loaded: dict[str, tuple] = {}
     members = []
     for j, spec in enumerate(specs):
@@ -81,7 +85,7 @@ def load_members(specs: str | Sequence[Any], dtype=None) -> list[Member]:
                 loaded[source] = _random_model(source)
             else:
                 from brf.checkpoints import registry
-                m = registry.load(source, dtype=dtype, progress=False)
+                m = registry.load(source, dtype=dtype, progress=False, mesh=meshes[j])
                 if m.tokenizer is None:
                     raise EnsembleInputError(f"model {source!r} has no tokenizer")
                 loaded[source] = (m.cfg, m.params, m.tokenizer)
@@ -214,10 +218,13 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     if c.mode != "fuse":
         method, method_params = "linear", {}
     temperature = weighting_spec(c.get("weighting", ""))
-    members = load_members(specs)
+    meshes = None
     if c.get("mesh"):
         from brf import sharding
-        members = place_members(members, sharding.member_meshes(c.mesh, len(members)))
+        meshes = sharding.member_meshes(c.mesh, len(specs))
+        if len({sharding.mesh_devices(x) for x in meshes}) == 1 and meshes[0].size == 1:
+            meshes = None  # one device: today's path
+    members = place_members(load_members(specs, mesh=meshes), meshes)
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
     aligner = c.aligner if c.aligner != "auto" else auto_aligner(members)
     weights = [m.get("weight") for m in specs]

@@ -551,6 +551,25 @@ def member_meshes(cfg, members: Any = None) -> Any:
     return meshes
 
 
+def registry_loader(cfg) -> Callable:
+    """``name -> model`` from brf.checkpoints for ``cfg.members``, each model read
+    straight onto the devices it is scored on (``registry.load(mesh=)``): the
+    config's mesh, or with ``placement='apart'`` the group of the first member
+    that uses it. Every name is resolved first: an unknown model fails before
+    anything is loaded or scored.
+    """
+    from brf.checkpoints import registry
+    entries = config_specs.member_entries(cfg.members, supported=MEMBER_KEYS)
+    for name, _ in entries:
+        registry.resolve(name)
+    meshes = member_meshes(cfg)
+    meshes = meshes if isinstance(meshes, list) else [meshes] * len(entries)
+    home: dict[str, Any] = {}
+    for (name, _), mesh in zip(entries, meshes):
+        home.setdefault(name, mesh)
+    return lambda name: registry.load(name, mesh=home.get(name))
+
+
 def run(cfg, load_member: Callable | None = None) -> dict | None:
     """Runs the validation on one corpus; returns the report dict (also written to disk).
 
@@ -564,10 +583,7 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
     segments = split_segments(text, cfg.segment_chars)
     os.makedirs(cfg.out_dir, exist_ok=True)
     if load_member is None:
-        from brf.checkpoints.registry import load as load_member  # noqa
-        from brf.checkpoints.registry import resolve
-        for name, _ in config_specs.member_entries(cfg.members, supported=MEMBER_KEYS):
-            resolve(name)  # an unknown model fails before the first one is scored
+        load_member = registry_loader(cfg)
     scored = score_all(cfg, segments, cfg.out_dir, load_member, mesh=member_meshes(cfg))
     if scored is None:  # a multi-process run's other processes: process 0 reports
         return None

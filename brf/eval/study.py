@@ -289,10 +289,7 @@ def run(cfg, load_member: Callable | None = None) -> dict | None:
     os.makedirs(cfg.out_dir, exist_ok=True)
     members = config_specs.member_entries(cfg.members, supported=pipeline.MEMBER_KEYS)
     if load_member is None:
-        from brf.checkpoints.registry import load as load_member  # noqa
-        from brf.checkpoints.registry import resolve
-        for name, _ in members:
-            resolve(name)  # an unknown model fails before anything is scored
+        load_member = pipeline.registry_loader(cfg)
     cache: dict[str, Any] = {}
 
     def loader(name):  # each model loaded once, shared by every analysis
