@@ -10,6 +10,8 @@ The same with a system prompt, another model, your own text:
 Generate from prompts (greedy, or any sampler such as "temperature=0.7,top_p=0.9"):
   python experiments/dump_logits.py --config=configs/dump_logits.py:generate \
       --config.prompts="What is the capital of France?" --config.output=runs/gen.csv
+A model split over 4 devices (tensor-parallel):
+  python experiments/dump_logits.py --config=configs/dump_logits.py --config.mesh.model=4
 Tiny (200 positions; what the tests run):
   python experiments/dump_logits.py --config=configs/dump_logits.py:tiny --config.output=/tmp/t.csv
 
@@ -50,6 +52,9 @@ def get_config(arg=None):
     c.max_new_tokens = 64
     c.seed = 0
     c.compilation_cache = True
+    # Devices (brf/sharding.py): the weights split over `model` devices (one
+    # sequence at a time, so no data axis): for a model larger than one device.
+    c.mesh = ml_collections.ConfigDict(dict(model=1))
     if "tiny" in flags:
         c.max_positions = 200
         c.max_new_tokens = 8

@@ -311,3 +311,45 @@ def checkpoint_on_mesh() -> None:
                            mesh=mesh)
         np.testing.assert_allclose(b.gold_logp, a.gold_logp, rtol=1e-5, atol=2e-5)
     print("ok")
+
+
+def dump_on_mesh() -> None:
+    """experiments/dump_logits.py with the weights split over 4 devices writes the
+    CSVs one device writes (scores and greedy generations)."""
+    import importlib.util
+    import pathlib
+    import tempfile
+
+    from brf.checkpoints import store
+    from brf.eval import dump
+    from brf.eval.logit_csv import read_csv
+    from tiny_lm import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config(272, max_seq_len=512, eos_id=tok.eos_token_id)  # V splits over 4
+    path = pathlib.Path(__file__).parent.parent / "configs" / "dump_logits.py"
+    spec = importlib.util.spec_from_file_location("dump_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = store.save(f"{tmp}/ckpt", cfg, jax.device_get(tiny_params(cfg, 5)), tok)
+        for mode in ("score", "generate"):
+            runs = []
+            for m in (1, 4):
+                c = mod.get_config("tiny" + (",generate" if mode == "generate" else ""))
+                c.model, c.mesh.model, c.output = ckpt, m, f"{tmp}/{mode}-{m}.csv"
+                c.text, c.segment_tokens, c.chunk = "the theme is in the air. " * 12, 64, 32
+                c.template, c.compilation_cache = "{prompt}", False
+                out = dump.run(c)
+                assert out["rows"] > 0, out
+                runs.append(read_csv(c.output))
+            a, b = runs
+            for f in ("seq", "position", "token_id", "top_ids"):
+                np.testing.assert_array_equal(getattr(b, f), getattr(a, f), err_msg=f)
+            for f in ("token_logit", "lse", "gap", "entropy", "top_logits"):
+                np.testing.assert_allclose(getattr(b, f), getattr(a, f), rtol=1e-4, atol=1e-4,
+                                           err_msg=f)
+        model = dump.load_model(ckpt, dump.dump_mesh(dict(model=4)))
+        assert {s.data.shape[0] for s in model.params["lm_head"].addressable_shards} == \
+            {272 // 4}
+    print("ok")

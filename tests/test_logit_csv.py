@@ -401,15 +401,19 @@ def test_analyze_main_accepts_hand_written_pair(tmp_path):
 @pytest.mark.parametrize("model,pattern", [
     ("no-such-model", r"model 'no-such-model': .*neither a model name"),
     ("{bad}", r"bad\.gguf is a .*GGUF"),
+    ("{mesh}", r"config\.mesh asks for data=1 x model=64 devices; this process has 1"),
 ])
 def test_dump_main_bad_model_is_one_line(model, pattern, tmp_path):
     import re
+    extra = []
     if model == "{bad}":
         model = str(tmp_path / "bad.gguf")
         pathlib.Path(model).write_bytes(b"GGUF" + b"\x00" * 64)
+    if model == "{mesh}":  # more devices than there are: refused before loading
+        model, extra = "no-such-model", ["--config.mesh.model=64"]
     r = _main("dump_logits.py", f"--config={ROOT}/configs/dump_logits.py:tiny",
               f"--config.model={model}", f"--config.output={tmp_path}/x.csv",
-              "--config.compilation_cache=False", cwd=str(tmp_path))
+              "--config.compilation_cache=False", *extra, cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dump_logits.py: error: "), r.stderr

@@ -59,6 +59,10 @@ def test_a_checkpoint_is_read_straight_onto_a_mesh():
     assert "ok" in _run_check("checkpoint_on_mesh()")
 
 
+def test_a_logit_dump_with_the_weights_split_equals_one_device():
+    assert "ok" in _run_check("dump_on_mesh()")
+
+
 def test_members_apart_on_their_own_devices_generate_as_one_device():
     assert "ok" in _run_check("generation_apart()")
 

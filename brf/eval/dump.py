@@ -252,13 +252,30 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
             "texts": outs, "path": path}
 
 
-def load_model(source: str):
-    """``brf.checkpoints.registry.load`` with a missing model as a user error."""
+def dump_mesh(spec):
+    """The mesh of a dump config's ``mesh`` (``model=m``: the weights split over m
+    devices; a dump reads one sequence at a time, so there is no data axis);
+    None for one device."""
+    from brf import sharding
+    spec = dict(spec.to_dict() if hasattr(spec, "to_dict") else (spec or {}))
+    if set(spec) - {"model"}:
+        raise DumpError(f"config.mesh: only 'model' applies to a dump (one sequence at a "
+                        f"time); got {sorted(spec)}")
+    try:
+        mesh = sharding.make_mesh(dict(data=1, model=int(spec.get("model", 1))))
+    except sharding.ShardingError as e:
+        raise DumpError(str(e)) from None
+    return None if mesh.size == 1 else mesh
+
+
+def load_model(source: str, mesh=None):
+    """``brf.checkpoints.registry.load`` (onto ``mesh`` when given, weights split
+    over its 'model' axis) with a missing model as a user error."""
     from brf.checkpoints import registry
     if not source:
         raise DumpError("config.model is empty; give a model name, .gguf file or directory")
     try:
-        model = registry.load(source, progress=False)
+        model = registry.load(source, progress=False, mesh=mesh)
     except FileNotFoundError as e:
         raise DumpError(f"model {source!r}: {e.args[0] if e.args else e}") from None
     except (OSError, KeyError) as e:  # an unreadable file or directory given as a model
@@ -297,7 +314,7 @@ def run(c) -> dict:
     if c.mode == "generate":
         from brf.fusion import Sampler
         Sampler.parse(c.sampler)
-    model = load_model(c.model)
+    model = load_model(c.model, dump_mesh(c.get("mesh")))
     meta = {"model": c.model}
     if c.mode == "score":
         return dump_scores(model, text, c.output, k=c.k, system=c.system, prefix=c.prefix,
