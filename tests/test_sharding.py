@@ -38,37 +38,25 @@ def _run_check(call: str, timeout: int = 300) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("mesh", ["data", "model", "mixed"])
-def test_sharded_scoring_equals_one_device(mesh):
-    assert "ok" in _run_check(f"scoring({mesh!r})")
+# Each check (tests/sharded_checks.py) runs in a process of its own with 8 virtual
+# devices and compares with one device; the id says what it shows.
+SHARDED_CHECKS = {
+    "scoring_over_data": "scoring('data')",
+    "scoring_over_model": "scoring('model')",
+    "scoring_over_data_and_model": "scoring('mixed')",
+    "fusion_on_a_split_vocabulary_without_gathering_it": "fusion('mixed')",
+    "generation_with_model_sharded_members": "generation()",
+    "generation_with_prompts_over_data": "generation_data_parallel()",
+    "checkpoint_read_straight_onto_a_mesh": "checkpoint_on_mesh()",
+    "logit_dump_with_the_weights_split": "dump_on_mesh()",
+    "members_apart_generate": "generation_apart()",
+    "members_apart_scored_at_once": "scoring_apart()",
+}
 
 
-def test_vocab_sharded_fusion_equals_one_device_without_gathering_the_vocabulary():
-    assert "ok" in _run_check("fusion('mixed')")
-
-
-def test_generation_with_model_sharded_members_equals_one_device():
-    assert "ok" in _run_check("generation()")
-
-
-def test_generation_with_prompts_over_data_equals_one_device():
-    assert "ok" in _run_check("generation_data_parallel()")
-
-
-def test_a_checkpoint_is_read_straight_onto_a_mesh():
-    assert "ok" in _run_check("checkpoint_on_mesh()")
-
-
-def test_a_logit_dump_with_the_weights_split_equals_one_device():
-    assert "ok" in _run_check("dump_on_mesh()")
-
-
-def test_members_apart_on_their_own_devices_generate_as_one_device():
-    assert "ok" in _run_check("generation_apart()")
-
-
-def test_members_apart_are_scored_at_once_and_equal_one_device():
-    assert "ok" in _run_check("scoring_apart()")
+@pytest.mark.parametrize("call", list(SHARDED_CHECKS.values()), ids=list(SHARDED_CHECKS))
+def test_on_eight_devices_equals_one_device(call):
+    assert "ok" in _run_check(call)
 
 
 @pytest.mark.parametrize("spec,n,want", [
