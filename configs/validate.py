@@ -53,6 +53,11 @@ def get_config(arg=None):
     # Softmax-bottleneck rows (brf/eval/bottleneck_eval.py) for the same-model pair:
     # full logits recomputed at this many sampled test positions (0 = off).
     c.bottleneck_positions = 64
+    # Support of the bottleneck methods there: the top bottleneck_top_k tokens of
+    # each member (2 x 512 = 1024). It must exceed the constraints' rank (d + 1 =
+    # 577 for SmolLM2) for the LP / QP / min-KL to have a set to choose from: with
+    # 2 x 256 they fell back at every position (BENCHMARKS, "The study").
+    c.bottleneck_top_k = 512
     c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
     c.default_plays = ("tragedies/hamlet",)
     c.min_chars = 2000

@@ -375,8 +375,9 @@ def _bottleneck(cfg, model_name: str, prefixes, segments, run_dir: str, loader) 
     import pathlib
     from brf.eval import bottleneck_eval
     from brf.fusion import bottleneck
+    top_k = int(cfg.get("bottleneck_top_k", 256))
     h = hashlib.sha256(repr((model_name, prefixes, segments, int(cfg.bottleneck_positions),
-                             cfg.calibration_fraction, cfg.n_boot, cfg.seed)).encode())
+                             top_k, cfg.calibration_fraction, cfg.n_boot, cfg.seed)).encode())
     for mod in (bottleneck, bottleneck_eval):
         h.update(pathlib.Path(mod.__file__).read_bytes())
     path = os.path.join(run_dir, f"bottleneck-{h.hexdigest()[:12]}.json")
@@ -386,7 +387,8 @@ def _bottleneck(cfg, model_name: str, prefixes, segments, run_dir: str, loader) 
     n_cal = max(1, int(round(len(segments) * cfg.calibration_fraction)))
     out = report_lib._jsonable(bottleneck_eval.bottleneck_rows(
         loader(model_name), model_name, prefixes, segments, list(range(n_cal, len(segments))),
-        n_positions=int(cfg.bottleneck_positions), n_boot=cfg.n_boot, seed=cfg.seed))
+        n_positions=int(cfg.bottleneck_positions), top_k=top_k, n_boot=cfg.n_boot,
+        seed=cfg.seed))
     with open(path + ".tmp", "w") as f:
         json.dump(out, f)
     os.replace(path + ".tmp", path)
@@ -469,7 +471,8 @@ def verdicts(rep: dict) -> dict[str, str]:
             lin = next(r for r in b["rows"] if r["method"] == "linear")
             out[f"softmax bottleneck: {label}"] = (
                 f"One model under two prefixes, {b['positions']} sampled test positions, full "
-                f"distributions: linear pool NLL {lin['nll']:.3f}; " + "; ".join(parts) + ".")
+                f"distributions (bottleneck support: each member's top {b['top_k']} tokens): "
+                f"linear pool NLL {lin['nll']:.3f}; " + "; ".join(parts) + ".")
         for key, what in (("same_model", "One model under two prefixes"),
                           ("swarm", "The four-member swarm")):
             if key in pr:
