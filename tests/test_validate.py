@@ -3,6 +3,7 @@
 import json
 import os
 from typing import NamedTuple
+from unittest import mock
 
 import jax
 import numpy as np
@@ -137,9 +138,11 @@ def test_pipeline_end_to_end(tmp_path, text, members):
     # A single member's test NLL is its own mean gold log-loss there.
     assert by["member 0 alone"]["test"]["nll"] == pytest.approx(
         -np.mean(test.logp[:, 0, 0]), rel=1e-5)
-    # Resuming reuses the stored scores (no model is loaded again).
-    rep2 = pipeline.run(cfg, load_member=_forbid_scoring(members))
+    # Resuming reuses the stored scores (no model is loaded again) and the fits.
+    with _forbid_fitting():
+        rep2 = pipeline.run(cfg, load_member=_forbid_scoring(members))
     assert rep2["coverage"] == rep["coverage"]
+    assert [m["params"] for m in rep2["methods"]] == [m["params"] for m in rep["methods"]]
 
 
 def _table(cfg, members):
@@ -160,6 +163,14 @@ def _table(cfg, members):
         scores.append(assemble(ids, rows, m.cfg.vocab_size))
         tbs.append(pipeline.member_token_bytes(m.tokenizer, m.cfg.vocab_size))
     return build_event_table(scores, tbs, segs)
+
+
+def _forbid_fitting():
+    """A context in which fitting any method fails (a resumed run must reuse the
+    cached fits)."""
+    def refit(spec, *args, **kwargs):
+        raise AssertionError(f"refitted {spec.get('label')!r} instead of reusing its fit")
+    return mock.patch.object(pipeline, "_fit", refit)
 
 
 def _forbid_scoring(members):
@@ -332,7 +343,8 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
     for name in ("report.md", "pooled.png", "gain_by_entropy.png",
                  "first/gain_by_entropy.png", "second/nll_by_method.png"):
         assert os.path.getsize(os.path.join(cfg.out_dir, name)) > 0, name
-    rep2 = study.run(cfg, load_member=_forbid_scoring(members))  # resumes: nothing rescored
+    with _forbid_fitting():  # resumes: nothing rescored or refitted
+        rep2 = study.run(cfg, load_member=_forbid_scoring(members))
     assert rep2["pooled"] == rep["pooled"]
 
 

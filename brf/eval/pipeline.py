@@ -314,8 +314,8 @@ class FitCache:
         import brf.eval.fitting
         import brf.fusion
         src = pathlib.Path(brf.fusion.__file__).parent
-        for path in sorted(src.glob("*.py")) + [pathlib.Path(brf.eval.fitting.__file__)]:
-            h.update(path.read_bytes())
+        for source in sorted(src.glob("*.py")) + [pathlib.Path(brf.eval.fitting.__file__)]:
+            h.update(source.read_bytes())
         self.key = h.hexdigest()[:16]
         try:
             with open(path) as f:
