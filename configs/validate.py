@@ -53,11 +53,11 @@ def get_config(arg=None):
     # Softmax-bottleneck rows (brf/eval/bottleneck_eval.py) for the same-model pair:
     # full logits recomputed at this many sampled test positions (0 = off).
     c.bottleneck_positions = 64
-    # Support of the bottleneck methods there: the top bottleneck_top_k tokens of
-    # each member (2 x 512 = 1024). It must exceed the constraints' rank (d + 1 =
-    # 577 for SmolLM2) for the LP / QP / min-KL to have a set to choose from: with
-    # 2 x 256 they fell back at every position (BENCHMARKS, "The study").
-    c.bottleneck_top_k = 512
+    # Support of the bottleneck methods there: each member's top bottleneck_top_k
+    # tokens. At 256 (2 x 256 = 512 tokens, below the constraints' rank d + 1 = 577
+    # for SmolLM2) the LP, QP and min-KL fall back at every position; 512 lets them
+    # converge but costs minutes per method (README, "Softmax-bottleneck fusion").
+    c.bottleneck_top_k = 256
     c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
     c.default_plays = ("tragedies/hamlet",)
     c.min_chars = 2000
