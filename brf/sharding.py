@@ -155,6 +155,29 @@ def member_meshes(spec: Mapping[str, Any] | None, n_members: int,
     return [meshes[i % groups] for i in range(n_members)]
 
 
+def per_member(mesh: Mesh | Sequence[Mesh | None] | None, n_members: int) -> list:
+    """One mesh (or None) per member: a sequence as given (it must have one entry
+    per member), or one mesh (or None) for every member."""
+    meshes = list(mesh) if isinstance(mesh, (list, tuple)) else [mesh] * n_members
+    if len(meshes) != n_members:
+        raise ValueError(f"{len(meshes)} meshes for {n_members} members")
+    return meshes
+
+
+def on_one_device(meshes: Sequence[Mesh | None]) -> bool:
+    """True when no member has a mesh, or every member's mesh is the same single
+    device: the callers then keep today's one-device path."""
+    given = [m for m in meshes if m is not None]
+    return not given or (len({mesh_devices(m) for m in given}) == 1 and given[0].size == 1)
+
+
+def leaf_sharding(tree: Any):
+    """The sharding of a pytree's first jax.Array (None for host data): where a
+    model's weights live, its mesh when it was placed on one."""
+    leaf = next((x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)), None)
+    return None if leaf is None else leaf.sharding
+
+
 def mesh_devices(mesh: Mesh) -> tuple:
     """A mesh's devices in mesh order (hashable: tells meshes on the same devices)."""
     return tuple(mesh.devices.flat)
@@ -380,7 +403,8 @@ def barrier(name: str, timeout_s: float = 3600.0) -> None:
 
 
 __all__ = ["DATA", "MODEL", "PLACEMENTS", "ShardingError", "barrier", "batch_sharding",
-           "data_size", "device_set", "initialize_distributed", "make_mesh", "member_meshes",
-           "mesh_devices", "mesh_shape", "model_size", "param_shardings", "param_spec",
-           "per_device_group", "placement", "process_count", "process_index", "process_share",
+           "data_size", "device_set", "initialize_distributed", "leaf_sharding", "make_mesh",
+           "member_meshes", "mesh_devices", "mesh_shape", "model_size", "on_one_device",
+           "param_shardings", "param_spec", "per_device_group", "per_member", "placement",
+           "process_count", "process_index", "process_share",
            "shard_batch", "shard_cache", "shard_params", "sharding", "vocab_sharding"]

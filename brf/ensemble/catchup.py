@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brf import sharding
 from brf.models import cache as model_cache
 from brf.models.transformer import prefill, prefill_donated
 
@@ -65,22 +66,18 @@ def _padded(token_lists: Sequence[Sequence[int]], T: int, pad_id: int):
     return tokens_BxT, valid_BxT
 
 
-def _batch_placer(params, batch: int):
-    """Places a decoding batch's arrays like the member's weights.
+def _data_mesh(params, batch: int):
+    """The mesh whose 'data' axis a decoding batch goes over, or None.
 
-    Weights on a mesh with a 'data' axis (``brf.sharding``): the batch axis of
-    the cache, tokens and masks goes over 'data' when ``batch`` divides by it
-    (else they are replicated on the mesh), so each data shard of the mesh
-    decodes its own sequences. Weights on one device or none: unchanged.
+    Weights placed on a mesh with a 'data' axis that ``batch`` divides
+    (``brf.sharding``): the batch axis of the cache, tokens and masks goes over
+    'data', so each data shard decodes its own sequences. Otherwise None: the
+    arrays are left where they are and jit places them with the weights
+    (replicated on their mesh).
     """
-    from brf import sharding
-    leaf = next((x for x in jax.tree_util.tree_leaves(params) if isinstance(x, jax.Array)),
-                None)
-    mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
-    if mesh is None or sharding.data_size(mesh) == 1:
-        return lambda x: x
-    spec = lambda nd: jax.sharding.PartitionSpec(sharding.DATA, *([None] * (nd - 1)))
-    return lambda x: jax.device_put(x, sharding.sharding(mesh, spec(np.ndim(x)), np.shape(x)))
+    mesh = getattr(sharding.leaf_sharding(params), "mesh", None)
+    d = sharding.data_size(mesh)
+    return mesh if d > 1 and batch % d == 0 else None
 
 
 def start(member, prompts_ids: Sequence[Sequence[int]], *, slots: int | None = None,
@@ -102,13 +99,14 @@ def start(member, prompts_ids: Sequence[Sequence[int]], *, slots: int | None = N
     """
     T = bucket(max(len(p) for p in prompts_ids), smallest_bucket)
     slots = bucket(max(slots or 0, 2 * T))
-    place = _batch_placer(member.params, len(prompts_ids))
-    cache = model_cache.init_cache(member.cfg, len(prompts_ids), slots, cache_dtype or dtype)
-    cache = {k: (tuple(map(place, v)) if k in ("k", "v") else place(v) if k != "end" else v)
-             for k, v in cache.items()}
+    mesh = _data_mesh(member.params, len(prompts_ids))
+    cache = sharding.shard_cache(
+        model_cache.init_cache(member.cfg, len(prompts_ids), slots, cache_dtype or dtype), mesh)
     tokens, valid = _padded(prompts_ids, T, 0)
-    logits, cache = prefill_donated(member.params, member.cfg, place(tokens), place(valid),
-                                    cache, dtype=jnp.dtype(dtype), logits="last")
+    logits, cache = prefill_donated(member.params, member.cfg,
+                                    sharding.shard_batch(jnp.asarray(tokens), mesh),
+                                    sharding.shard_batch(jnp.asarray(valid), mesh), cache,
+                                    dtype=jnp.dtype(dtype), logits="last")
     B = len(prompts_ids)
     return MemberState(cache, logits, ((),) * B, T, tuple(len(p) for p in prompts_ids))
 
@@ -162,10 +160,12 @@ def catch_up(member, state: MemberState, *, dtype=jnp.float32, donate: bool = Tr
     if state.end + T > S:
         cache = model_cache.grow(cache, bucket(state.end + T))
     tokens, valid = _padded(state.pending, T, 0)
-    place = _batch_placer(member.params, len(lengths))
+    mesh = _data_mesh(member.params, len(lengths))
     fn = prefill_donated if donate else prefill
-    logits_BxV, cache = fn(member.params, member.cfg, place(tokens), place(valid),
-                           cache, dtype=jnp.dtype(dtype), logits="last")
+    logits_BxV, cache = fn(member.params, member.cfg,
+                           sharding.shard_batch(jnp.asarray(tokens), mesh),
+                           sharding.shard_batch(jnp.asarray(valid), mesh), cache,
+                           dtype=jnp.dtype(dtype), logits="last")
     if min(lengths) == 0:
         read_B = jnp.asarray(np.array(lengths) > 0)
         logits_BxV = jnp.where(read_B[:, None], logits_BxV, state.logits_BxV)

@@ -295,9 +295,7 @@ def _gatherer(members: Sequence[Member]) -> Callable[[jax.Array], jax.Array]:
     placed = [sharding.device_set(m.params) for m in members]
     if len(set(placed)) <= 1:
         return lambda x: x
-    leaf = next(x for x in jax.tree_util.tree_leaves(members[0].params)
-                if isinstance(x, jax.Array))
-    s0 = leaf.sharding
+    s0 = sharding.leaf_sharding(members[0].params)
     target = (jax.sharding.NamedSharding(s0.mesh, jax.sharding.PartitionSpec())
               if isinstance(s0, jax.sharding.NamedSharding) else s0)
     return lambda x: jax.device_put(x, target)

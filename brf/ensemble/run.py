@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from brf import sharding
 from brf.ensemble.decode import Generation, Piece, generate
 from brf.ensemble.member import EnsembleInputError, Member, same_vocabulary
 from brf.specs import parse_list, parse_spec
@@ -74,7 +75,7 @@ def load_members(specs: str | Sequence[Any], dtype=None, mesh=None) -> list[Memb
         The members, in order.
     """
     specs = member_specs(specs)
-    meshes = list(mesh) if isinstance(mesh, (list, tuple)) else [mesh] * len(specs)
+    meshes = sharding.per_member(mesh, len(specs))
     loaded: dict[str, tuple] = {}
     members = []
     for j, spec in enumerate(specs):
@@ -185,12 +186,8 @@ def place_members(members: Sequence[Member], mesh) -> list[Member]:
 
     Members that share a model and a mesh keep sharing one placed copy.
     """
-    meshes = list(mesh) if isinstance(mesh, (list, tuple)) else [mesh] * len(members)
-    if len(meshes) != len(members):
-        raise ValueError(f"{len(meshes)} meshes for {len(members)} members")
-    from brf import sharding
-    if all(x is None for x in meshes) or (
-            len({sharding.mesh_devices(x) for x in meshes}) == 1 and meshes[0].size == 1):
+    meshes = sharding.per_member(mesh, len(members))
+    if sharding.on_one_device(meshes):
         return list(members)
     placed: dict[tuple, Any] = {}
     out = []
@@ -220,10 +217,9 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     temperature = weighting_spec(c.get("weighting", ""))
     meshes = None
     if c.get("mesh"):
-        from brf import sharding
         meshes = sharding.member_meshes(c.mesh, len(specs))
-        if len({sharding.mesh_devices(x) for x in meshes}) == 1 and meshes[0].size == 1:
-            meshes = None  # one device: today's path
+        if sharding.on_one_device(meshes):
+            meshes = None  # today's path
     members = place_members(load_members(specs, mesh=meshes), meshes)
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
     aligner = c.aligner if c.aligner != "auto" else auto_aligner(members)

@@ -192,9 +192,7 @@ def score_all(cfg, segments: list[str], run_dir: str, load_member: Callable,
                 f"segment make {longest} tokens, more than its context "
                 f"{model.cfg.max_seq_len}; shorten the prefix or lower segment_chars")
         plans.append((name, params, model, ids, len(pre), b))
-    meshes = list(mesh) if isinstance(mesh, (list, tuple)) else [mesh] * len(plans)
-    if len(meshes) != len(plans):
-        raise ValueError(f"{len(meshes)} meshes for {len(plans)} members")
+    meshes = sharding.per_member(mesh, len(plans))
     call = next(_BARRIERS)  # this call's barrier names, the same on every process
 
     def score_one(j: int):
@@ -528,27 +526,15 @@ def analyse(cfg, table: EventTable, n_segments: int, out_dir: str, *,
     return section, extras
 
 
-def mesh_of(cfg):
-    """The scoring mesh of ``cfg.mesh`` (this process's devices); None for one device."""
-    mesh = sharding.make_mesh(cfg.get("mesh"))
-    return None if mesh.size == 1 else mesh  # one device: today's path, unchanged
-
-
-def member_meshes(cfg, members: Any = None) -> Any:
-    """The meshes for scoring ``members`` (spec string; default ``cfg.members``).
-
-    ``cfg.mesh.placement='shared'``: :func:`mesh_of` (one mesh, or None on one
-    device). 'apart': one mesh per member entry (:func:`brf.sharding.member_meshes`).
+def member_meshes(cfg, members: Any = None) -> list | None:
+    """The meshes for scoring ``members`` (spec string; default ``cfg.members``), one
+    per member entry, from ``cfg.mesh`` (:func:`brf.sharding.member_meshes`); None
+    when every member would run on one device (today's path, unchanged).
     """
-    spec = cfg.get("mesh")
-    if sharding.placement(spec) == "shared":
-        return mesh_of(cfg)
     n = len(config_specs.member_entries(members if members is not None else cfg.members,
                                         supported=MEMBER_KEYS))
-    meshes = sharding.member_meshes(spec, n)
-    if len({sharding.mesh_devices(m) for m in meshes}) == 1 and meshes[0].size == 1:
-        return None  # one device: today's path
-    return meshes
+    meshes = sharding.member_meshes(cfg.get("mesh"), n)
+    return None if sharding.on_one_device(meshes) else meshes
 
 
 def registry_loader(cfg) -> Callable:
@@ -562,8 +548,7 @@ def registry_loader(cfg) -> Callable:
     entries = config_specs.member_entries(cfg.members, supported=MEMBER_KEYS)
     for name, _ in entries:
         registry.resolve(name)
-    meshes = member_meshes(cfg)
-    meshes = meshes if isinstance(meshes, list) else [meshes] * len(entries)
+    meshes = sharding.per_member(member_meshes(cfg), len(entries))
     home: dict[str, Any] = {}
     for (name, _), mesh in zip(entries, meshes):
         home.setdefault(name, mesh)

@@ -88,8 +88,8 @@ def measure_members(source: str, n_members: int, *, n_segments: int, seg_len: in
     """Tokens/s of scoring an ensemble: every member on every device, one member
     after another ('shared'), against each member on its own devices, all at once
     ('apart', :func:`brf.sharding.member_meshes`); today's path (one device, one
-    member after another) is the baseline. Members are ``source`` with different
-    one model's weights (each placed where its member runs).
+    member after another) is the baseline. Every member runs ``source``'s weights
+    (each member's copy placed where it runs).
 
     Returns:
       One dict per row: label, mesh, seconds, tokens_per_s (all members' tokens).
