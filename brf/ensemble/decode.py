@@ -239,27 +239,11 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
     prompts = list(prompts)
     sampler = Sampler.parse(sampler) if not isinstance(sampler, Sampler) else sampler
     method_params = dict(method_params or {})
-    if mode not in MODES:
-        raise EnsembleInputError(f"unknown mode {mode!r}; use one of {MODES}")
-    if choice not in CHOICES:
-        raise EnsembleInputError(f"unknown choice {choice!r}; use one of {CHOICES}")
-    if not prompts:
-        raise EnsembleInputError("no prompts")
-    if max_new_tokens < 1:
-        raise EnsembleInputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    _check_request(mode, choice, prompts, max_new_tokens, method, method_params, sampler)
     w = normalised_weights(members, weights)
     if mode == "fuse":
         method_params = _with_unembeddings(method, method_params, members)
         _check_method(method, method_params, len(members))
-    elif method != "linear" or method_params:
-        raise EnsembleInputError(f"mode {mode!r} mixes members (a linear pool); it takes no "
-                                 f"fusion method (got method={method!r}, params={method_params})")
-    if mode == "mixture_exact" and sampler != Sampler():
-        raise EnsembleInputError(
-            f"mode 'mixture_exact' samples the linear pool exactly only at temperature 1 "
-            f"without truncation; got {sampler}. Use mode='mixture_per_member' (sampler "
-            f"applied to each member before mixing) or mode='fuse' with method='linear' "
-            f"(sampler applied to the pool)")
     B = len(prompts)
     space = make_space(aligner, members, B, aligner_params)
     if mode != "fuse" and not space.supports_mixture:
@@ -283,6 +267,28 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
                      max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed, space=space,
                      choice=choice, dtype=dtype, trace=trace, prompt_ids=prompt_ids),
                 results)
+
+
+def _check_request(mode: str, choice: str, prompts: list, max_new_tokens: int, method: str,
+                   method_params: dict, sampler: Sampler) -> None:
+    """The checks of :func:`stream` that need no model."""
+    if mode not in MODES:
+        raise EnsembleInputError(f"unknown mode {mode!r}; use one of {MODES}")
+    if choice not in CHOICES:
+        raise EnsembleInputError(f"unknown choice {choice!r}; use one of {CHOICES}")
+    if not prompts:
+        raise EnsembleInputError("no prompts")
+    if max_new_tokens < 1:
+        raise EnsembleInputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if mode != "fuse" and (method != "linear" or method_params):
+        raise EnsembleInputError(f"mode {mode!r} mixes members (a linear pool); it takes no "
+                                 f"fusion method (got method={method!r}, params={method_params})")
+    if mode == "mixture_exact" and sampler != Sampler():
+        raise EnsembleInputError(
+            f"mode 'mixture_exact' samples the linear pool exactly only at temperature 1 "
+            f"without truncation; got {sampler}. Use mode='mixture_per_member' (sampler "
+            f"applied to each member before mixing) or mode='fuse' with method='linear' "
+            f"(sampler applied to the pool)")
 
 
 def _gatherer(members: Sequence[Member]) -> Callable[[jax.Array], jax.Array]:
