@@ -161,10 +161,9 @@ def main(argv):
     if not os.path.isdir(FLAGS.run_dir):
         raise UserError(f"--run_dir={FLAGS.run_dir!r} does not exist; run the study first")
     results, rows = [], []
-    for corpus, analysis, table, n_seg in study.study_tables(plan):
+    which = lambda corpus, a: not FLAGS.tables or f"{corpus}/{a.kind}" in FLAGS.tables
+    for corpus, analysis, table, n_seg in study.study_tables(plan, which=which):
         name = f"{corpus}/{analysis.kind}"
-        if FLAGS.tables and name not in FLAGS.tables:
-            continue
         calib, _ = plan_lib.split(plan.scoring, table, n_seg)
         specs = plan.method_specs(table.logp.shape[1], analysis.variants)
         entry = {"table": name, "positions": int(calib.n_positions),

@@ -88,9 +88,10 @@ def test_subsample_then_polish_reaches_the_full_optimum():
     """Fitting on a subsample first, then on all positions from there, ends at the
     optimum of the whole calibration NLL (the same as fitting on all positions)."""
     t = _table(P=1600)
-    for spec in ({"label": "ll", "method": "loglinear", "fit": {"temperature": 1.0}},
-                 {"label": "b", "method": "born", "phase": "tanh",
-                  "fit": {"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]}}):
+    for spec in ({"label": "g", "method": "entropy_gated",
+                  "grid": {"threshold": [0.5, 1.0, 2.0]}},
+                 {"label": "b", "method": "born", "phase": "tanh", "grid": {"phase.rate": [0.3, 0.6]},
+                  "fit": {"phase.scale": 1.5, "phase.offset": [0.0, 0.5]}}):
         direct = fit_method(spec, t, settings=FitSettings(subsample=0))
         staged = fit_method(spec, t, settings=FitSettings(subsample=300))
         assert staged.info["subsample_evaluations"] > 0 and staged.info["converged"]

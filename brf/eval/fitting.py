@@ -258,9 +258,10 @@ class FitSettings:
       gtol: a run stops when every gradient component is below this.
       history: L-BFGS memory (curvature pairs kept).
       max_step: the largest change of any free coordinate in one iteration.
-      subsample: tables with more than four times this many positions are first fitted on
-        this many (a fixed random subset), from every start and at every grid point;
-        the best grid points are then polished on all positions (0: no subsample).
+      subsample: a fit with several starts or grid points, on a table with more than
+        four times this many positions, is first fitted on this many (a fixed random
+        subset), from every start and at every grid point; the best grid points are
+        then polished on all positions (0: no subsample).
       polish: how many grid points are polished on all positions.
       calib_range: the calibrated variant's temperatures lie in
         [1/calib_range, calib_range] (0: unbounded; the calibrated objectives then
@@ -313,7 +314,9 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
       the final fit met its convergence test.
     """
     problem = _Problem(MethodSpec.coerce(spec), table, settings)
-    sub = problem.subsample(settings.subsample)
+    # Only fits with several starts pay for a second compiled program on a subsample.
+    several = warm is not None and bool(starts) or len(problem.grid_points()) > 1
+    sub = problem.subsample(settings.subsample) if several else None
     full = problem.data()
     info = {"iterations": 0, "evaluations": 0, "subsample_evaluations": 0,
             "converged": True}

@@ -69,13 +69,17 @@ def event_table(plan: Plan, analysis: Analysis, segments: list[str], run_dir: st
     return table, cov, scored.infos
 
 
-def study_tables(plan: Plan, load_model: Callable[[str], Any] | None = None):
-    """Every analysis's event table of the plan, in the study's order (for benchmarks):
-    yields (corpus label, analysis, table, number of segments)."""
+def study_tables(plan: Plan, load_model: Callable[[str], Any] | None = None, *,
+                 which: Callable[[str, Analysis], bool] = lambda corpus, analysis: True):
+    """The event tables of the plan's analyses that ``which(corpus label, analysis)``
+    selects, in the study's order (for benchmarks): yields (corpus label, analysis,
+    table, number of segments)."""
     loader = _loaded_once(load_model or scorer.registry_loader(plan.members, plan.mesh))
     for index, corpus in enumerate(plan.corpora):
         segments, _, _ = load_segments(plan, corpus)
         for a in plan.analyses(index):
+            if not which(corpus.label, a):
+                continue
             table, _, _ = event_table(plan, a, segments, os.path.join(plan.out_dir, corpus.label),
                                       loader)
             yield corpus.label, a, table, len(segments)
