@@ -361,3 +361,47 @@ def test_bad_study_config_is_refused_before_any_model_runs(tmp_path, text, chang
     cfg = _cfg(tmp_path, text, corpus="", **change)
     with pytest.raises(UserError, match=match):
         study.run(cfg, load_member=lambda name: pytest.fail("a model was loaded"))
+
+
+def _ties_table(logp_PxNxE, gold=None):
+    from brf.eval.fitting import EventTable
+    p, n, _ = logp_PxNxE.shape
+    return EventTable(np.asarray(logp_PxNxE, np.float32),
+                      np.zeros(p, np.int64) if gold is None else np.asarray(gold),
+                      np.zeros((p, n), np.float32), np.ones(p, np.int64), np.arange(p))
+
+
+def test_top1_ties_share_the_credit():
+    """A tie at the top earns 1/(number tied), not a hit for the gold (event 0, which an
+    argmax would always pick): identical uniform members over 4 events score chance."""
+    from brf.eval import csv_analysis
+    from brf.eval.fitting import Fitted, evaluate
+    uniform = _ties_table(np.full((50, 2, 4), np.log(0.25)))
+    for method in ("linear", "loglinear", "born"):
+        ev = evaluate(Fitted("m", method, {}, np.full(2, 0.5), 0.0), uniform)
+        np.testing.assert_allclose(ev["top1_credit"], 0.25, rtol=1e-12)
+    # Every consumer sees the credit: pipeline metrics (top-1 and ECE: confidence
+    # 1/4 with accuracy 1/4 is perfectly calibrated) and the CSV analysis.
+    m = pipeline.metrics(ev, uniform.gold_bytes, seed=0)
+    assert m["top1_accuracy"] == pytest.approx(0.25) and m["ece"] == pytest.approx(0.0, abs=1e-6)
+    rows = {r["label"]: r for r in csv_analysis.fusion_rows(uniform, ["linear", "contrastive"])}
+    assert rows["member 0 alone"]["top1_accuracy"] == pytest.approx(0.25)
+    assert rows["linear"]["top1_accuracy"] == pytest.approx(0.25)
+    # One member; gold strictly on top, tied with one, tied with two, below the top.
+    p = np.array([[.4, .3, .2, .1], [.35, .35, .2, .1], [.3, .3, .3, .1], [.2, .5, .2, .1],
+                  [.25, .25, .25, .25]])
+    table = _ties_table(np.log(p)[:, None, :], gold=[0, 1, 2, 0, 3])
+    ev = evaluate(Fitted("m", "linear", {}, np.ones(1), 0.0), table)
+    np.testing.assert_allclose(ev["top1_credit"], [1, 0.5, 1 / 3, 0, 0.25], rtol=1e-12)
+    # Ties the fusion produces only up to float32 rounding still count as ties: a
+    # member and its mirror image fused log-linearly are symmetric.
+    rng = np.random.default_rng(0)
+    a = rng.dirichlet(np.ones(6), size=40)
+    b = a[:, ::-1]
+    pair = _ties_table(np.log(np.stack([a, b], 1)), gold=np.zeros(40, np.int64))
+    ev = evaluate(Fitted("m", "loglinear", {}, np.full(2, 0.5), 0.0), pair)
+    q = np.log(a) + np.log(b)  # float64 reference: events e and 5 - e tie exactly
+    ref = [1 / np.sum(np.isclose(r, r.max(), rtol=0, atol=1e-9)) if np.isclose(
+        r[0], r.max(), rtol=0, atol=1e-9) else 0.0 for r in q]
+    np.testing.assert_allclose(ev["top1_credit"], ref, rtol=1e-12)
+    assert 0 < np.mean(ev["top1_credit"]) < 1 and set(np.round(ref, 6)) >= {0.5}

@@ -118,7 +118,8 @@ def fusion_rows(table: EventTable, methods: Sequence[str] | None = None, *,
             continue
         mean, ci = hypotheses.mean_ci(ev["nll"], seed=seed)
         out.append({"label": label, "method": method, "nll": mean, "nll_ci": ci,
-                    "perplexity": math.exp(mean), "top1_accuracy": float(ev["correct"].mean()),
+                    "perplexity": math.exp(mean),
+                    "top1_accuracy": float(ev["top1_credit"].mean()),
                     "floored_positions": int(ev["floored"].sum())})
     return out
 

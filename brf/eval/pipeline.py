@@ -354,8 +354,9 @@ def metrics(ev: dict, gold_bytes: np.ndarray, seed: int) -> dict:
     return {"nll": float(mean), "nll_ci": ci, "perplexity": float(math.exp(mean)),
             "floored_positions": int(ev["floored"].sum()),
             "bits_per_byte": float(nll.sum() / math.log(2) / gold_bytes.sum()),
-            "top1_accuracy": float(ev["correct"].mean()),
-            "ece": float(stats.expected_calibration_error(ev["confidence"], ev["correct"]))}
+            "top1_accuracy": float(ev["top1_credit"].mean()),
+            "ece": float(stats.expected_calibration_error(ev["confidence"],
+                                                          ev["top1_credit"]))}
 
 
 def sweep(cfg, calib: EventTable, test: EventTable) -> list[dict]:
