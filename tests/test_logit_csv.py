@@ -335,6 +335,56 @@ def test_hand_written_csv_is_read_and_analysed(tmp_path):
     assert not any(m.startswith("bottleneck") for m in csv_analysis.default_methods())
 
 
+def _two_tokenizer_pair(tmp_path, rng, n=60, k=5, sizes=(50, 60)):
+    """Two metadata-less CSVs of one text by two 'tokenizers' that split it the same
+    way (one letter per token) but number their tokens differently (vocabularies of
+    50 and 60): same positions, different ids, so only byte alignment pairs them."""
+    letters = [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"]
+    text = rng.integers(0, len(letters), n)
+    base = rng.normal(0, 2, (n, len(letters)))
+    paths = []
+    for m, v in enumerate(sizes):
+        id_of = (np.arange(len(letters)) * (1 if m == 0 else 7) + 3 * m) % v
+        logits = base + rng.normal(0, 1.0, base.shape)
+        order = np.argsort(-logits, 1)[:, :k]
+        lse = np.log(np.exp(logits).sum(1))
+        header = (["position", "token_id", "token_text", "token_logit", "lse"]
+                  + [f"logit_{j + 1}" for j in range(k)] + [f"id_{j + 1}" for j in range(k)]
+                  + [f"text_{j + 1}" for j in range(k)])
+        paths.append(str(tmp_path / f"tok{m}.csv"))
+        with open(paths[-1], "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            for i, t in enumerate(text):
+                w.writerow([i, id_of[t], letters[t].decode(), repr(float(logits[i, t])),
+                            repr(float(lse[i]))]
+                           + [repr(float(logits[i, o])) for o in order[i]]
+                           + [int(id_of[o]) for o in order[i]]
+                           + [letters[o].decode() for o in order[i]])
+    return paths
+
+
+def test_auto_alignment_reads_the_given_vocabulary_sizes(tmp_path):
+    """Without metadata, align=auto takes the vocabulary sizes from vocab_sizes: two
+    sizes mean two tokenizers, compared on co-aligned bytes (here every position)."""
+    paths = _two_tokenizer_pair(tmp_path, np.random.default_rng(5))
+    runs, rows, table, align = csv_analysis.load_table(paths, vocab_sizes=[50, 60])
+    assert align == "bytes" and table.n_positions == 60
+    np.testing.assert_array_equal(rows, np.stack([np.arange(60)] * 2, 1))
+    # Equal sizes keep position alignment, whose refusal names the way out.
+    with pytest.raises(lc.CsvError, match=r"token_id .*not on the same positions.*"
+                                          r"--config\.align=bytes"):
+        csv_analysis.load_table(paths, vocab_sizes=[50, 50])
+    with pytest.raises(csv_analysis.UserError, match="2 vocabulary sizes for 3 CSVs"):
+        csv_analysis.load_table(paths + paths[:1], vocab_sizes=[50, 60])
+    r = _main("analyze_csv.py", f"--config={ROOT}/configs/analyze_csv.py:tiny",
+              f"--config.csvs={','.join(paths)}", f"--config.out_dir={tmp_path}/out",
+              "--config.vocab_sizes=50,60", cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    import json
+    assert json.load(open(tmp_path / "out" / "analysis.json"))["align"] == "bytes"
+
+
 # ---------------------------------------------------------------------------
 # Bad input through the mains: one stderr line, exit status 2.
 # ---------------------------------------------------------------------------
@@ -366,7 +416,7 @@ def _bad_inputs(tmp_path):
     _hand_csv(p, top, order, lse, tok, tl, positions=pos)
     cases["mismatched positions"] = (
         [paths[0], p], r"shifted\.csv: line 12 \(row 10\), column 'position': position 10 "
-                       r"where .*hand0\.csv line 12 has 9")
+                       r"where .*hand0\.csv line 12 has 9.*use --config\.align=bytes")
     p = str(tmp_path / "text.csv")
     _hand_csv(p, top, order, lse, tok, tl, bad="text")
     cases["non-numeric"] = ([paths[0], p], r"text\.csv: line 10 \(row 8\), column 'logit_3': "

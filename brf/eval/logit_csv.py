@@ -504,6 +504,10 @@ def _key_rows(run: LogitRun) -> dict:
     return {(int(s), int(p)): r for r, (s, p) in enumerate(zip(run.seq, run.position))}
 
 
+# Two tokenizers are compared on co-aligned byte offsets instead (align_bytes).
+_BYTES_HINT = " Different tokenizers: use --config.align=bytes"
+
+
 def align_positions(runs: Sequence[LogitRun]) -> np.ndarray:
     """[P, n] row indices of the same (seq, position) in every run (same tokenizer).
 
@@ -527,12 +531,13 @@ def align_positions(runs: Sequence[LogitRun]) -> np.ndarray:
                 r = int(diff[0])
                 raise CsvError(f"{b.where(r, name)}: {name} {int(y[r])} where {a.path} line "
                                f"{int(a.lines[r])} has {int(x[r])}: the runs are not on the "
-                               f"same positions (same text, same tokenizer?)")
+                               f"same positions (same text, same tokenizer?{_BYTES_HINT})")
         if a.n_rows != b.n_rows:
             longer, shorter = (a, b) if a.n_rows > b.n_rows else (b, a)
             raise CsvError(f"{longer.where(n, 'position')}: position {int(longer.position[n])} "
                            f"has no row in {shorter.path} ({shorter.n_rows} rows against "
-                           f"{longer.n_rows}): the runs are not on the same positions")
+                           f"{longer.n_rows}): the runs are not on the same positions "
+                           f"(same text, same tokenizer?{_BYTES_HINT})")
         out.append(np.arange(b.n_rows))
     return np.stack(out, 1)
 
