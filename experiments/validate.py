@@ -19,6 +19,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")
 def main(argv):
     del argv
     cfg = _CONFIG.value
+    cli.check_writable(cfg.out_dir, "config.out_dir", directory=True)
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache_dir or None)
     rep = run(cfg)

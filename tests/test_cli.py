@@ -65,6 +65,22 @@ CASES = [
     (["experiments/convert.py", "--source={d}/hf", "--out={d}/o2"], "config.json"),
     (["experiments/convert.py", "--source={d}/notjson", "--out={d}/o3"], "not valid JSON"),
     (["experiments/convert.py", "--source=no-such-model", "--out={d}/o4"], "no-such-model"),
+    # outputs that cannot be written: refused before any model loads or analysis runs
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}/latin1.txt/x.csv", "--config.compilation_cache=False"],
+     "config.output='{d}/latin1.txt/x.csv' cannot be written: {d}/latin1.txt is a file"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output=", "--config.compilation_cache=False"], "config.output is empty"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}", "--config.compilation_cache=False"], "is a directory, not a file"),
+    (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:tiny",
+      "--config.csvs={d}/a.csv,{d}/b.csv", "--config.out_dir={d}/latin1.txt"],
+     "config.out_dir='{d}/latin1.txt' cannot be written: {d}/latin1.txt is a file, not a "
+     "directory"),
+    (G + ["--config.output={d}/latin1.txt/g.jsonl"], "config.output='{d}/latin1.txt/g.jsonl'"),
+    (V + ["--config.out_dir={d}/latin1.txt/run"], "config.out_dir='{d}/latin1.txt/run'"),
+    (["experiments/convert.py", "--source={d}/junk.gguf", "--out={d}/latin1.txt/ck"],
+     "the folder of --out='{d}/latin1.txt' cannot be written"),
     # benchmarks and the demo
     (["experiments/bench_fusion.py", "--methods=nope"], "nope"),
     (["experiments/demo.py", "--config=configs/demo.py", "--config.weights=abc"], "weights"),
@@ -74,6 +90,7 @@ CASES = [
 @pytest.mark.parametrize("args,needle", CASES, ids=[" ".join(a[1:])[:60] for a, _ in CASES])
 def test_user_error_is_one_line_and_exit_2(args, needle, bad_files, tmp_path):
     args = [a.format(d=bad_files) for a in args]
+    needle = needle.format(d=bad_files)
     res = _run(args, tmp_path)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
