@@ -59,6 +59,9 @@ CASES = [
     (G + ["--config.weighting=perplexity(temperature=-1)"], "temperature must be > 0"),
     (G + ["--config.members=random:smollm2-135m-instruct:0(colour=1)"], "colour"),
     (G + ["--config.max_new_tokens=0"], "max_new_tokens"),
+    (G + ["--config.method=born(phase=\"tanh(rate=1)\")"],
+     "'phase' is given twice: in config.method 'born(phase=\"tanh(rate=1)\")' and in "
+     "config.phase (set config.phase='' to use the method's)"),
     (G + ["--config.prompts_file={d}/missing.txt"], "missing.txt"),
     # convert: bad files and names
     (["experiments/convert.py", "--source={d}/junk.gguf", "--out={d}/o1"], "junk.gguf"),
@@ -71,6 +74,9 @@ CASES = [
      "config.output='{d}/latin1.txt/x.csv' cannot be written: {d}/latin1.txt is a file"),
     (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
       "--config.output=", "--config.compilation_cache=False"], "config.output is empty"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}/seg.csv", "--config.segment_tokens=1",
+      "--config.compilation_cache=False"], "segment_tokens=1 must be at least 2"),
     (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
       "--config.output={d}", "--config.compilation_cache=False"], "is a directory, not a file"),
     (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:tiny",

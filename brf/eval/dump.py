@@ -75,6 +75,13 @@ def context_ids(model, *, system: str = "", prefix: str = "") -> list[int]:
     return ids
 
 
+def check_segment_tokens(segment_tokens: int) -> None:
+    """Refuses a segment of fewer than 2 tokens (checked before any model loads)."""
+    if segment_tokens < 2:
+        raise DumpError(f"segment_tokens={segment_tokens} must be at least 2 (text tokens "
+                        f"per forward context)")
+
+
 def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
                 prefix: str = "", segment_tokens: int = 2048, chunk: int = 256,
                 max_positions: int = 0, meta: dict | None = None, resume: bool = True,
@@ -107,7 +114,8 @@ def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
     if max_positions:
         ids = ids[:max_positions]
     n_ctx = len(ctx)
-    if segment_tokens < 2 or n_ctx + segment_tokens > cfg.max_seq_len:
+    check_segment_tokens(segment_tokens)
+    if n_ctx + segment_tokens > cfg.max_seq_len:
         raise DumpError(f"segment_tokens={segment_tokens} plus {n_ctx} context tokens must "
                         f"fit the model's context of {cfg.max_seq_len} tokens")
     meta = dict(meta or {}, mode="score", vocab_size=int(cfg.vocab_size), system=system,
@@ -311,6 +319,8 @@ def run(c) -> dict:
     # Settings are checked before the model is loaded.
     text = _score_text(c) if c.mode == "score" else None
     prompts = _prompts(c) if c.mode == "generate" else None
+    if c.mode == "score":
+        check_segment_tokens(c.segment_tokens)
     if c.mode == "generate":
         from brf.fusion import Sampler
         Sampler.parse(c.sampler)
