@@ -405,3 +405,92 @@ def test_top1_ties_share_the_credit():
         r[0], r.max(), rtol=0, atol=1e-9) else 0.0 for r in q]
     np.testing.assert_allclose(ev["top1_credit"], ref, rtol=1e-12)
     assert 0 < np.mean(ev["top1_credit"]) < 1 and set(np.round(ref, 6)) >= {0.5}
+
+
+def _damage_warnings(caplog, path):
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and str(path) in r.getMessage() and "damaged" in
+            r.getMessage()]
+
+
+def test_damaged_score_store_is_rescored_with_a_warning(tmp_path, text, members, caplog):
+    """A flipped byte anywhere in a member's score store never crashes the resume and
+    never feeds damaged numbers on: the store reads back intact or is rescored with a
+    warning that names it."""
+    from brf.eval.scoring import load_partial, score_segments
+    m = members["tiny-a"]
+    ids = [pipeline._encode(m.tokenizer, m.cfg, s)
+           for s in pipeline.split_segments(text[:2000], 700)]
+    store = tmp_path / "scores-tiny-a.npz"
+    kw = dict(top_k=8, chunk=128, store_path=str(store), meta={"member": "tiny-a"})
+    ref = score_segments(m.params, m.cfg, ids, **kw)
+    meta = {"member": "tiny-a", "top_k": 8, "n_segments": len(ids)}
+    want = load_partial(str(store), meta)
+    assert len(want) == len(ids)
+    good = store.read_bytes()
+    detected = 0
+    for at in np.linspace(0, len(good) - 1, 97).astype(int):
+        caplog.clear()
+        store.write_bytes(good[:at] + bytes([good[at] ^ 0x5A]) + good[at + 1:])
+        got = load_partial(str(store), meta)
+        if got:
+            for g, w in zip(got, want, strict=True):
+                for name in w:
+                    np.testing.assert_array_equal(g[name], w[name])
+        else:
+            assert _damage_warnings(caplog, store), at
+            detected += 1
+    assert detected > 80  # nearly every byte is array data under a CRC-32
+    # A resumed scoring rescores the damaged store: the same numbers, a sound store.
+    at = len(good) // 2
+    store.write_bytes(good[:at] + bytes([good[at] ^ 1]) + good[at + 1:])
+    caplog.clear()
+    again = score_segments(m.params, m.cfg, ids, **kw)
+    assert _damage_warnings(caplog, store) and "rescoring" in _damage_warnings(caplog, store)[0]
+    for name in ("gold_logp", "topk_logp", "topk_ids"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(ref, name))
+    assert len(load_partial(str(store), meta)) == len(ids)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not JSON", "a list"])
+def test_damaged_fit_cache_is_refitted_with_a_warning(tmp_path, caplog, damage):
+    import ml_collections
+    from brf.eval.fitting import Fitted
+    calib = _ties_table(np.log(np.random.default_rng(0).dirichlet(np.ones(5), (30, 2))))
+    cfg = ml_collections.ConfigDict(dict(fit_steps=5, learning_rate=0.1, fit_batch=0))
+    path = tmp_path / "fits.json"
+    spec = {"label": "linear", "method": "linear"}
+    fit = Fitted("linear", "linear", {}, np.array([0.3, 0.7]), 1.25)
+    pipeline.FitCache(str(path), calib, cfg).put(spec, fit)
+    assert pipeline.FitCache(str(path), calib, cfg).get(spec).calib_nll == 1.25
+    good = path.read_bytes()
+    path.write_bytes({"truncated": good[:len(good) // 2], "not JSON": b"\x00\xff{",
+                      "a list": b"[1, 2]"}[damage])
+    caplog.clear()
+    cache = pipeline.FitCache(str(path), calib, cfg)
+    assert cache.get(spec) is None and _damage_warnings(caplog, path)
+    cache.put(spec, fit)  # the refit replaces the damaged file
+    assert pipeline.FitCache(str(path), calib, cfg).get(spec).calib_nll == 1.25
+
+
+def test_damaged_bottleneck_cache_is_recomputed_with_a_warning(tmp_path, caplog, monkeypatch):
+    import ml_collections
+    from brf.eval import bottleneck_eval, study
+    calls = []
+
+    def rows(*args, **kwargs):
+        calls.append(1)
+        return {"positions": 4, "rows": [{"label": "lp", "nll": 1.5 + len(calls)}]}
+
+    monkeypatch.setattr(bottleneck_eval, "bottleneck_rows", rows)
+    cfg = ml_collections.ConfigDict(dict(bottleneck_positions=4, bottleneck_top_k=16,
+                                         calibration_fraction=0.5, n_boot=10, seed=0))
+    args = (cfg, "tiny-a", ("", "B: "), ["one", "two"], str(tmp_path), lambda name: None)
+    first = study._bottleneck(*args)
+    assert study._bottleneck(*args) == first and len(calls) == 1  # read back
+    (path,) = tmp_path.glob("bottleneck-*.json")
+    path.write_bytes(path.read_bytes()[:-7])
+    caplog.clear()
+    again = study._bottleneck(*args)
+    assert len(calls) == 2 and again["rows"][0]["nll"] == 3.5 and _damage_warnings(caplog, path)
+    assert study._bottleneck(*args) == again and len(calls) == 2  # the rewrite is sound

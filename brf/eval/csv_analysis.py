@@ -22,7 +22,6 @@ Nothing is fitted here: for tuned comparisons run the validation experiment.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Mapping, Sequence
@@ -30,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from brf.errors import UserError
-from brf.eval import hypotheses, report as report_lib
+from brf.eval import hypotheses, report as report_lib, runfiles
 from brf.eval.fitting import EventTable, Fitted, evaluate
 from brf.eval.logit_csv import (CsvError, LogitRun, align_bytes, align_positions, event_table,
                                 read_csv)
@@ -230,10 +229,7 @@ def write_report(out_dir: str, report: dict, coherence: list[dict]) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "analysis.json"),
              "markdown": os.path.join(out_dir, "analysis.md")}
-    tmp = paths["json"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_jsonable(report), f, indent=1)
-    os.replace(tmp, paths["json"])
+    runfiles.write_json(paths["json"], _jsonable(report), indent=1)
     with open(paths["markdown"], "w") as f:
         f.write(markdown(report))
     paths["plots"] = plot(out_dir, report, coherence)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import json
 import math
 import os
 import pathlib
@@ -29,7 +28,7 @@ from brf.errors import UserError
 
 from brf.eval import config_specs
 from brf.eval import corpus as corpus_lib
-from brf.eval import hypotheses, report as report_lib, stats
+from brf.eval import hypotheses, report as report_lib, runfiles, stats
 from brf.eval.events import build_event_table
 from brf.eval.fitting import EventTable, Fitted, evaluate, fit_method
 from brf.eval import scoring as merge_lib
@@ -315,12 +314,9 @@ class FitCache:
         for source in sorted(src.glob("*.py")) + [pathlib.Path(brf.eval.fitting.__file__)]:
             h.update(source.read_bytes())
         self.key = h.hexdigest()[:16]
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            self.entries = data["entries"] if data.get("key") == self.key else {}
-        except (OSError, ValueError, KeyError):
-            self.entries = {}
+        data = runfiles.read_json(path, "fit cache") or {}
+        entries = data.get("entries") if data.get("key") == self.key else None
+        self.entries = entries if isinstance(entries, dict) else {}
 
     def get(self, spec) -> Fitted | None:
         e = self.entries.get(repr(sorted(spec.items())))
@@ -333,10 +329,7 @@ class FitCache:
         self.entries[repr(sorted(spec.items()))] = {
             "label": f.label, "method": f.method, "params": report_lib._jsonable(f.params),
             "weights": np.asarray(f.weights).tolist(), "calib_nll": f.calib_nll}
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"key": self.key, "entries": self.entries}, fh)
-        os.replace(tmp, self.path)
+        runfiles.write_json(self.path, {"key": self.key, "entries": self.entries})
 
 
 def _fit(spec, calib: EventTable, cfg) -> Fitted:

@@ -36,12 +36,13 @@ forking-token analysis.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
 
 import numpy as np
+
+from brf.eval import runfiles
 
 SCHEMA = "brf.validate/2"
 
@@ -137,10 +138,7 @@ def forking_sentence(forking: dict) -> str:
 
 
 def write_json(path: str, report: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(_jsonable({"schema": SCHEMA, **report}), f, indent=1)
-    os.replace(tmp, path)
+    runfiles.write_json(path, _jsonable({"schema": SCHEMA, **report}), indent=1)
 
 
 def markdown(report: dict) -> str:

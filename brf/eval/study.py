@@ -29,7 +29,6 @@ reused, so an interrupted run resumes; fits are cached the same way.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import time
@@ -37,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from brf.eval import config_specs, hypotheses, pipeline, report as report_lib, stats
+from brf.eval import config_specs, hypotheses, pipeline, report as report_lib, runfiles, stats
 from brf.eval import corpus as corpus_lib
 from brf.eval.events import build_event_table
 from brf.eval.scoring import truncate_top_k
@@ -381,17 +380,15 @@ def _bottleneck(cfg, model_name: str, prefixes, segments, run_dir: str, loader) 
     for mod in (bottleneck, bottleneck_eval):
         h.update(pathlib.Path(mod.__file__).read_bytes())
     path = os.path.join(run_dir, f"bottleneck-{h.hexdigest()[:12]}.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+    cached = runfiles.read_json(path, "bottleneck cache")
+    if cached is not None:
+        return cached
     n_cal = max(1, int(round(len(segments) * cfg.calibration_fraction)))
     out = report_lib._jsonable(bottleneck_eval.bottleneck_rows(
         loader(model_name), model_name, prefixes, segments, list(range(n_cal, len(segments))),
         n_positions=int(cfg.bottleneck_positions), top_k=top_k, n_boot=cfg.n_boot,
         seed=cfg.seed))
-    with open(path + ".tmp", "w") as f:
-        json.dump(out, f)
-    os.replace(path + ".tmp", path)
+    runfiles.write_json(path, out)
     return out
 
 
