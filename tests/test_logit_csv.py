@@ -2,6 +2,7 @@
 validation experiment, resuming, and one-line errors from the mains."""
 
 import csv
+import json
 import math
 import os
 import pathlib
@@ -138,6 +139,10 @@ def test_round_trip_reproduces_model_log_probs(smollm, dumps):
         np.testing.assert_array_equal(run.position, np.arange(len(ids)))
         np.testing.assert_array_equal(run.token_id, ids)
         ctx = context_ids(smollm, system=system)
+        # The metadata names that context; SmolLM2's BOS is its chat-turn marker.
+        assert run.meta["context_ids"] == ctx
+        assert run.meta["context_text"] == _texts_by_tokenizer(smollm.tokenizer, ctx)
+        assert run.meta["context_text"][0] == "\\!<|im_start|>"
         pad_to = -(-(len(ctx) + 200) // 64) * 64
         for a in range(0, len(ids), 200):
             seg = np.asarray(ctx + ids[a:a + 200], np.int32)
@@ -264,6 +269,56 @@ def test_generation_dump_and_resume(smollm, tmp_path):
     pathlib.Path(path).write_bytes(keep)
     dump_generations(smollm, ["Say hi.", "Name a colour."], path, **kw)
     assert pathlib.Path(path).read_bytes() == full
+
+
+def _texts_by_tokenizer(tok, ids):
+    """Each token's text field from the tokenizer alone (an independent route)."""
+    special = set(tok.all_special_ids)
+    return [("\\!" + tok.convert_ids_to_tokens(i)) if i in special
+            else lc.escape_bytes(tok.decode([i]).encode()) for i in ids]
+
+
+def test_dump_records_its_context_and_old_files_still_resume(tmp_path):
+    """The metadata names the context tokens (ids and texts) the dump read before the
+    text; a file written before those keys existed reads the same and resumes."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_lm import tiny_member
+    from brf.eval.dump import dump_generations, dump_scores
+    model = tiny_member(0)
+    tok = model.tokenizer
+    path = tmp_path / "ctx.csv"
+    kw = dict(k=4, chunk=32, segment_tokens=40, system="Be brief.", prefix="Q: ")
+    out = dump_scores(model, TEXT[:300], str(path), **kw)
+    meta = lc.read_csv(str(path)).meta
+    chat = tok.apply_chat_template([{"role": "system", "content": "Be brief."}], tokenize=True)
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    want = [tok.bos_token_id] + chat[1:] + tok.encode("Q: ", add_special_tokens=False)
+    assert chat[0] == tok.bos_token_id and meta["context_ids"] == want
+    assert meta["context_tokens"] == len(want)
+    assert meta["context_text"] == _texts_by_tokenizer(tok, want)
+    assert meta["context_text"][0] == "\\!<s>"
+    assert b"".join(lc.unescape(f)[0] for f in meta["context_text"]) == (
+        b"system: Be brief.\nQ: ")
+    # Generation: one context per prompt, the whole wrapped prompt.
+    gen = tmp_path / "gen.csv"
+    dump_generations(model, ["Hi.", "Name a colour."], str(gen), k=4, max_new_tokens=1)
+    gmeta = lc.read_csv(str(gen)).meta
+    for ids, texts, prompt in zip(gmeta["context_ids"], gmeta["context_text"],
+                                  ["Hi.", "Name a colour."], strict=True):
+        ref = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, tokenize=True)
+        assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+        assert texts == _texts_by_tokenizer(tok, ids)
+    # A file from before the context keys: same rows, older metadata line.
+    lines = path.read_bytes().split(b"\n")
+    old = {k: v for k, v in meta.items() if k not in ("context_ids", "context_text")}
+    lines[1] = b"# " + json.dumps(old).encode()
+    path.write_bytes(b"\n".join(lines[:-6]) + b"\n")  # and interrupted: rows missing
+    run = lc.read_csv(str(path))
+    assert "context_ids" not in run.meta and run.n_rows == out["rows"] - 5
+    again = dump_scores(model, TEXT[:300], str(path), **kw)
+    assert again["rows_written"] == 5 and again["rows"] == out["rows"]
+    assert lc.read_csv(str(path)).meta == old  # resumed in place, metadata kept
 
 
 # ---------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def _member_summary(run: LogitRun, rows: np.ndarray) -> dict:
            "gap_mean": float(run.gap[rows].mean())}
     if run.entropy is not None:
         out["entropy_mean"] = float(run.entropy[rows].mean())
-    for key in ("system", "prefix", "mode"):
+    for key in ("system", "prefix", "mode", "context_ids", "context_text"):
         if key in run.meta:
             out[key] = run.meta[key]
     return out
