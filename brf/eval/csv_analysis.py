@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from brf.errors import UserError
-from brf.eval import hypotheses, report as report_lib, runfiles
+from brf.eval import hypotheses, report as report_lib
 from brf.eval.fitting import EventTable, Fitted, evaluate
 from brf.eval.logit_csv import (CsvError, LogitRun, align_bytes, align_positions, event_table,
                                 read_csv)
@@ -225,11 +225,11 @@ def plot(out_dir: str, report: dict, coherence: list[dict]) -> list[str]:
 
 def write_report(out_dir: str, report: dict, coherence: list[dict]) -> dict:
     """analysis.json, analysis.md and the plots under out_dir; returns their paths."""
-    from brf.eval.report import _jsonable
+    from brf.eval.caches import write_json
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "analysis.json"),
              "markdown": os.path.join(out_dir, "analysis.md")}
-    runfiles.write_json(paths["json"], _jsonable(report), indent=1)
+    write_json(paths["json"], report, indent=1)
     with open(paths["markdown"], "w") as f:
         f.write(markdown(report))
     paths["plots"] = plot(out_dir, report, coherence)

@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from brf import sharding as sharding_lib
-from brf.eval import runfiles
+from brf.eval import caches
 from brf.models import iter_logits_chunks
 
 STORE_VERSION = 1
@@ -235,7 +235,7 @@ def score_segments(params, cfg, segments_ids: list[np.ndarray], *, top_k: int = 
       desc: progress-bar label.
       mesh: optional mesh (:mod:`brf.sharding`): segments are scored as
         batches of its 'data' size, one segment per device (the params as
-        placed by the caller). None: one segment at a time, today's path.
+        placed by the caller). None: one segment at a time on one device.
 
     Returns:
       MemberScores over all segments.
@@ -282,7 +282,7 @@ def save_partial(path: str, segments_ids, rows: list[dict], meta: dict,
                  vocab_size: int) -> None:
     """Writes the segments scored so far, atomically (temp file + rename)."""
     scores = assemble(segments_ids, rows, vocab_size)
-    with runfiles.atomic_path(path, suffix=".npz") as tmp:
+    with caches.atomic_path(path, suffix=".npz") as tmp:
         np.savez(tmp, **{k: np.asarray(v) for k, v in scores._asdict().items()},
                  _meta=np.asarray(repr(sorted(meta.items()))),
                  _version=np.asarray(STORE_VERSION))
@@ -315,7 +315,7 @@ def load_partial(path: str, meta: dict) -> list[dict]:
         return [{name: v[rs[s]:rs[s + 1]] for name, v in fields.items()}
                 for s in range(len(rs) - 1)]
     except (OSError, ValueError, KeyError, EOFError, IndexError, zipfile.BadZipFile) as e:
-        runfiles.warn_damaged(path, "score store", e, "rescoring it")
+        caches.warn_unreadable("score store", path, e, "it is rescored")
         return []
 
 
