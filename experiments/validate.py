@@ -22,6 +22,7 @@ def main(argv):
     cfg = _CONFIG.value
     sharding.initialize_distributed(cfg.distributed)  # before any other JAX use
     plan = plan_lib.from_config(cfg)  # every mistake in the config is named here
+    cli.check_writable(plan.out_dir, "config.out_dir", directory=True)
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache_dir or None)
     rep = run(plan)

@@ -554,7 +554,8 @@ def test_config_strings_for_members_method_and_weighting():
     assert method_spec("loglinear(temperature=0.8)", {}, "tanh") == (
         "loglinear", {"temperature": 0.8})  # phase only for methods that take one
     assert method_spec("born", {}, "tanh(rate=1)") == ("born", {"phase": "tanh(rate=1)"})
-    with pytest.raises(EnsembleInputError, match="twice"):
+    with pytest.raises(EnsembleInputError, match="twice: in config.method .* and in "
+                                                 "config.method_params$"):
         method_spec("loglinear(temperature=0.8)", {"temperature": 1.0})
     assert weighting_spec("") is None and weighting_spec("perplexity") == 1.0
     assert weighting_spec("perplexity(temperature=0.5)") == 0.5

@@ -378,3 +378,137 @@ def test_bad_study_config_is_refused_before_any_model_runs(tmp_path, text, chang
     cfg = _cfg(tmp_path, text, **change)
     with pytest.raises(UserError, match=match):
         _run(cfg, lambda name: pytest.fail("a model was loaded"))
+
+
+
+def _ties_table(logp_PxNxE, gold=None):
+    from brf.eval.fitting import EventTable
+    p, n, _ = logp_PxNxE.shape
+    return EventTable(np.asarray(logp_PxNxE, np.float32),
+                      np.zeros(p, np.int64) if gold is None else np.asarray(gold),
+                      np.zeros((p, n), np.float32), np.ones(p, np.int64), np.arange(p))
+
+
+def test_top1_ties_share_the_credit():
+    """A tie at the top earns 1/(number tied), not a hit for the gold (event 0, which an
+    argmax would always pick): identical uniform members over 4 events score chance."""
+    from brf.eval import csv_analysis
+    from brf.eval.fitting import Fitted, evaluate
+    uniform = _ties_table(np.full((50, 2, 4), np.log(0.25)))
+    for method in ("linear", "loglinear", "born"):
+        ev = evaluate(Fitted("m", method, {}, np.full(2, 0.5), 0.0), uniform)
+        np.testing.assert_allclose(ev["top1_credit"], 0.25, rtol=1e-12)
+    # Every consumer sees the credit: the analysis's metrics (top-1 and ECE: confidence
+    # 1/4 with accuracy 1/4 is perfectly calibrated) and the CSV analysis.
+    from brf.eval import analysis
+    m = analysis.metrics(ev, uniform.gold_bytes, n_boot=100, seed=0)
+    assert m["top1_accuracy"] == pytest.approx(0.25) and m["ece"] == pytest.approx(0.0, abs=1e-6)
+    rows = {r["label"]: r for r in csv_analysis.fusion_rows(uniform, ["linear", "contrastive"])}
+    assert rows["member 0 alone"]["top1_accuracy"] == pytest.approx(0.25)
+    assert rows["linear"]["top1_accuracy"] == pytest.approx(0.25)
+    # One member; gold strictly on top, tied with one, tied with two, below the top.
+    p = np.array([[.4, .3, .2, .1], [.35, .35, .2, .1], [.3, .3, .3, .1], [.2, .5, .2, .1],
+                  [.25, .25, .25, .25]])
+    table = _ties_table(np.log(p)[:, None, :], gold=[0, 1, 2, 0, 3])
+    ev = evaluate(Fitted("m", "linear", {}, np.ones(1), 0.0), table)
+    np.testing.assert_allclose(ev["top1_credit"], [1, 0.5, 1 / 3, 0, 0.25], rtol=1e-12)
+    # Ties the fusion produces only up to float32 rounding still count as ties: a
+    # member and its mirror image fused log-linearly are symmetric.
+    rng = np.random.default_rng(0)
+    a = rng.dirichlet(np.ones(6), size=40)
+    b = a[:, ::-1]
+    pair = _ties_table(np.log(np.stack([a, b], 1)), gold=np.zeros(40, np.int64))
+    ev = evaluate(Fitted("m", "loglinear", {}, np.full(2, 0.5), 0.0), pair)
+    q = np.log(a) + np.log(b)  # float64 reference: events e and 5 - e tie exactly
+    ref = [1 / np.sum(np.isclose(r, r.max(), rtol=0, atol=1e-9)) if np.isclose(
+        r[0], r.max(), rtol=0, atol=1e-9) else 0.0 for r in q]
+    np.testing.assert_allclose(ev["top1_credit"], ref, rtol=1e-12)
+    assert 0 < np.mean(ev["top1_credit"]) < 1 and set(np.round(ref, 6)) >= {0.5}
+
+
+def _damage_warnings(caplog, path):
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and str(path) in r.getMessage() and "cannot be read"
+            in r.getMessage()]
+
+
+def test_damaged_score_store_is_rescored_with_a_warning(tmp_path, text, members, caplog):
+    """A flipped byte anywhere in a member's score store never crashes the resume and
+    never feeds damaged numbers on: the store reads back intact or is rescored with a
+    warning that names it."""
+    from brf.eval.scoring import load_partial, score_segments
+    m = members["tiny-a"]
+    ids = [scorer.encode(m.tokenizer, m.cfg, s)
+           for s in plan_lib.split_segments(text[:2000], 700)]
+    store = tmp_path / "scores-tiny-a.npz"
+    kw = dict(top_k=8, chunk=128, store_path=str(store), meta={"member": "tiny-a"})
+    ref = score_segments(m.params, m.cfg, ids, **kw)
+    meta = {"member": "tiny-a", "top_k": 8, "n_segments": len(ids)}
+    want = load_partial(str(store), meta)
+    assert len(want) == len(ids)
+    good = store.read_bytes()
+    detected = 0
+    for at in np.linspace(0, len(good) - 1, 97).astype(int):
+        caplog.clear()
+        store.write_bytes(good[:at] + bytes([good[at] ^ 0x5A]) + good[at + 1:])
+        got = load_partial(str(store), meta)
+        if got:
+            for g, w in zip(got, want, strict=True):
+                for name in w:
+                    np.testing.assert_array_equal(g[name], w[name])
+        else:
+            assert _damage_warnings(caplog, store), at
+            detected += 1
+    assert detected > 80  # nearly every byte is array data under a CRC-32
+    # A resumed scoring rescores the damaged store: the same numbers, a sound store.
+    at = len(good) // 2
+    store.write_bytes(good[:at] + bytes([good[at] ^ 1]) + good[at + 1:])
+    caplog.clear()
+    again = score_segments(m.params, m.cfg, ids, **kw)
+    assert _damage_warnings(caplog, store) and "rescored" in _damage_warnings(caplog, store)[0]
+    for name in ("gold_logp", "topk_logp", "topk_ids"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(ref, name))
+    assert len(load_partial(str(store), meta)) == len(ids)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not JSON", "a list"])
+def test_damaged_fit_cache_is_refitted_with_a_warning(tmp_path, caplog, damage):
+    from brf.eval.caches import FitCache
+    from brf.eval.fitting import Fitted, FitSettings, MethodSpec
+    calib = _ties_table(np.log(np.random.default_rng(0).dirichlet(np.ones(5), (30, 2))))
+    settings = FitSettings()
+    path = tmp_path / "fits.json"
+    spec = MethodSpec("linear", "linear")
+    fit = Fitted("linear", "linear", {}, np.array([0.3, 0.7]), 1.25)
+    FitCache(str(path), calib, settings).put(spec, fit)
+    assert FitCache(str(path), calib, settings).get(spec).calib_nll == 1.25
+    good = path.read_bytes()
+    path.write_bytes({"truncated": good[:len(good) // 2], "not JSON": b"\x00\xff{",
+                      "a list": b"[1, 2]"}[damage])
+    caplog.clear()
+    cache = FitCache(str(path), calib, settings)
+    assert cache.get(spec) is None and _damage_warnings(caplog, path)
+    cache.put(spec, fit)  # the refit replaces the damaged file
+    assert FitCache(str(path), calib, settings).get(spec).calib_nll == 1.25
+
+
+def test_damaged_bottleneck_cache_is_recomputed_with_a_warning(tmp_path, text, caplog,
+                                                               monkeypatch):
+    from brf.eval import bottleneck_eval
+    calls = []
+
+    def rows(*args, **kwargs):
+        calls.append(1)
+        return {"positions": 4, "rows": [{"label": "lp", "nll": 1.5 + len(calls)}]}
+
+    monkeypatch.setattr(bottleneck_eval, "bottleneck_rows", rows)
+    plan = plan_lib.from_config(_cfg(tmp_path, text))
+    args = (plan, "tiny-a", ("", "B: "), ["one", "two"], str(tmp_path), lambda name: None)
+    first = study.bottleneck_rows(*args)
+    assert study.bottleneck_rows(*args) == first and len(calls) == 1  # read back
+    (path,) = tmp_path.glob("bottleneck-*.json")
+    path.write_bytes(path.read_bytes()[:-7])
+    caplog.clear()
+    again = study.bottleneck_rows(*args)
+    assert len(calls) == 2 and again["rows"][0]["nll"] == 3.5 and _damage_warnings(caplog, path)
+    assert study.bottleneck_rows(*args) == again and len(calls) == 2  # the rewrite is sound

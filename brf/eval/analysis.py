@@ -105,8 +105,9 @@ def metrics(ev: dict, gold_bytes: np.ndarray, *, n_boot: int, seed: int) -> dict
     return {"nll": float(mean), "nll_ci": ci, "perplexity": float(math.exp(mean)),
             "floored_positions": int(ev["floored"].sum()),
             "bits_per_byte": float(nll.sum() / math.log(2) / gold_bytes.sum()),
-            "top1_accuracy": float(ev["correct"].mean()),
-            "ece": float(stats.expected_calibration_error(ev["confidence"], ev["correct"]))}
+            "top1_accuracy": float(ev["top1_credit"].mean()),
+            "ece": float(stats.expected_calibration_error(ev["confidence"],
+                                                          ev["top1_credit"]))}
 
 
 def fit_all(plan: Plan, specs: Sequence[MethodSpec], calib: EventTable, test: EventTable,

@@ -1,8 +1,9 @@
 """What a run keeps in its run directory so that a resumed run recomputes nothing.
 
-Score stores live with the scoring (:mod:`brf.eval.scoring`); this module keeps
-the JSON caches: fitted parameters per event table (:class:`FitCache`) and whole
-results keyed on their inputs (:func:`cached_json`). Keys include the bytes of
+Score stores live with the scoring (:mod:`brf.eval.scoring`; written with
+:func:`atomic_path`, a damaged one reported with :func:`warn_unreadable`); this
+module keeps the JSON caches: fitted parameters per event table
+(:class:`FitCache`) and whole results keyed on their inputs (:func:`cached_json`). Keys include the bytes of
 the source files that compute a result, so a result made by other code is never
 reused. Files are written atomically (a crash leaves the old file or the new
 one, never half of one); a file that cannot be read back (truncated, not JSON,
@@ -11,12 +12,13 @@ another key) is recomputed with a warning that names it, never used.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import pathlib
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 from absl import logging
@@ -39,24 +41,51 @@ def jsonable(x):
     return x
 
 
+def warn_unreadable(what: str, path: str, reason: Any,
+                    action: str = "it is recomputed") -> None:
+    """Logs (absl WARNING, which the mains show) that a stored file cannot be read
+    back, naming it, and what the run does instead of using it."""
+    logging.warning("%s %s cannot be read (%s: %s); %s", what, path, type(reason).__name__,
+                    reason, action)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
+    """A temporary path next to ``path``, renamed onto it when the block ends without
+    an exception and removed otherwise: a crash leaves the old file or the new one.
+
+    Args:
+      path: the final file (its folder is created if missing).
+      suffix: the temporary name's ending, for writers that append one
+        (``np.savez`` adds ``.npz`` to a name without it).
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}{suffix}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_json(path: str, data: Any, *, indent: int | None = None) -> None:
-    """Writes ``data`` as JSON to ``path`` atomically (a temporary file, then a rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(jsonable(data), f, indent=indent)
-    os.replace(tmp, path)
+    """Writes ``data`` as JSON to ``path`` atomically (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(jsonable(data), f, indent=indent)
 
 
 def read_json(path: str, *, what: str = "cache") -> Any | None:
     """The JSON in ``path``; None when there is none, or (with a warning naming the
-    file) when it cannot be read back."""
+    file) when it cannot be read back (truncated, not JSON, not UTF-8)."""
     if not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        logging.warning("%s %s cannot be read (%s); it is recomputed", what, path, e)
+        warn_unreadable(what, path, e)
         return None
 
 
@@ -100,9 +129,10 @@ class FitCache:
                                hashlib.sha256(np.ascontiguousarray(calib.logp)).hexdigest(),
                                calib.gold.tolist(), settings.key())
         data = read_json(path, what="fit cache")
-        ok = isinstance(data, dict) and data.get("key") == self.key and isinstance(
-            data.get("entries"), dict)
-        self.entries = data["entries"] if ok else {}
+        shaped = isinstance(data, dict) and isinstance(data.get("entries"), dict)
+        if data is not None and not shaped:
+            warn_unreadable("fit cache", path, TypeError("not an object with 'entries'"))
+        self.entries = data["entries"] if shaped and data.get("key") == self.key else {}
 
     def get(self, spec: MethodSpec) -> Fitted | None:
         e = self.entries.get(spec.key())

@@ -34,6 +34,10 @@ from brf.fusion import fuse, get_method, phase_map
 
 PROB_FLOOR = 1e-10
 NLL_CAP = -math.log(PROB_FLOOR)
+# Events whose fused log-probability lies within this many nats of the top one
+# (probabilities within a relative 1e-5) tie for top-1: float32 rounding of a
+# fused value is ~1e-7 nats, far below it, and no real preference is that small.
+TIE_TOL = 1e-5
 _POSITIVE = {"temperature", "threshold", "beta", "phase.rate", "phase.scale",
              "calib.temperature", "calib.member_temperature", "weighting.temperature"}
 VARIANTS = ("proposed", "calibrated")
@@ -564,8 +568,31 @@ class _Layout:
         return np.concatenate([np.ravel(np.asarray(tree[k], np.float64)) for k in self.keys])
 
 
+def top1_credit(logq_PxE, gold_P, tol: float = TIE_TOL) -> np.ndarray:
+    """[P] float64 top-1 credit: 1/m when the gold event is one of the m events tied
+    for the top (within ``tol`` nats of the maximum), else 0.
+
+    A tie is a fractional hit, the expected accuracy of breaking it uniformly at
+    random: an argmax would always hand it to the event listed first (the gold,
+    event 0 of an event table), so two identical uniform members over four events
+    would score top-1 = 1 where chance is 1/4.
+    """
+    lq = np.asarray(logq_PxE, np.float64)
+    top = lq.max(axis=-1, keepdims=True)
+    tied = lq >= top - tol
+    gold = np.asarray(gold_P, np.int64)
+    hit = np.take_along_axis(tied, gold[:, None], axis=-1)[:, 0]
+    return hit / tied.sum(axis=-1)
+
+
 def evaluate(fitted: Fitted, table: EventTable) -> dict[str, np.ndarray]:
-    """Per-position NLL (nats), gold-is-argmax, confidence on ``table``."""
+    """Per-position results of a fitted method on ``table``.
+
+    Returns:
+      {"nll": [P] gold NLL (nats, floored at NLL_CAP), "top1_credit": [P]
+      :func:`top1_credit` (its mean is the top-1 accuracy, ties shared),
+      "confidence": [P] the top fused probability, "floored": [P] bool}.
+    """
     params = {k: v for k, v in fitted.params.items() if k != "phase"}
     w = jnp.asarray(fitted.weights, jnp.float32)
     if "weighting.temperature" in params:
@@ -577,7 +604,6 @@ def evaluate(fitted: Fitted, table: EventTable) -> dict[str, np.ndarray]:
     # 0; its log-loss is floored at -log(PROB_FLOOR) and the count reported.
     floored = ~(nll <= NLL_CAP)
     nll = np.where(floored, NLL_CAP, nll)
-    top = np.asarray(jnp.argmax(lq, axis=-1))
     conf = np.exp(np.asarray(jnp.max(lq, axis=-1), np.float64))
-    return {"nll": nll, "correct": top == table.gold, "confidence": conf,
+    return {"nll": nll, "top1_credit": top1_credit(lq, table.gold), "confidence": conf,
             "floored": floored}
