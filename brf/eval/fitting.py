@@ -403,7 +403,13 @@ class _Problem:
         self.fixed_static = {k: v for k, v in self.fixed.items() if not self.dynamic(k)}
         self.keys = sorted(init)
         self.init = init
-        values0 = {k: self._free(k, v) for k, v in self.fixed.items() if self.dynamic(k)}
+        # Both variants run one compiled program: as proposed, the calibration
+        # temperatures are held at 1 (tempering by 1 changes nothing).
+        values0 = {"calib.temperature": self._free("calib.temperature", 1.0)}
+        if n > 1:
+            values0["calib.member_temperature"] = self._free("calib.member_temperature",
+                                                             [1.0] * n)
+        values0.update({k: self._free(k, v) for k, v in self.fixed.items() if self.dynamic(k)})
         values0.update({k: self._free(k, init[k]) for k in self.keys})
         free = list(self.keys)
         if self.mode == "logits":  # weights softmax([0, z_1..z_{n-1}]): n - 1 free logits
