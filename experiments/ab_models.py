@@ -9,8 +9,10 @@ text, alternating repeat by repeat so that the VM's drift hits all alike.
 Timed: a prefill of --prompt_len tokens; --new_tokens greedy decoding steps
 (cache donated); teacher-forced scoring of --score_len tokens in chunks of
 --chunk (`brf.models.score_tokens`, run with ref's transformer for ref).
-Reports each side's largest logit (log-prob) difference from ref and the
-median pairwise time ratio ref / side (above 1: the side is faster than ref).
+Reports each side's largest logit (log-prob) difference from ref, whether a
+decoding step lowers to the same program at ref and in the working tree, and
+the median pairwise time ratio ref / side (above 1: the side is faster than
+ref). The sides run in a fresh random order in every repeat.
 
   python experiments/ab_models.py --model=smollm2-135m-instruct --ref=HEAD --repeats=8
 
@@ -91,10 +93,22 @@ def module(model) -> Side:
                 lambda ids: model.score_tokens(ids, chunk=FLAGS.chunk))
 
 
+def same_decode_program(trs, m) -> bool:
+    """Whether the transformer modules `trs` lower a decoding step (all layers in one
+    jitted call, what `decode_step` runs on the per-layer layout) to the same program."""
+    params = jax.eval_shape(lambda p: p, m.params)
+    cache = jax.eval_shape(lambda: init_cache(m.cfg, 1, FLAGS.prompt_len + FLAGS.new_tokens + 1))
+    token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    texts = {tr._compute_jit.lower(params, m.cfg, token, None, cache, dtype=jnp.dtype("float32"),
+                                   logits="last").as_text() for tr in trs}
+    return len(texts) == 1
+
+
 def main(argv):
     del argv
     m = registry.load(FLAGS.model, progress=False)
-    sides = {"ref": functional(load_at(FLAGS.ref), m), "work": functional(work_tr, m),
+    sides_tr = (load_at(FLAGS.ref), work_tr)
+    sides = {"ref": functional(sides_tr[0], m), "work": functional(work_tr, m),
              "module": module(from_params(m.cfg, m.params))}
     T, n = FLAGS.prompt_len, FLAGS.new_tokens
     rng = np.random.RandomState(0)
@@ -119,9 +133,11 @@ def main(argv):
         d = [np.nanmax(np.abs(a - b)) for a, b in zip(outs[k], outs["ref"])]
         print(f"{k:<6} max |diff| from ref: prefill logits {d[0]:.3g}, after {n} decoding "
               f"steps {d[1]:.3g}, scored log-probs {d[2]:.3g}")
+    print("decoding-step program identical to ref's:", same_decode_program(sides_tr, m))
     times = {k: {"prefill": [], "decode": [], "score": []} for k in sides}
     for _ in range(FLAGS.repeats):
-        for k, s in sides.items():
+        for k in rng.permutation(list(sides)):  # no side always runs after the same one
+            s = sides[k]
             t0 = time.perf_counter()
             prefill(s)
             times[k]["prefill"].append(time.perf_counter() - t0)
