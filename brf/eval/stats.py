@@ -1,4 +1,4 @@
-"""Statistics for the validation experiments (DESIGN.md section 4), in NumPy.
+"""Statistics for the validation experiments (docs/design.md §4), in NumPy.
 
 Everything here works on host arrays (NumPy float64), not on JAX arrays: the
 inputs are per-position summaries that the experiments have already pulled
