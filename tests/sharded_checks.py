@@ -274,10 +274,10 @@ def scoring_apart() -> None:
 
 
 def checkpoint_on_mesh() -> None:
-    """A checkpoint read straight onto a mesh (store.restore / registry.load with
-    ``mesh=``): every split weight arrives as 1/m of itself per device, in both
-    layouts, with the values of a one-device restore; scoring on it equals one
-    device."""
+    """A checkpoint read straight onto a mesh (store.restore / registry.load /
+    registry.load_module with ``mesh=``): every split weight arrives as 1/m of
+    itself per device, in both layouts, with the values of a one-device restore;
+    the module's logits and scoring on it equal one device's."""
     import tempfile
 
     from brf.checkpoints import registry, store
@@ -304,6 +304,7 @@ def checkpoint_on_mesh() -> None:
                         {r.shape[dim] // 4}, name
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
             assert n_split >= 5, (layout, n_split)
+            _module_on_mesh(path, layout, mesh, got, ref)
         params = registry.load(path).params
         segs = _segments(cfg.vocab_size, lengths=(60, 45, 80))
         a = score_segments(params, cfg, segs, top_k=8, chunk=64)
@@ -311,6 +312,19 @@ def checkpoint_on_mesh() -> None:
                            mesh=mesh)
         np.testing.assert_allclose(b.gold_logp, a.gold_logp, rtol=1e-5, atol=2e-5)
     print("ok")
+
+
+def _module_on_mesh(path, layout, mesh, placed, ref) -> None:
+    """registry.load_module(mesh=) holds the arrays registry.load(mesh=) places, with
+    the same shardings, and its logits are one device's."""
+    from brf.checkpoints import registry
+    from brf.models import prefill
+    module, _ = registry.load_module(path, layout=layout, mesh=mesh)
+    for m, g in zip(jax.tree.leaves(module.to_params()), jax.tree.leaves(placed)):
+        assert m.sharding == g.sharding, (m.sharding, g.sharding)
+    tokens = np.asarray(_segments(module.cfg.vocab_size, lengths=(24,))[0])[None]
+    want = prefill(ref, module.cfg, tokens, None, None)[0]
+    np.testing.assert_allclose(module(tokens), want, rtol=1e-5, atol=2e-5)
 
 
 def dump_on_mesh() -> None:
