@@ -18,7 +18,8 @@ import pytest
 
 from brf.eval.controls import ParamCount, controls_for, free_parameters
 from brf.eval.fitting import EventTable, evaluate, fit_method
-from brf.fusion import fuse
+
+import fusion_reference as ref
 
 STEPS = 150
 
@@ -161,10 +162,9 @@ def test_control_specs_fit_with_minus_inf_events(variant):
 N_CAL, N_TEST, E = 400, 2000, 12
 
 
-def _split(logp, truth_logq, rng):
-    """Gold events drawn from the truth; (calibration, test, truth's test NLL)."""
-    q = np.exp(np.asarray(truth_logq, np.float64))
-    q /= q.sum(-1, keepdims=True)
+def _split(logp, q, rng):
+    """Gold events drawn from the truth q; (calibration, test, truth's test NLL)."""
+    q = q / q.sum(-1, keepdims=True)
     gold = np.array([rng.choice(q.shape[-1], p=row) for row in q])
     t = _table(logp, gold)
     cal, test = t.take(np.arange(N_CAL)), t.take(np.arange(N_CAL, len(gold)))
@@ -184,7 +184,9 @@ def planted_interference():
     x[:, :, -1] = -np.inf   # padding
     x[:, 1, -2] = -np.inf   # an event only member 0 gives mass
     logp = _log_softmax(x).astype(np.float32)
-    truth = fuse("born", logp, phase="token_tanh(scale=pi, rate=1.0, offset=[0, pi])")
+    # The truth comes from the float64 references, not from the kernels under test.
+    phi = ref.phases(logp, "token_tanh", offset=np.array([0.0, np.pi]), scale=np.pi, rate=1.0)
+    truth, _ = ref.born(logp, [0.5, 0.5], phi)
     return _split(logp, truth, rng)
 
 
@@ -197,8 +199,7 @@ def planted_reshaping():
     x[:, :, -1] = -np.inf
     x[:, 1, -2] = -np.inf
     logp = _log_softmax(x).astype(np.float32)
-    truth = fuse("reshape", logp, np.array([0.8, 0.2], np.float32), curve="tanh",
-                 scale=[3.0, 0.0], rate=2.0)
+    truth = ref.reshape(logp, [0.8, 0.2], "tanh", [3.0, 0.0], rate=2.0)
     return _split(logp, truth, rng)
 
 
