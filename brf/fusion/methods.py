@@ -77,26 +77,18 @@ def get_method(name: str) -> Method:
 
 def _coerce(method: str, key: str, p: Param, value: Any) -> Any:
     where = f"{method}: parameter {key}={value!r}"
-    if p.kind == "float":
+    if p.kind in ("float", "floats"):
+        one = p.kind == "float"
+        what = "a number" if one else "a number or a list of numbers"
         if isinstance(value, bool) or value is None:
-            raise FusionInputError(f"{where} must be a number")
+            raise FusionInputError(f"{where} must be {what}")
         try:
             arr = jnp.asarray(value, dtype=jnp.result_type(float))
         except (TypeError, ValueError):
-            raise FusionInputError(f"{where} must be a number") from None
-        if arr.ndim:
-            raise FusionInputError(f"{where} must be a scalar")
-        value = arr
-    elif p.kind == "floats":
-        if isinstance(value, bool) or value is None:
-            raise FusionInputError(f"{where} must be a number or a list of numbers")
-        try:
-            arr = jnp.asarray(value, dtype=jnp.result_type(float))
-        except (TypeError, ValueError):
-            raise FusionInputError(
-                f"{where} must be a number or a list of numbers") from None
-        if arr.ndim > 1:
-            raise FusionInputError(f"{where} must be a number or one number per member")
+            raise FusionInputError(f"{where} must be {what}") from None
+        if arr.ndim > (0 if one else 1):
+            raise FusionInputError(f"{where} must be " + (
+                "a scalar" if one else "a number or one number per member"))
         value = arr
     elif p.kind == "int":
         if isinstance(value, bool) or int(value) != value:
