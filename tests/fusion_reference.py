@@ -1,6 +1,6 @@
 """Independent float64 NumPy references for the fusion kernels.
 
-Written from the formulas in DESIGN.md §1, sharing no code with brf.fusion.
+Written from the formulas in docs/design.md §1, sharing no code with brf.fusion.
 """
 
 import math

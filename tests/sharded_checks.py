@@ -2,7 +2,7 @@
 
 Every function here is called as ``python -c "import sharded_checks as s; s.<fn>(...)"``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set in the
-environment before JAX is imported (STYLE.md habit 9), so the process sees 8
+environment before JAX is imported (so the flag takes effect), so the process sees 8
 CPU devices. A failed assertion ends the process with a traceback; the test
 reports it.
 
@@ -237,15 +237,14 @@ def scoring_apart() -> None:
 
     from test_validate import tiny_members, validate_config
 
-    from brf.eval import pipeline
+    from brf.eval import plan as plan_lib, scorer
     from brf.eval.corpus import load_default_corpus
     from brf.eval.scoring import ROW_FIELDS
 
     text = load_default_corpus(min_chars=100)[:3000]
     members = tiny_members(text)
-    c = validate_config.get_config("short")
-    c.members, c.top_k, c.chunk = "tiny-a, tiny-b", 8, 64
-    segs = pipeline.split_segments(text, 500)
+    pair = [plan_lib.Member("tiny-a"), plan_lib.Member("tiny-b")]
+    segs = plan_lib.split_segments(text, 500)
     # Groups: contiguous, equal, disjoint; members take turns when devices are few.
     apart = dict(data=-1, model=1, placement="apart")
     ids = lambda ms: [[d.id for d in sharding.mesh_devices(m)] for m in ms]
@@ -258,13 +257,14 @@ def scoring_apart() -> None:
         raise AssertionError("a mesh larger than a member's group was accepted")
     except sharding.ShardingError as e:
         assert "this process has 4 in each of 2 member groups" in str(e), e
-    c.mesh = dict(data=-1, model=2, placement="apart")
-    meshes = pipeline.member_meshes(c)
+    meshes = scorer.member_meshes(dict(data=-1, model=2, placement="apart"), 2)
     assert [m.devices.shape for m in meshes] == [(2, 2), (2, 2)]
     assert not set(sharding.mesh_devices(meshes[0])) & set(sharding.mesh_devices(meshes[1]))
     with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as apart:
-        _, ref, _ = pipeline.score_all(c, segs, one, members.__getitem__, mesh=None)
-        _, got, _ = pipeline.score_all(c, segs, apart, members.__getitem__, mesh=meshes)
+        _, ref, _ = scorer.score_members(pair, segs, one, members.__getitem__, top_k=8,
+                                         chunk=64)
+        _, got, _ = scorer.score_members(pair, segs, apart, members.__getitem__, top_k=8,
+                                         chunk=64, meshes=meshes)
         assert sorted(os.listdir(one)) == sorted(os.listdir(apart))
     for r, g in zip(ref, got):
         for f in ("token_ids", "tok_starts", "row_starts", "topk_ids"):

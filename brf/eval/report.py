@@ -1,18 +1,19 @@
-"""The validation report: JSON (documented schema), Markdown summary, PNG plots.
+"""One analysis's report: JSON (documented schema), Markdown summary, PNG plots.
 
-JSON schema (``report.json``), all NLLs in nats per co-aligned position:
+JSON schema (``report-<analysis>.json`` in a corpus's run directory), all NLLs in
+nats per position of the analysis's event table:
 
     {
-      "schema": "brf.validate/1",
-      "config": {...},                      # the run's config, as given
-      "corpus": {"source", "sha256", "chars", "segments"},
-      "members": [{"name", "vocab_size", "positions"}],
+      "schema": "brf.analysis/3",
+      "analysis": str, "top_k": int,
+      "members": [{"name", "vocab_size", "prefix_tokens", "positions"}],
       "coverage": {"positions", "member_positions", "bytes_covered",
                    "bytes_total", "fraction_of_bytes", "fraction_of_member_positions"},
       "split": {"calibration_positions", "test_positions"},
-      "methods": [{"label", "method", "variant", "params", "weights", "calib_nll",
+      "methods": [{"label", "method", "variant", "role", "params", "weights",
+                   "calib_nll", "fit": {"iterations", "evaluations", "converged"},
                    "test": {"nll", "nll_ci", "perplexity", "bits_per_byte",
-                            "top1_accuracy", "ece"}}],
+                            "top1_accuracy", "ece", "floored_positions"}}],
       "phase_coherence": [{"phase_map", "spec", "pair", "n", "mean_resultant_length",
                            "mean_direction", "rayleigh_z", "rayleigh_p",
                            "permutation_p", "null_mean_resultant_length"}],
@@ -28,37 +29,22 @@ JSON schema (``report.json``), all NLLs in nats per co-aligned position:
                             "gain_full", "gain_gated", "kept", "calls_saved"}}}},
       "sweep": [{"phase_map", "param", "values", "calib_nll", "test_nll"}],
       "verdict": {"phase_coherence", "cross_term", "nll", "forking_tokens"}
-
-Version 2 (this one) added method variants, per-variant comparisons and the
-forking-token analysis.
     }
+
+Version 3 (this one): one report per analysis, each method's role and fit
+diagnostics (L-BFGS iterations, evaluations, convergence).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from typing import Any
 
 import numpy as np
 
-SCHEMA = "brf.validate/2"
+from brf.eval.caches import write_json
 
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items() if not isinstance(v, np.ndarray)
-                or v.size < 64}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, (np.floating, np.integer, np.bool_)):
-        return x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
+SCHEMA = "brf.analysis/3"
 
 
 def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
@@ -136,11 +122,16 @@ def forking_sentence(forking: dict) -> str:
     return " ".join(parts)
 
 
-def write_json(path: str, report: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(_jsonable({"schema": SCHEMA, **report}), f, indent=1)
-    os.replace(tmp, path)
+def write_analysis(run_dir: str, name: str, rep: dict, *, corpus: dict,
+                   figures: tuple | None = None) -> None:
+    """``report-<name>.json`` / ``.md`` in ``run_dir``; with ``figures`` = (coherence
+    rows, cross-term scores) also the PNG plots."""
+    write_json(os.path.join(run_dir, f"report-{name}.json"), {"schema": SCHEMA, **rep},
+               indent=1)
+    with open(os.path.join(run_dir, f"report-{name}.md"), "w") as f:
+        f.write(markdown({**rep, "corpus": corpus}))
+    if figures is not None:
+        plots(run_dir, rep, *figures)
 
 
 def markdown(report: dict) -> str:
@@ -257,7 +248,7 @@ def plots(out_dir: str, report: dict, phase_rows: list[dict], cross_scores: dict
     for s in report["sweep"]:
         ax.plot(s["values"], s["test_nll"], marker=".", label=f"{s['phase_map']} ({s['param']})")
     for m in report["methods"]:
-        if m["label"] in ("linear (tuned)", "loglinear (tuned)"):
+        if m.get("role") == "baseline" and m["variant"] == "proposed":
             ax.axhline(m["test"]["nll"], ls="--", lw=1, color="gray")
             ax.text(ax.get_xlim()[0], m["test"]["nll"], m["label"], fontsize=7, va="bottom")
     ax.set_xlabel("swept parameter value (uniform weights, other parameters at defaults)")
