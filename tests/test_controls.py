@@ -42,7 +42,7 @@ def _rows(x):
 
 def test_shuffle_is_one_fixed_function_of_each_row():
     """Same permutation under tempering (the calibrated variant), in any batch,
-    under vmap; a new one for another seed, another member, another ranking."""
+    with -inf padding appended, under vmap; a new one for another seed, another member, another ranking."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((40, 3, 30)) * 2).astype(np.float32)
     x[:, 1, :4] = -np.inf
@@ -54,6 +54,9 @@ def test_shuffle_is_one_fixed_function_of_each_row():
     idx = rng.permutation(40)[:17]
     np.testing.assert_array_equal(np.asarray(shuffle_sources(jnp.asarray(x[idx]))),
                                   base[idx])
+    padded = np.concatenate([x, np.full((40, 3, 9), -np.inf, np.float32)], -1)
+    np.testing.assert_array_equal(np.asarray(shuffle_sources(jnp.asarray(padded)))[..., :30],
+                                  base)
     mapped = jax.vmap(shuffle_sources)(jnp.asarray(x))
     np.testing.assert_array_equal(np.asarray(mapped), base)
     assert (np.asarray(shuffle_sources(jnp.asarray(x), seed=1)) != base).mean() > 0.5

@@ -2,9 +2,10 @@
 
 Calibrated BRF with a per-token phase map beats the tuned pools; the controls
 (:mod:`brf.fusion.controls`) ask whether the interference structure or the
-extra freedom does it. This module gives each fitted method spec (the dicts
-:func:`brf.eval.fitting.fit_method` takes) its count of free parameters, and
-builds, from the winning BRF spec, the control specs with the same freedom.
+extra freedom does it. This module gives each method spec
+(:class:`brf.eval.fitting.MethodSpec` or its dict form) its count of free
+parameters, and builds, from the winning BRF spec, the control specs with the
+same freedom.
 
 **Counting rule** (:func:`free_parameters`; nominal: fitted values, not
 identifiable dimensions):
@@ -50,14 +51,13 @@ controls built here avoid such duplicates.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
+from brf.eval.fitting import MethodSpec
 from brf.fusion import PHASE_MAPS
-
-VARIANT_KEYS = ("fit_weights", "fixed_weights", "weighting", "variant")
 
 
 class ParamCount(NamedTuple):
@@ -73,33 +73,31 @@ class ParamCount(NamedTuple):
     parts: dict
 
 
-def free_parameters(spec: Mapping[str, Any], n: int) -> ParamCount:
-    """The number of free parameters of a fit_method spec with n members.
+def free_parameters(spec: MethodSpec | Mapping[str, Any], n: int) -> ParamCount:
+    """The number of free parameters of a method spec with n members.
 
     Args:
-      spec: a :func:`brf.eval.fitting.fit_method` spec.
+      spec: a :class:`brf.eval.fitting.MethodSpec` or its dict form.
       n: the number of members.
 
     Returns:
       A :class:`ParamCount`.
     """
+    spec = MethodSpec.coerce(spec)
     parts: dict[str, int] = {}
-    for key, value in dict(spec.get("fit", {})).items():
+    for key, value in spec.fit.items():
         size = int(np.size(value))
         if key == "phase.offset":
             size = size - 1 if size > 1 else 0
         parts[key] = size
-    for key, values in dict(spec.get("grid", {})).items():
+    for key, values in spec.grid.items():
         if len(list(values)) > 1:
             parts[f"grid:{key}"] = 1
-    weighting = spec.get("weighting")
-    if weighting == "perplexity":
+    if spec.weighting == "perplexity":
         parts.setdefault("weighting.temperature", 1)
-    fits_weights = (spec.get("fit_weights", True) and n > 1 and weighting is None
-                    and spec.get("fixed_weights") is None)
-    if fits_weights:
+    if spec.fit_weights and n > 1 and spec.weighting is None and spec.fixed_weights is None:
         parts["weights"] = n - 1
-    if spec.get("variant", "proposed") == "calibrated":
+    if spec.variant == "calibrated":
         parts.setdefault("calib.temperature", 1)
         if n > 1:
             parts.setdefault("calib.member_temperature", n)
@@ -107,78 +105,71 @@ def free_parameters(spec: Mapping[str, Any], n: int) -> ParamCount:
     return ParamCount(sum(parts.values()), parts)
 
 
-def _label(spec: Mapping[str, Any], base: str) -> str:
-    v = spec.get("variant", "proposed")
-    return base if v == "proposed" else f"{base} [{v}]"
+def _base_label(spec: MethodSpec) -> str:
+    suffix = f" [{spec.variant}]"
+    if spec.variant != "proposed" and spec.label.endswith(suffix):
+        return spec.label[:-len(suffix)]
+    return spec.label
 
 
-def _base_label(spec: Mapping[str, Any]) -> str:
-    label = spec.get("label", spec["method"])
-    v = spec.get("variant", "proposed")
-    suffix = f" [{v}]"
-    return label[:-len(suffix)] if v != "proposed" and label.endswith(suffix) else label
-
-
-def _map_value(spec: Mapping[str, Any], key: str, default: float) -> float:
-    for where in ("fit", "fixed"):
-        v = dict(spec.get(where, {})).get(f"phase.{key}")
+def _map_value(spec: MethodSpec, key: str, default: float) -> float:
+    for where in (spec.fit, spec.fixed):
+        v = where.get(f"phase.{key}")
         if v is not None:
             return float(np.asarray(v).reshape(-1)[0])
     return float(default)
 
 
-def controls_for(brf_spec: Mapping[str, Any], n: int, *, seed: int = 0,
-                 reshape_curve: str | None = None) -> dict[str, dict]:
+def controls_for(brf_spec: MethodSpec | Mapping[str, Any], n: int, *, seed: int = 0,
+                 reshape_curve: str | None = None) -> dict[str, MethodSpec]:
     """The control specs for a BRF spec with a per-token phase map.
 
     Args:
-      brf_spec: a fit_method spec with ``method`` 'born' and ``phase`` a
-        per-token map (``token_*``), in either variant.
+      brf_spec: a :class:`brf.eval.fitting.MethodSpec` (or its dict form) with
+        ``method`` 'born' and ``phase`` a per-token map (``token_*``), in
+        either variant.
       n: the number of members.
       seed: the phase shuffle's seed.
       reshape_curve: the reshaping controls' curve (default: the map's own
         curve, tanh for a linear map; see the module docstring).
 
     Returns:
-      {role: spec} for the roles ``shuffled``, ``reshape_linear``,
-      ``reshape_loglinear`` and ``capacity_pool``, in the same variant and
-      with the same weighting as ``brf_spec``.
+      {role: MethodSpec} for ``shuffled``, ``reshape_linear``,
+      ``reshape_loglinear`` and ``capacity_pool``, each with ``role='control'``,
+      in the variant and with the weighting of ``brf_spec`` (labels as
+      :meth:`MethodSpec.in_variant` writes them).
 
     Raises:
       ValueError: not a BRF spec with a per-token map, or an unknown curve.
     """
-    if brf_spec.get("method") != "born" or not brf_spec.get("phase"):
+    brf = MethodSpec.coerce(brf_spec)
+    if brf.method != "born" or not brf.phase:
         raise ValueError(f"controls_for takes a BRF spec (method 'born' with a phase map); "
-                         f"got {dict(brf_spec)}")
-    name = brf_spec["phase"]
-    d = PHASE_MAPS.get(name)
-    if d.kind != "token":
+                         f"got {brf}")
+    name = brf.phase
+    if PHASE_MAPS.get(name).kind != "token":
         raise ValueError(f"controls_for: phase map {name!r} gives one phase per position; "
                          f"the controls are defined for per-token maps (token_*)")
     curve = reshape_curve or (name[len("token_"):] if name != "token_linear" else "tanh")
     if curve == "constant" or curve not in PHASE_MAPS.names():
         raise ValueError(f"controls_for: unknown reshaping curve {curve!r}")
-    base = _base_label(brf_spec)
-    common = {k: copy.deepcopy(brf_spec[k]) for k in VARIANT_KEYS if k in brf_spec}
-    calibrated = brf_spec.get("variant", "proposed") == "calibrated"
-
-    shuffled = {**copy.deepcopy(dict(brf_spec)), "method": "born_shuffled",
-                "label": _label(brf_spec, f"{base}, phases shuffled")}
-    shuffled["fixed"] = {**dict(brf_spec.get("fixed", {})), "seed": seed}
-
-    shape = {k: _map_value(brf_spec, k, v) for k, v in PHASE_MAPS.get(curve).defaults.items()
+    proposed = dataclasses.replace(brf, label=_base_label(brf), variant="proposed",
+                                   role="control")
+    shuffled = dataclasses.replace(proposed, method="born_shuffled",
+                                   label=f"{proposed.label}, phases shuffled",
+                                   fixed={**brf.fixed, "seed": seed})
+    shape = {k: _map_value(brf, k, v) for k, v in PHASE_MAPS.get(curve).defaults.items()
              if k != "scale"}
     out = {"shuffled": shuffled}
     for pool, what in (("linear", "linear"), ("loglinear", "log-linear")):
-        out[f"reshape_{pool}"] = {
-            **common, "label": _label(brf_spec, f"reshape {curve} + {what} pool"),
-            "method": "reshape", "fit": {"scale": [0.0] * n, **shape},
-            "fixed": {"curve": curve, "pool": pool}}
-    if calibrated:  # the order would duplicate the post-fusion temperature
+        out[f"reshape_{pool}"] = dataclasses.replace(
+            proposed, label=f"reshape {curve} + {what} pool", method="reshape", phase=None,
+            fit={"scale": [0.0] * n, **shape}, grid={}, fixed={"curve": curve, "pool": pool})
+    if brf.variant == "calibrated":  # the order would duplicate the post-fusion temperature
         pm_fit, pm_fixed = {"alpha": [1.0] * n}, {"order": 1.0}
     else:
         pm_fit, pm_fixed = {"alpha": [0.5] * n, "order": 0.5}, {}
-    out["capacity_pool"] = {**common, "label": _label(brf_spec, "power mean, per-member "
-                                                                 "exponents"),
-                            "method": "power_members", "fit": pm_fit, "fixed": pm_fixed}
-    return out
+    out["capacity_pool"] = dataclasses.replace(
+        proposed, label="power mean, per-member exponents", method="power_members",
+        phase=None, fit=pm_fit, grid={}, fixed=pm_fixed)
+    return {k: v.in_variant(brf.variant) for k, v in out.items()}

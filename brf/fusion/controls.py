@@ -17,12 +17,13 @@ they neither give nor receive a phase. Interference that matters should lose
 its edge here; capacity alone would not care.
 
 The permutation is a deterministic function of ``seed``, the member's index
-and the member's *ranking* of the events (its logits sorted, ties broken by
-event index; non-finite events last). A position therefore gets the same
-permutation wherever it sits in a batch, whichever other rows are fused with
-it, and under any increasing map of a member's logits (tempering with
-``log_softmax(l / T)``, the calibrated variant's member temperatures), so an
-optimiser sees one fixed function. (Two logits that differ by a rounding error
+and the member's *ranking* of its finite events (its logits sorted, ties broken
+by event index). A position therefore gets the same permutation wherever it
+sits in a batch (a fit's subsample included), whichever other rows are fused
+with it, with any number of -inf padding events appended, and under any
+increasing map of a member's logits (tempering with ``log_softmax(l / T)``, the
+calibrated variant's member temperatures), so an optimiser sees one fixed
+function and a fitted control evaluates to the function it was fitted as. (Two logits that differ by a rounding error
 and become equal after tempering can reorder a ranking; the position then
 draws another permutation.) Only per-token maps are accepted: per-position
 phases are the same for every event and there is nothing to shuffle. The
@@ -120,10 +121,14 @@ def shuffle_sources(logits: jax.Array, seed: int = 0) -> jax.Array:
     finite = jnp.isfinite(x)
     salt = _mix32(jnp.uint32(seed) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x632BE5AB))
     events = jnp.arange(v, dtype=jnp.uint32)
-    # A 32-bit fingerprint of the ranking: sum_k order[k] * c_k (mod 2^32), odd c_k.
+    # A 32-bit fingerprint of the ranking of the finite events: sum_k order[k] c_k
+    # (mod 2^32) over the ranks k of finite events, odd c_k; events appended at -inf
+    # (padding) change neither it nor anything below.
     order = jnp.argsort(-x, axis=-1, stable=True).astype(jnp.uint32)
     c = _mix32(events ^ salt) | jnp.uint32(1)
-    fingerprint = jnp.sum(order * c, axis=-1, dtype=jnp.uint32)
+    ranked = events < jnp.sum(finite, axis=-1, keepdims=True).astype(jnp.uint32)
+    fingerprint = jnp.sum(jnp.where(ranked, order * c, jnp.uint32(0)), axis=-1,
+                          dtype=jnp.uint32)
     member = jnp.arange(n, dtype=jnp.uint32)
     row = _mix32(_mix32(fingerprint ^ salt) ^ _mix32(member + salt))
     # One key per event: distinct within a row (mixing is a bijection), so
