@@ -173,7 +173,8 @@ def reshape(l, w, curve, scale, rate=1.0, center=0.0, pool="linear"):
     tilted = np.where(finite, l + s * c, -np.inf)
     if pool == "linear":
         return linear(tilted, w)
-    return loglinear(tilted, w, 1.0)
+    with np.errstate(invalid="ignore"):  # rows with no mass left: NaN, the caller's case
+        return loglinear(tilted, w, 1.0)
 
 
 def power_members(l, w, alpha, order):
@@ -191,4 +192,5 @@ def power_members(l, w, alpha, order):
     score = np.where(np.isfinite(s), s / order, -np.inf)
     veto = (act & np.isneginf(lp) & (a < 0)).any(-2)
     score = np.where(veto, -np.inf, score)
-    return softmax(score)
+    with np.errstate(invalid="ignore"):  # rows with no mass left: NaN, the caller's case
+        return softmax(score)
