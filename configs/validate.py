@@ -69,6 +69,9 @@ def get_config(arg=None):
         'temperature=1.0)',
     ])
     c.nll_baselines = "linear, loglinear"   # the methods BRF is compared with
+    # Controls for the best per-token BRF row of each variant (brf/eval/controls.py):
+    # its phases shuffled, per-token reshaping then a pool, per-member power mean.
+    c.controls = True
     # BRF: one fitted setting per phase map (weights and map parameters tuned,
     # per-member offsets included), plus the two reference points kept fixed.
     c.phase_maps = ", ".join([

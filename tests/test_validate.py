@@ -92,6 +92,7 @@ def _cfg(tmp_path, text, **over):
     c.phase_maps = ", ".join(s for s in split_list(c.phase_maps) if phase_map_entries(s).popitem()[0] in (
         "hellinger (equal phases)", "linear pool (pi/2)", "tanh", "token_tanh"))
     c.sweep = c.sweep[:2]
+    c.controls = False    # fitted in test_one_corpus_end_to_end only
     for k, v in over.items():
         *path, last = k.split("__")
         node = c
@@ -112,7 +113,7 @@ def _corpus_report(cfg) -> dict:
 
 
 def test_one_corpus_end_to_end(tmp_path, text, members):
-    cfg = _cfg(tmp_path, text)
+    cfg = _cfg(tmp_path, text, controls=True)
     _run(cfg, members.__getitem__)
     out = os.path.join(cfg.out_dir, "corpus")
     for name in ("nll_by_method.png", "phase_differences.png", "sweep.png", "cross_terms.png"):
@@ -120,8 +121,24 @@ def test_one_corpus_end_to_end(tmp_path, text, members):
     assert os.path.getsize(os.path.join(cfg.out_dir, "report.md")) > 0
     data = _corpus_report(cfg)
     assert data["schema"] == "brf.analysis/3"
-    labels = {m["label"] for m in data["methods"]}
+    labels = {m["label"] for m in data["methods"] if m["role"] != "control"}
     assert len(labels) == 2 * (len(split_list(cfg.methods)) + 2 + len(split_list(cfg.phase_maps)))
+    # The controls of the best per-token row (token_tanh is the only one here), per variant.
+    controls = [m for m in data["methods"] if m["role"] == "control"]
+    assert sorted(m["method"] for m in controls) == sorted(
+        ["born_shuffled", "reshape", "reshape", "power_members"] * 2)
+    assert {m["variant"] for m in controls} == {"proposed", "calibrated"}
+    # The fair summary: the best BRF row and the best other row are the calibration
+    # minima of their groups; the difference is their test NLLs' difference.
+    for v, c in data["fair_summary"].items():
+        rows = [m for m in data["methods"] if m["variant"] == v]
+        brf = min((m for m in rows if m["role"] == "brf"), key=lambda m: m["calib_nll"])
+        rival = min((m for m in rows if m["role"] != "brf"), key=lambda m: m["calib_nll"])
+        assert c["brf"]["label"] == brf["label"] and c["rival"]["label"] == rival["label"]
+        np.testing.assert_allclose(c["mean_difference"],
+                                   brf["test"]["nll"] - rival["test"]["nll"], atol=1e-6)
+        assert c["per_token"]["label"] == f"born token_tanh{'' if v == 'proposed' else ' [calibrated]'}"
+        assert len(c["controls"]) == 4 and c["brf"]["free_parameters"] >= 1
     assert {"linear (tuned)", "loglinear (tuned)", "member 0 alone", "member 1 alone",
             "born linear pool (pi/2)", "born tanh", "born token_tanh"} <= labels
     roles = {m["label"]: m["role"] for m in data["methods"]}
@@ -133,7 +150,8 @@ def test_one_corpus_end_to_end(tmp_path, text, members):
     assert len(data["phase_coherence"]) == 2  # tanh, token_tanh (constant maps left out)
     for r in data["phase_coherence"]:
         assert 0 <= r["rayleigh_p"] <= 1 and 0 < r["permutation_p"] <= 1
-    assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll", "forking_tokens"}
+    assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll", "fair_summary",
+                                    "forking_tokens"}
     by = {m["label"]: m for m in data["methods"]}
     # Tuned weights moved away from uniform (the fit has gradients).
     assert by["linear (tuned)"]["weights"] != [0.5, 0.5]

@@ -1,10 +1,13 @@
 """One event table, analysed: every method fitted and tested, the paper's tests run.
 
 :func:`analyse` splits the table (calibration / test, by segment), fits every
-method spec of the plan on calibration (cached in the run directory), evaluates
-it on test, and runs the Phase Coherence and Cross-Term Discrimination tests, the
-paired comparison of the best BRF setting with the best baseline within each
-variant, the forking-token analysis and the sweep. It returns an
+method spec of the plan on calibration (cached in the run directory), then the
+controls of the best per-token BRF row of each variant (:mod:`brf.eval.controls`),
+evaluates them on test, and runs the Phase Coherence and Cross-Term
+Discrimination tests, the paired comparison of the best BRF setting with the best
+baseline within each variant, the fair summary (the best BRF row against the best
+of every other row, controls included, with free-parameter counts), the
+forking-token analysis and the sweep. It returns an
 :class:`AnalysisResult`; :meth:`AnalysisResult.section` is the JSON report
 section (``brf.eval.report`` renders it).
 """
@@ -18,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from brf.eval import controls as controls_lib
 from brf.eval import forking, hypotheses, stats
 from brf.eval.caches import FitCache
 from brf.eval.fitting import (EventTable, FitSettings, Fitted, MethodSpec, evaluate,
@@ -66,6 +70,7 @@ class AnalysisResult:
     coherence: list[dict]       # per (phase map, pair), with the phase differences ("diffs")
     cross: dict                 # the cross-term test, with the per-event scores ("scores")
     comparisons: dict[str, dict]
+    fair: dict[str, dict]
     forking: dict
     sweep: list[dict]
     left_out: list[str]
@@ -93,6 +98,7 @@ class AnalysisResult:
                                 for r in self.coherence],
             "cross_term": {k: v for k, v in self.cross.items() if k != "scores"},
             "nll_comparison": self.comparisons,
+            "fair_summary": self.fair,
             "forking": self.forking,
             "sweep": self.sweep,
         }
@@ -111,10 +117,11 @@ def metrics(ev: dict, gold_bytes: np.ndarray, *, n_boot: int, seed: int) -> dict
 
 
 def fit_all(plan: Plan, specs: Sequence[MethodSpec], calib: EventTable, test: EventTable,
-            *, cache_path: str, desc: str = "fitting methods") -> list[MethodResult]:
+            *, cache_path: str, desc: str = "fitting methods",
+            before: Sequence[MethodResult] = ()) -> list[MethodResult]:
     """Fits every spec on calibration (reusing cached fits) and evaluates it on test."""
     fits = fit_specs(specs, calib, plan.fit, cache=FitCache(cache_path, calib, plan.fit),
-                     desc=desc)
+                     desc=desc, before=before)
     out = []
     for spec, f in zip(specs, fits):
         ev = evaluate(f, test)
@@ -124,14 +131,21 @@ def fit_all(plan: Plan, specs: Sequence[MethodSpec], calib: EventTable, test: Ev
 
 
 def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSettings, *,
-              cache: FitCache | None = None, desc: str = "fitting methods") -> list[Fitted]:
+              cache: FitCache | None = None, desc: str = "fitting methods",
+              before: Sequence[MethodResult] = ()) -> list[Fitted]:
     """Fits every spec on calibration, in order, each once (``cache`` keeps them).
 
     A spec in a variant other than 'proposed' starts from the proposed fit of the
     same row, and from the temperatures and weights of the best such fit so far
-    (the calibrated objectives have local optima).
+    (the calibrated objectives have local optima); ``before`` are rows fitted
+    earlier on the same table, which count as "so far".
     """
     out, proposed, calibrated = [], {}, []
+    for m in before:
+        if m.variant == "proposed":
+            proposed[_row_key(m.spec)] = m.fitted
+        elif m.role != "member":
+            calibrated.append(m.fitted)
     for spec in tqdm(specs, desc=desc, unit="method", dynamic_ncols=True):
         f = cache.get(spec) if cache is not None else None
         if f is None:
@@ -178,6 +192,63 @@ def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[Method
         out[v] = {"brf": b.label, "baseline": a.label,
                   **hypotheses.nll_difference(b.test_nll, a.test_nll, n_boot=plan.stats.n_boot,
                                               seed=plan.stats.seed)}
+    return out
+
+
+def control_specs(methods: Sequence[MethodResult], n: int, variants: Sequence[str], *,
+                  seed: int) -> list[MethodSpec]:
+    """Per variant, the controls (:func:`brf.eval.controls.controls_for`) of the BRF row
+    with a per-token phase map and the lowest calibration NLL of that variant."""
+    out = []
+    for v in variants:
+        b = _best([m for m in methods if m.variant == v and _per_token(m)])
+        if b is not None:
+            out += list(controls_lib.controls_for(b.spec, n, seed=seed).values())
+    return out
+
+
+def _per_token(m: MethodResult) -> bool:
+    from brf.fusion import PHASE_MAPS
+    return m.role == "brf" and bool(m.spec.phase) and PHASE_MAPS.get(m.spec.phase).kind == "token"
+
+
+def _best(rows: Sequence[MethodResult]) -> MethodResult | None:
+    return min(rows, key=lambda m: m.calib_nll) if rows else None
+
+
+def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodResult],
+                 n: int) -> dict[str, dict]:
+    """Per variant: the best BRF row against the best of every other row of the variant
+    (baselines, controls, single members and the rest; both chosen on calibration NLL),
+    with their free-parameter counts, and the per-token BRF row the controls were built
+    from against each of its controls. Differences are BRF minus the other row on test
+    (paired block bootstrap); < 0 means BRF is better."""
+    st, out = plan.stats, {}
+
+    def row(m: MethodResult) -> dict:
+        return {"label": m.label, "role": m.role, "method": m.spec.method,
+                "free_parameters": controls_lib.free_parameters(m.spec, n).total,
+                "calib_nll": m.calib_nll, "test_nll": m.test["nll"]}
+
+    def diff(a: MethodResult, b: MethodResult) -> dict:
+        return hypotheses.nll_difference(a.test_nll, b.test_nll, n_boot=st.n_boot,
+                                         seed=st.seed)
+
+    for v in variants:
+        rows = [m for m in methods if m.variant == v]
+        born = _best([m for m in rows if m.role == "brf"])
+        rival = _best([m for m in rows if m.role != "brf"])
+        if born is None or rival is None:
+            continue
+        entry = {"brf": row(born), "rival": row(rival), **diff(born, rival),
+                 "brf_candidates": sum(m.role == "brf" for m in rows),
+                 "rival_candidates": sum(m.role != "brf" for m in rows)}
+        controls = [m for m in rows if m.role == "control"]
+        token = _best([m for m in rows if _per_token(m)])
+        if controls and token is not None:
+            entry["per_token"] = row(token)
+            entry["controls"] = [{**row(c), **diff(token, c)} for c in controls]
+        out[v] = entry
     return out
 
 
@@ -256,6 +327,10 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
     calib, test = split(plan.scoring, table, n_segments)
     n = table.logp.shape[1]
     methods = fit_all(plan, plan.method_specs(n, variants), calib, test, cache_path=cache_path)
+    if plan.controls:
+        methods += fit_all(plan, control_specs(methods, n, variants, seed=plan.stats.seed),
+                           calib, test, cache_path=cache_path, desc="fitting controls",
+                           before=methods)
     # The cross-term test reads the best BRF setting's weights and phase map; from the
     # calibrated variant when it runs (its temperatures do not enter the test).
     v_cross = "calibrated" if "calibrated" in variants else variants[0]
@@ -272,10 +347,11 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
                                              seed=st.seed),
         cross=hypotheses.cross_term_test(test, best_born, n_boot=st.n_boot, seed=st.seed),
         comparisons=comparisons(plan, variants, methods),
+        fair=fair_summary(plan, variants, methods, n),
         forking=forking_tokens(plan, variants, methods, calib, test),
         sweep=sweep(plan.sweep, calib, test) if with_sweep else [],
         left_out=sorted({e.label for e in plan.phase_maps} - {e.label for e in usable}))
 
 
-__all__ = ["AnalysisResult", "MethodResult", "analyse", "fit_all", "fit_spec", "fit_specs",
-           "metrics"]
+__all__ = ["AnalysisResult", "MethodResult", "analyse", "control_specs", "fair_summary",
+           "fit_all", "fit_spec", "fit_specs", "metrics"]

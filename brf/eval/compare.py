@@ -101,18 +101,22 @@ def prefix_effect(plain: AnalysisResult, prefixed: AnalysisResult, *, n_boot: in
 
 
 def pooled(per_corpus: Sequence[tuple[str, AnalysisResult]], variants: Sequence[str], *,
-           n_boot: int, seed: int) -> dict:
-    """Per variant: the BRF-minus-baseline NLL difference pooled over corpora."""
+           n_boot: int, seed: int, fair: bool = False) -> dict:
+    """Per variant: the BRF-minus-baseline NLL difference pooled over corpora.
+
+    With ``fair``, the fair summary's pair instead: the best BRF row minus the best
+    of every other row (controls included)."""
     out = {}
     for v in variants:
         pairs, used = [], []
         for label, res in per_corpus:
-            c = res.comparisons.get(v)
-            if c:
-                pairs.append((res.by_label(c["brf"]).test_nll,
-                              res.by_label(c["baseline"]).test_nll))
-                used.append({"corpus": label, "brf": c["brf"], "baseline": c["baseline"],
-                             "mean_difference": c["mean_difference"], "ci": c["ci"]})
+            pair = _fair_pair(res, v) if fair else _baseline_pair(res, v)
+            if pair is None:
+                continue
+            a, b, c = pair
+            pairs.append((res.by_label(a).test_nll, res.by_label(b).test_nll))
+            used.append({"corpus": label, "brf": a, "baseline": b,
+                         "mean_difference": c["mean_difference"], "ci": c["ci"]})
         if not pairs:
             continue
         ci = stats.pooled_paired_bootstrap_ci(pairs, n_boot=n_boot,
@@ -122,6 +126,16 @@ def pooled(per_corpus: Sequence[tuple[str, AnalysisResult]], variants: Sequence[
                   "weighting": "equal weight per corpus; stratified circular block bootstrap "
                                "(blocks of 32 positions within each corpus)"}
     return out
+
+
+def _baseline_pair(res: AnalysisResult, v: str):
+    c = res.comparisons.get(v)
+    return (c["brf"], c["baseline"], c) if c else None
+
+
+def _fair_pair(res: AnalysisResult, v: str):
+    c = res.fair.get(v)
+    return (c["brf"]["label"], c["rival"]["label"], c) if c else None
 
 
 def side(ci) -> str:

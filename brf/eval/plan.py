@@ -151,6 +151,7 @@ class Plan:
     bottleneck: BottleneckSettings
     topk_sensitivity: int
     out_dir: str
+    controls: bool = True
     mesh: Mapping[str, Any] | None = None
     distributed: Mapping[str, Any] | None = None
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -307,7 +308,8 @@ def from_config(cfg) -> Plan:
                 phase_maps=phase_maps, variants=variants, nll_baselines=baselines,
                 sweep=tuple(_sweep(cfg.sweep)), scoring=scoring, fit=fit, stats=stats,
                 prompts=prompts, bottleneck=bottleneck, topk_sensitivity=k2,
-                out_dir=str(cfg.out_dir), mesh=_plain(cfg.get("mesh")),
+                out_dir=str(cfg.out_dir), controls=bool(cfg.controls),
+                mesh=_plain(cfg.get("mesh")),
                 distributed=_plain(cfg.get("distributed")), config=cfg.to_dict())
     for c in plan.corpora:  # a corpus too short for the split fails here, not after scoring
         segments, _, _ = load_segments(plan, c)

@@ -153,6 +153,9 @@ def run(plan: Plan, *, load_model: Callable[[str], Any] | None = None) -> dict |
            "per_corpus": {label: study_report.brief(o.report) for label, o in per_corpus},
            "pooled": compare.pooled([(label, o.result) for label, o in per_corpus],
                                     plan.variants, n_boot=st.n_boot, seed=st.seed),
+           "pooled_fair": compare.pooled([(label, o.result) for label, o in per_corpus],
+                                         plan.variants, n_boot=st.n_boot, seed=st.seed,
+                                         fair=True),
            "prompts": prompts, "topk_sensitivity": sensitivity,
            "seconds": time.time() - t0}
     rep["verdict"] = study_report.verdicts(rep)

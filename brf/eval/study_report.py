@@ -32,7 +32,7 @@ def brief(rep: dict | None) -> dict | None:
     if rep is None:
         return None
     keep = ("analysis", "members", "top_k", "coverage", "split", "nll_comparison",
-            "phase_coherence", "cross_term", "verdict")
+            "fair_summary", "phase_coherence", "cross_term", "verdict")
     out = {k: rep[k] for k in keep if k in rep}
     out["methods"] = [{"label": m["label"], "variant": m["variant"],
                        "test_nll": m["test"]["nll"], "test_nll_ci": m["test"]["nll_ci"],
@@ -58,14 +58,18 @@ def verdicts(rep: dict) -> dict[str, str]:
     out = {}
     for label, r in rep["per_corpus"].items():
         out[f"nll: {label}"] = r["verdict"]["nll"]
-    for v, p in rep["pooled"].items():
-        lo, hi = p["ci"]
-        out[f"nll: pooled ({v})"] = (
-            f"Pooled over {len(p['corpora'])} corpora (equal weight each), the best BRF "
-            f"setting minus the best baseline, {report_lib.VARIANT_WORDS.get(v, v)}: "
-            f"{p['mean_difference']:+.4f} nats/position, 95% CI [{lo:+.4f}, {hi:+.4f}]: BRF is "
-            + _side(p["ci"], "better", "worse", "not distinguishable from the baseline")
-            + " on this evidence.")
+        if "fair_summary" in r["verdict"]:
+            out[f"fair: {label}"] = r["verdict"]["fair_summary"]
+    for key, what in (("pooled", "the best baseline"),
+                      ("pooled_fair", "the best of every other row (controls included)")):
+        for v, p in rep.get(key, {}).items():
+            lo, hi = p["ci"]
+            out[f"{'nll' if key == 'pooled' else 'fair'}: pooled ({v})"] = (
+                f"Pooled over {len(p['corpora'])} corpora (equal weight each), the best BRF "
+                f"setting minus {what}, {report_lib.VARIANT_WORDS.get(v, v)}: "
+                f"{p['mean_difference']:+.4f} nats/position, 95% CI [{lo:+.4f}, {hi:+.4f}]: "
+                "BRF is " + _side(p["ci"], "better", "worse", "not distinguishable from it")
+                + " on this evidence.")
     for label, pr in rep["prompts"].items():
         e = pr["effect"]
         parts = []
@@ -107,7 +111,9 @@ def verdicts(rep: dict) -> dict[str, str]:
         for key, what in (("same_model", "One model under two prefixes"),
                           ("swarm", "The four-member swarm")):
             if key in pr:
-                out[f"{key}: {label}"] = f"{what}: " + pr[key]["verdict"]["nll"]
+                out[f"{key}: {label}"] = f"{what}: " + " ".join(
+                    pr[key]["verdict"][k] for k in ("nll", "fair_summary")
+                    if k in pr[key]["verdict"])
     s = rep.get("topk_sensitivity")
     if s:
         out["event space"] = (
@@ -142,6 +148,23 @@ def markdown(rep: dict) -> str:
     for v, p in rep["pooled"].items():
         lines.append(f"| **pooled** | {v} | | | {p['mean_difference']:+.4f} "
                      f"[{p['ci'][0]:+.4f}, {p['ci'][1]:+.4f}] |")
+    lines += ["", "## Fair summary: best BRF vs best of every other row (controls included)",
+              "", "| analysis | variant | BRF (k) | other (role, k) | difference [95% CI] |",
+              "|---|---|---|---|---|"]
+    fair = [(label, r) for label, r in rep["per_corpus"].items()]
+    fair += [(f"{label} / {key}", pr[key]) for label, pr in rep["prompts"].items()
+             for key in ("with_prefix", "same_model", "swarm") if key in pr]
+    for label, r in fair:
+        for v, c in r.get("fair_summary", {}).items():
+            b, o = c["brf"], c["rival"]
+            lines.append(f"| {label} | {v} | {b['label']} ({b['free_parameters']}) | "
+                         f"{o['label']} ({o['role']}, {o['free_parameters']}) | "
+                         f"{c['mean_difference']:+.4f} [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}] |")
+    for v, p in rep.get("pooled_fair", {}).items():
+        lines.append(f"| **pooled** | {v} | | | {p['mean_difference']:+.4f} "
+                     f"[{p['ci'][0]:+.4f}, {p['ci'][1]:+.4f}] |")
+    lines += ["", "Each analysis's report lists the per-token BRF row against each of its "
+              "controls (phases shuffled, reshaping + pool, per-member power mean).", ""]
     lines += ["", "## Forking tokens", ""]
     for label, r in rep["per_corpus"].items():
         for v, f in r.get("forking", {}).items():
