@@ -544,6 +544,25 @@ def test_empty_constraints_report_finite_diagnostics():
         assert np.all(np.isfinite(np.asarray(logq)))
 
 
+def test_study_leaves_out_constrained_rows_below_the_rank():
+    """The study's default support (2 x 256 <= 577) skips the LP, QP and min-KL rows,
+    names them and the bound in the report; 2 x 512 solves every row."""
+    from brf.eval import bottleneck_eval, study_report
+    assert bn.rank_bound([576, 576], shared=True) == 577
+    assert bn.rank_bound([576, 640]) == 1217
+    skip = bottleneck_eval.skipped(256, 576, 49152)
+    assert sorted(skip) == sorted(bottleneck_eval.CONSTRAINED) and "577" in skip["bottleneck_lp"]
+    assert bottleneck_eval.skipped(512, 576, 49152) == {}
+    diff = {"mean_difference": 0.01, "ci": [0.0, 0.02]}
+    rows = [{"method": "linear", "nll": 2.0},
+            {"method": "bottleneck_lsq", "nll": 2.01, "difference_to_linear": diff,
+             "regimes": {"infeasible": 4}, "fallback_fraction": 0.0}]
+    rows += [{"method": m, "skipped": skip[m]} for m in bottleneck_eval.CONSTRAINED]
+    words = study_report.bottleneck_words({"positions": 4, "top_k": 256, "rank_bound": 577,
+                                           "rows": rows})
+    assert "bottleneck_lsq 2.010" in words and "Not solved: bottleneck_lp" in words, words
+
+
 # --- bad input and the registry ---------------------------------------------------------------
 
 
