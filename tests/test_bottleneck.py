@@ -619,8 +619,10 @@ def test_unreachable_tolerance_in_the_solver_is_flagged():
     rng = np.random.default_rng(16)
     Ws, ph, _ = feasible(rng, 60, (6, 5))
     for kind in ("lp", "qp", "lsq", "maxent"):
-        _, d, _, _ = run(kind, Ws, ph, tol=1e-12, max_iters=64)
-        assert not d["converged"] and d["iters"] <= 64 + 64, (kind, d)
+        # One check's worth of iterations (the solvers test every 10 to 64 steps)
+        # cannot certify 1e-14: the float64 certificates can, given the iterations.
+        _, d, _, _ = run(kind, Ws, ph, tol=1e-14, max_iters=1)
+        assert not d["converged"] and d["status"] == bn.BUDGET and d["iters"] <= 64, (kind, d)
 
 
 def test_unreachable_tolerance_is_flagged_and_falls_back():

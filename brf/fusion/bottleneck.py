@@ -36,11 +36,11 @@ right-hand side ``b`` (a sum over all V tokens, whose float32 rounding depends
 on how the product is blocked, so one position and a batch of positions would
 otherwise solve different problems), the SVD and ``h`` (``S^{-1}`` amplifies
 rounding along the small singular directions), and every stopping certificate.
-The LP/QP and min-KL iterate in float32 (the orthonormal ``E`` is well
-conditioned; their certificates are evaluated in float64 at the float32
-iterates); least squares iterates in float64 (its objective is a small
-difference of large terms when the members nearly agree, and its Frank–Wolfe
-certificate cannot be met at float32 resolution).
+Every solver also iterates in float64, so that
+the certificate (a relative gap of ``tol``, default 1e-5, on objectives that
+can be small differences of large terms) is not limited by the iterates'
+rounding; float32 iterates would halve the memory traffic of the matvecs but
+are not offered.
 
 **Stopping rules that certify.** ``converged`` means the returned objective is
 within ``tol`` (relative) of the optimum of the problem solved, with the
@@ -87,7 +87,7 @@ does not define the constraints on a union event space.
 **Cost.** Once per support: an SVD of the K x (m+1) matrix ``A~^T``
 (O(K m^2), float64; minutes for K = 49152, m = 576 on a 2-core CPU, so it is
 cached by the caller for full-vocabulary use). Per position and iteration: two
-matvecs with ``E`` (r x K, float32), kept in both layouts — near memory-bound
+matvecs with ``E`` (r x K, float64), kept in both layouts — near memory-bound
 unbatched, a matmul when batched over positions (E is shared); least squares:
 one K x K matvec (float64). See BENCHMARKS.md, "Softmax-bottleneck fusion".
 
@@ -451,7 +451,7 @@ class _PD(NamedTuple):
 
 
 def _pd_kkt(z: _PD, E, ET, h, c, Lh, qd):
-    """Relative KKT error of a PDHG iterate (float32): drives the restarts.
+    """Relative KKT error of a PDHG iterate: drives the restarts (not the stopping).
 
     Problem: min c.x + 1/2 sum_j qd_j t_j^2 s.t. E x = h, Lh x - t = 0, x >= 0.
     Lagrangian c.x + 1/2 qd.t^2 + y.(E x - h) + u.(Lh x - t) - lam.x, lam >= 0.
@@ -502,7 +502,7 @@ def solve_pdhg(E_qxK: jax.Array, ET_Kxq: jax.Array, h_q: jax.Array, c_K: jax.Arr
     most ``sqrt(2 + lambda_max(Lh Lh^T))`` (1 for the LP) and the steps are
     ``tau = eta / omega``, ``sigma = eta * omega`` with eta 0.95 over that bound.
 
-    Iteration (Chambolle-Pock with an extrapolated primal, float32):
+    Iteration (Chambolle-Pock with an extrapolated primal, float64):
       x+ = max(0, x - tau (c + E^T y + Lh^T u));  t+ = (t + tau u) / (1 + tau qd)
       y+ = y + sigma (E (2x+ - x) - h);           u+ = u + sigma (Lh (2x+ - x) - (2t+ - t))
     Every ``check_every`` steps the KKT error (:func:`_pd_kkt`) of the current
@@ -624,9 +624,9 @@ def centred_data(kind: str, logphat_nxK: jax.Array, weights_n: jax.Array, x0_K: 
     ``sum_i w_i (l_i.p)^2 = sum_i w_i (l~_i.p)^2 + 2 sum_i w_i k_i l~_i.p +
     sum_i w_i k_i^2`` with ``l~_i = l_i - k_i``, ``k_i = l_i.x0``. Centred at a p
     near the answer, the costs of the tokens it uses are near 0, so the
-    multiplier of the mass constraint is small: without it the float32 products
-    ``E^T y`` carry rounding of |y| ~ 500 (measured on SmolLM2) and PDHG stalls
-    at a relative gap of ~1e-4.
+    multiplier of the mass constraint is small: without it the products ``E^T y``
+    carry the rounding of |y| ~ 500 (measured on SmolLM2) and the Lagrangian
+    bound ``min_j lam_j`` is lost in it.
     """
     l_nxK = jnp.maximum(logphat_nxK, LOGP_FLOOR)
     if kind == "lp":
@@ -651,7 +651,7 @@ def solve_maxent(E_qxK: jax.Array, ET_Kxq: jax.Array, h_q: jax.Array, logq0_K: j
 
     The Lagrangian's minimiser is ``p(l) = softmax(log q0 + E^T l)`` and the dual
     ``g(l) = l.h - logsumexp(log q0 + E^T l)`` is concave and unconstrained with
-    gradient ``h - E p(l)``: the primal residual r. L-BFGS runs in float32;
+    gradient ``h - E p(l)``: the primal residual r. L-BFGS runs in float64;
     every ``check_every`` steps the certificate is evaluated in float64:
     ``g(l)`` is a lower bound on the optimum and ``KL(p(l) || q0) - g(l) = l.r``
     exactly. Stops when ``|l.r| <= tol * g`` and ``||r|| / ||h|| <= tol``, or
