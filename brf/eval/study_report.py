@@ -53,6 +53,28 @@ def _side(ci, what_low, what_high, what_none):
     return what_low if ci[1] < 0 else what_high if ci[0] > 0 else what_none
 
 
+def bottleneck_words(b: dict) -> str:
+    """The softmax-bottleneck rows (:func:`brf.eval.bottleneck_eval.bottleneck_rows`) in
+    one paragraph; rows left out (support not above the rank) are named with why."""
+    parts = []
+    skipped = [r["method"] for r in b["rows"] if "skipped" in r]
+    for r in b["rows"]:
+        if r["method"].startswith("bottleneck") and "skipped" not in r:
+            d = r["difference_to_linear"]
+            reg = ", ".join(f"{v} {k}" for k, v in r["regimes"].items() if v)
+            parts.append(f"{r['method']} {r['nll']:.3f} (vs the linear pool "
+                         f"{d['mean_difference']:+.3f} [{d['ci'][0]:+.3f}, "
+                         f"{d['ci'][1]:+.3f}]; regimes: {reg}; fell back to the linear "
+                         f"pool at {100 * r['fallback_fraction']:.0f}% of positions)")
+    lin = next(r for r in b["rows"] if r["method"] == "linear")
+    return (f"One model under two prefixes, {b['positions']} sampled test positions, full "
+            f"distributions (bottleneck support: each member's top {b['top_k']} tokens): "
+            f"linear pool NLL {lin['nll']:.3f}; " + "; ".join(parts) + "."
+            + (f" Not solved: {', '.join(skipped)} (the support is not above the "
+               f"constraints' rank, at most {b['rank_bound']}, where they can only fall "
+               "back)." if skipped else ""))
+
+
 def verdicts(rep: dict) -> dict[str, str]:
     """The study's answers, one paragraph each, from the numbers alone."""
     out = {}
@@ -92,22 +114,8 @@ def verdicts(rep: dict) -> dict[str, str]:
             + "; ".join(parts) + f". Cross-term AUROC {ct['auroc_plain']:.3f} -> "
             f"{ct['auroc_prefix']:.3f} (change {ct['auroc_change']:+.3f} "
             f"[{ct['auroc_change_ci'][0]:+.3f}, {ct['auroc_change_ci'][1]:+.3f}]). {gap}.")
-        b = pr.get("bottleneck")
-        if b:
-            parts = []
-            for r in b["rows"]:
-                if r["method"].startswith("bottleneck"):
-                    d = r["difference_to_linear"]
-                    reg = ", ".join(f"{v} {k}" for k, v in r["regimes"].items() if v)
-                    parts.append(f"{r['method']} {r['nll']:.3f} (vs the linear pool "
-                                 f"{d['mean_difference']:+.3f} [{d['ci'][0]:+.3f}, "
-                                 f"{d['ci'][1]:+.3f}]; regimes: {reg}; fell back to the linear "
-                                 f"pool at {100 * r['fallback_fraction']:.0f}% of positions)")
-            lin = next(r for r in b["rows"] if r["method"] == "linear")
-            out[f"softmax bottleneck: {label}"] = (
-                f"One model under two prefixes, {b['positions']} sampled test positions, full "
-                f"distributions (bottleneck support: each member's top {b['top_k']} tokens): "
-                f"linear pool NLL {lin['nll']:.3f}; " + "; ".join(parts) + ".")
+        if pr.get("bottleneck"):
+            out[f"softmax bottleneck: {label}"] = bottleneck_words(pr["bottleneck"])
         for key, what in (("same_model", "One model under two prefixes"),
                           ("swarm", "The four-member swarm")):
             if key in pr:
