@@ -12,7 +12,7 @@ from brf.models.cache import cache_bytes, init_cache, room
 from brf.models.config import ModelConfig
 from brf.models.scoring import iter_logits_chunks, score_tokens
 from brf.models.transformer import (cast_params, decode_step, decode_step_donated, forward,
-                                    init_params, param_shapes, prefill, prefill_donated)
+                                    forward_tree, init_params, param_shapes, prefill, prefill_donated)
 from brf.registry import Registry
 
 
@@ -33,6 +33,6 @@ for _name in ("llama", "gemma3"):
                                           decode_step, forward))
 
 __all__ = ["ARCHITECTURES", "Architecture", "ModelConfig", "cache_bytes", "cast_params",
-           "decode_step", "decode_step_donated", "forward", "init_cache", "init_params",
+           "decode_step", "decode_step_donated", "forward", "forward_tree", "init_cache", "init_params",
            "iter_logits_chunks", "param_shapes", "prefill", "prefill_donated", "room",
            "score_tokens"]
