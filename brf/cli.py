@@ -14,12 +14,18 @@ Usage, at the bottom of a main::
 - absl and orbax INFO logging is turned off (set ``BRF_VERBOSE=1`` to keep it);
 - a bad ``--config`` override or flag value (absl's flag parser refuses it)
   also ends in one line and exit status 2.
+
+Mains call :func:`check_writable` on what they will write before the
+expensive work (loading a model, scoring, analysing), so a wrong output path
+costs nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+import tempfile
 from typing import Callable
 
 from absl import app, flags, logging
@@ -42,6 +48,44 @@ def fail(message: str, prog: str | None = None) -> None:
     prog = prog or os.path.basename(sys.argv[0] or "brf")
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_writable(path: str, what: str, *, directory: bool = False) -> None:
+    """Refuses an output path that cannot be written, as a :class:`UserError`.
+
+    Checked by trying: the directory (``path`` itself, or a file's parent) is
+    created if missing, as the writer would, and a temporary file is made and
+    removed in it; an existing file must open for appending (nothing in it
+    changes).
+
+    Args:
+      path: the file or directory the main will write.
+      what: how the user gave it (``config.output``), for the message.
+      directory: ``path`` is a directory (else a file).
+
+    Raises:
+      UserError: one line naming ``what``, the path and the reason.
+    """
+    kind = "directory" if directory else "file"
+    if not path:
+        raise UserError(f"{what} is empty; give the {kind} to write")
+    folder = os.path.abspath(path) if directory else os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file, not a directory")
+        if not directory and os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "it is a directory, not a file")
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+        if not directory and os.path.exists(path):
+            with open(path, "ab"):
+                pass
+    except OSError as e:
+        raise UserError(f"{what}={path!r} cannot be written: {e.strerror or e}") from None
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from a config (coordinator address, number of processes, this process's id;
 or auto-detection on TPU pods and SLURM). Each host then builds its mesh from
 its own devices (:func:`make_mesh`), scores its share of the corpus
 (:func:`process_share`) and writes its share of the store; the report step
-merges the shares (``brf.eval.pipeline``).
+merges the shares (``brf.eval.scorer``).
 
 Members of an ensemble share the mesh (``placement="shared"``: every member
 on every device, each split as above), or are kept apart
@@ -166,7 +166,7 @@ def per_member(mesh: Mesh | Sequence[Mesh | None] | None, n_members: int) -> lis
 
 def on_one_device(meshes: Sequence[Mesh | None]) -> bool:
     """True when no member has a mesh, or every member's mesh is the same single
-    device: the callers then keep today's one-device path."""
+    device: the callers then keep the one-device path."""
     given = [m for m in meshes if m is not None]
     return not given or (len({mesh_devices(m) for m in given}) == 1 and given[0].size == 1)
 

@@ -4,7 +4,7 @@ Run (the README's main job):
   python experiments/validate.py --config=configs/validate.py
 Variants:
   python experiments/validate.py --config=configs/validate.py:short     # CI slice
-  python experiments/validate.py --config=configs/validate.py --config.corpus=my.txt
+  python experiments/validate.py --config=configs/validate.py --config.corpora=my.txt
   python experiments/validate.py --config=configs/validate.py --config.members=smollm2-135m-instruct,gemma3-270m
   python experiments/validate.py --config=configs/validate.py \
       --config.methods='linear, loglinear(temperature=fit(1.0))' --config.phase_maps='constant, tanh(rate=0.5)'
@@ -36,46 +36,17 @@ def get_config(arg=None):
     c.members = "smollm2-135m-instruct, gemma3-270m"
     # The study's corpora (brf.eval.corpus.CORPORA names or UTF-8 files), each with
     # optional max_chars / skip_chars / label and a steadying prefix for the
-    # prompt study. See brf/eval/study.py.
-    # Sizes give >= 10K co-aligned positions each (10.4K, 11.1K, 11.0K).
+    # prompt study (brf/eval/study.py). Sizes give >= 10K co-aligned positions each.
     c.corpora = ", ".join([
         format_spec("hamlet", dict(max_chars=42_000, prefix=HAMLET_PREFIX)),
         format_spec("pyparsing", dict(max_chars=62_000)),
         format_spec("ataturk-1920", dict(max_chars=57_000)),
     ])
-    c.corpus = ""                      # a UTF-8 text file: the study on this text alone
-    c.prompt_study = True              # prefix pair, same-model pair, swarm on corpora with a prefix
-    c.second_prefix = SECOND_PREFIX    # the same-model pair: prefix vs this one
-    c.swarm = True                     # four members: each model with and without the prefix
-    # Variants in the prompt study's analyses (prefix pair, same-model pair, swarm);
-    # its NLL question is BRF's gap to the calibrated baselines. "" = c.variants.
-    c.prompt_variants = "calibrated"
-    # Softmax-bottleneck rows (brf/eval/bottleneck_eval.py) for the same-model pair:
-    # full logits recomputed at this many sampled test positions (0 = off).
-    c.bottleneck_positions = 64
-    # Support of the bottleneck methods there: each member's top bottleneck_top_k
-    # tokens. At 256 (2 x 256 = 512 tokens, below the constraints' rank d + 1 = 577
-    # for SmolLM2) the LP, QP and min-KL fall back at every position; 512 lets them
-    # converge but costs minutes per method (README, "Softmax-bottleneck fusion").
-    c.bottleneck_top_k = 256
-    c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
-    c.default_plays = ("tragedies/hamlet",)
-    c.min_chars = 2000
-    c.max_chars = 42_000               # of the default corpus (~13K SmolLM2 tokens, ~10K co-aligned)
-    c.segment_chars = 3000             # per forward context (SmolLM2's context is 8192)
-    c.top_k = 64                       # per-position summaries kept per member
-    c.chunk = 256                      # tokens per forward pass while scoring
-    c.calibration_fraction = 0.5
-    c.seed = 0
     c.out_dir = "runs/validate"
-    # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
-    c.compilation_cache = True
-    c.compilation_cache_dir = ""
-    c.fit_steps = 150
-    c.learning_rate = 0.05
-    c.fit_batch = 2048                 # positions per Adam step (0 = all)
-    c.n_perm = 2000
-    c.n_boot = 2000
+    # Every method (single members included) in each variant: as proposed, and
+    # calibrated (a fitted post-fusion temperature and per-member temperatures);
+    # verdicts compare like with like.
+    c.variants = "proposed, calibrated"
     # Baselines (brf.fusion.METHODS): a value is fixed, fit(x) is fitted from x,
     # grid(a, b, ...) is searched; member weights are fitted unless fit_weights=False.
     c.methods = ", ".join([
@@ -97,12 +68,10 @@ def get_config(arg=None):
         'loglinear(label="PackLLM (perplexity weights)", weighting="perplexity", '
         'temperature=1.0)',
     ])
-    c.nll_baselines = ("linear", "loglinear")
-    # Every method (single members included) in each variant: as proposed, and
-    # calibrated (a fitted post-fusion temperature and per-member temperatures);
-    # verdicts compare like with like.
-    c.variants = "proposed, calibrated"
-    c.forking_top_fraction = 0.2     # the "forking tokens": top-20% entropy positions
+    c.nll_baselines = "linear, loglinear"   # the methods BRF is compared with
+    # Controls for the best per-token BRF row of each variant (brf/eval/controls.py):
+    # its phases shuffled, per-token reshaping then a pool, per-member power mean.
+    c.controls = True
     # BRF: one fitted setting per phase map (weights and map parameters tuned,
     # per-member offsets included), plus the two reference points kept fixed.
     c.phase_maps = ", ".join([
@@ -128,6 +97,33 @@ def get_config(arg=None):
              values=[0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
         for name in ("tanh", "arctan", "log1p", "token_tanh", "token_log1p")
     ]
+    # Teacher-forced scoring and the calibration/test split.
+    c.scoring = ml_collections.ConfigDict(dict(
+        segment_chars=3000,           # per forward context (SmolLM2's context is 8192)
+        top_k=64,                     # per-position summaries kept per member
+        chunk=256,                    # tokens per forward pass
+        min_chars=2000,               # a corpus shorter than this is refused
+        calibration_fraction=0.5,     # the first half of the segments fits, the rest tests
+    ))
+    # Fits: full-batch L-BFGS on the calibration NLL (brf/eval/fitting.py).
+    c.fit = ml_collections.ConfigDict(dict(max_iter=200, ftol=1e-8, gtol=1e-5))
+    c.stats = ml_collections.ConfigDict(dict(
+        n_boot=2000, n_perm=2000, seed=0,
+        forking_top_fraction=0.2,     # the "forking tokens": top-20% entropy positions
+    ))
+    # The prompt study on corpora with a prefix: the prefix pair, one model under two
+    # prefixes (the prefix vs second_prefix), the swarm of four (each model with and
+    # without the prefix). Its NLL question is BRF's gap to the calibrated baselines.
+    c.prompts = ml_collections.ConfigDict(dict(
+        enabled=True, second_prefix=SECOND_PREFIX, swarm=True, variants="calibrated"))
+    # Softmax-bottleneck rows (brf/eval/bottleneck_eval.py) for the same-model pair:
+    # full logits recomputed at `positions` sampled test positions (0 = off), on a
+    # support of each member's top `top_k` tokens.
+    c.bottleneck = ml_collections.ConfigDict(dict(positions=64, top_k=256))
+    c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
+    # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
+    c.compilation_cache = True
+    c.compilation_cache_dir = ""
     # Devices (brf/sharding.py): segments over 'data', a member's weights over
     # 'model'; -1 = every device of this process the other axis leaves. Multi-host:
     # --config.distributed.enabled=True (+ coordinator_address, num_processes,
@@ -140,12 +136,10 @@ def get_config(arg=None):
     if arg == "short":
         c.corpora = format_spec("hamlet", dict(max_chars=6000, prefix=HAMLET_PREFIX))
         c.topk_sensitivity = 128
-        c.bottleneck_positions = 8
-        c.max_chars = 6000
-        c.segment_chars = 1500
-        c.n_perm = 300
-        c.n_boot = 300
-        c.fit_steps = 60
+        c.bottleneck.positions = 8
+        c.scoring.segment_chars = 1500
+        c.stats.n_perm = 300
+        c.stats.n_boot = 300
         c.out_dir = "runs/validate-short"
     elif arg not in (None, ""):
         raise ConfigArgError(f"unknown config arg {arg!r}; use '' or 'short'")

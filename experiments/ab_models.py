@@ -1,17 +1,23 @@
-r"""A/B of a model-code change in one process: the working tree's
-`brf/models/transformer.py` against the same file at a git revision.
+r"""A/B of the model code in one process: `brf/models/transformer.py` at a git
+revision ("ref") against the working tree, run as functions ("work") and as a
+flax.nnx module ("module": `brf.models.from_params` over the same arrays, what
+`registry.load_module` returns).
 
 The file at --ref is loaded as a second, independent module (its own jit
-caches) and both run the same weights, prompt and decoding loop, alternating
-repeat by repeat so that the VM's drift hits both alike. Reports the largest
-logit difference between the two and the median pairwise time ratio (ref time
-/ working-tree time: above 1 means the working tree is faster).
+caches). Every side runs the same weights, prompt, decoding loop and scoring
+text, alternating repeat by repeat so that the VM's drift hits all alike.
+Timed: a prefill of --prompt_len tokens; --new_tokens greedy decoding steps
+(cache donated); teacher-forced scoring of --score_len tokens in chunks of
+--chunk (`brf.models.score_tokens`, run with ref's transformer for ref).
+Reports each side's largest logit (log-prob) difference from ref, whether a
+decoding step lowers to the same program at ref and in the working tree, and
+the median pairwise time ratio ref / side (above 1: the side is faster than
+ref). The sides run in a fresh random order in every repeat.
 
-  python experiments/ab_models.py --model=smollm2-135m-instruct --ref=HEAD --repeats=10
+  python experiments/ab_models.py --model=smollm2-135m-instruct --ref=HEAD --repeats=8
 
-Only the transformer module is swapped: both sides share the checkpoint
-loader, so a change that needs a different parameter layout cannot be
-compared with this script.
+Only the transformer module is swapped: all sides share the checkpoint loader,
+so a change that needs a different parameter layout cannot be compared here.
 """
 
 import importlib.util
@@ -19,6 +25,7 @@ import os
 import subprocess
 import tempfile
 import time
+from typing import Callable, NamedTuple
 
 from absl import flags
 import jax
@@ -27,7 +34,7 @@ import numpy as np
 
 from brf import cli
 from brf.checkpoints import registry
-from brf.models import init_cache
+from brf.models import from_params, init_cache, scoring
 from brf.models import transformer as work_tr
 
 FLAGS = flags.FLAGS
@@ -35,6 +42,8 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name or checkpoi
 flags.DEFINE_string("ref", "HEAD", "git revision of brf/models/transformer.py to compare with")
 flags.DEFINE_integer("prompt_len", 512, "prefill length")
 flags.DEFINE_integer("new_tokens", 16, "decoding steps timed per repeat")
+flags.DEFINE_integer("score_len", 1024, "tokens scored per repeat")
+flags.DEFINE_integer("chunk", 256, "scoring chunk")
 flags.DEFINE_integer("repeats", 8, "alternations")
 
 _MODULE = "brf/models/transformer.py"
@@ -55,45 +64,96 @@ def load_at(ref: str):
     return mod
 
 
+class Side(NamedTuple):
+    """What one side runs: prefill(ids, cache) and decode_step(token, cache) ->
+    (last logits, cache), with the cache donated; score(ids) -> log-probs."""
+    prefill: Callable
+    decode_step: Callable
+    score: Callable
+
+
+def functional(tr, m) -> Side:
+    """The functions of transformer module `tr` on the loaded model `m`."""
+    def score(ids):
+        saved = scoring.prefill_donated  # score_tokens' engine, swapped for tr's
+        scoring.prefill_donated = tr.prefill_donated
+        try:
+            return scoring.score_tokens(m.params, m.cfg, ids, chunk=FLAGS.chunk)
+        finally:
+            scoring.prefill_donated = saved
+
+    return Side(lambda ids, c: tr.prefill_donated(m.params, m.cfg, ids, None, c, logits="last"),
+                lambda tok, c: tr.decode_step_donated(m.params, m.cfg, tok, c), score)
+
+
+def module(model) -> Side:
+    """The nnx module's entry points."""
+    return Side(lambda ids, c: model.prefill(ids, None, c, logits="last", donate=True),
+                lambda tok, c: model.decode_step(tok, c, donate=True),
+                lambda ids: model.score_tokens(ids, chunk=FLAGS.chunk))
+
+
+def same_decode_program(trs, m) -> bool:
+    """Whether the transformer modules `trs` lower a decoding step (all layers in one
+    jitted call, what `decode_step` runs on the per-layer layout) to the same program."""
+    params = jax.eval_shape(lambda p: p, m.params)
+    cache = jax.eval_shape(lambda: init_cache(m.cfg, 1, FLAGS.prompt_len + FLAGS.new_tokens + 1))
+    token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    texts = {tr._compute_jit.lower(params, m.cfg, token, None, cache, dtype=jnp.dtype("float32"),
+                                   logits="last").as_text() for tr in trs}
+    return len(texts) == 1
+
+
 def main(argv):
     del argv
-    mods = {"ref": load_at(FLAGS.ref), "work": work_tr}
     m = registry.load(FLAGS.model, progress=False)
+    sides_tr = (load_at(FLAGS.ref), work_tr)
+    sides = {"ref": functional(sides_tr[0], m), "work": functional(work_tr, m),
+             "module": module(from_params(m.cfg, m.params))}
     T, n = FLAGS.prompt_len, FLAGS.new_tokens
-    ids = jnp.asarray(np.random.RandomState(0).randint(100, 1000, (1, T)), jnp.int32)
+    rng = np.random.RandomState(0)
+    ids = jnp.asarray(rng.randint(100, 1000, (1, T)), jnp.int32)
+    text = rng.randint(100, 1000, (1, FLAGS.score_len)).astype(np.int32)
 
-    def prefill(tr):
-        cache = init_cache(m.cfg, 1, T + n + 1)
-        return jax.block_until_ready(tr.prefill_donated(m.params, m.cfg, ids, None, cache,
-                                                        logits="last"))
+    def prefill(side):
+        return jax.block_until_ready(side.prefill(ids, init_cache(m.cfg, 1, T + n + 1)))
 
-    def decode(tr):
-        logits, cache = prefill(tr)
+    def decode(side):
+        logits, cache = prefill(side)
         t0 = time.perf_counter()
         for _ in range(n):
-            tok = jnp.argmax(logits, -1).astype(jnp.int32)
-            logits, cache = tr.decode_step_donated(m.params, m.cfg, tok, cache)
+            logits, cache = side.decode_step(jnp.argmax(logits, -1).astype(jnp.int32), cache)
         jax.block_until_ready(logits)
         return (time.perf_counter() - t0) / n, logits
 
-    outs = {k: (np.asarray(prefill(tr)[0]), np.asarray(decode(tr)[1])) for k, tr in mods.items()}
-    print(f"{FLAGS.model}: ref={FLAGS.ref} vs working tree, {FLAGS.repeats} alternations")
-    print("max |logit diff|: prefill %.3g, after %d decoding steps %.3g" % (
-        np.abs(outs["ref"][0] - outs["work"][0]).max(), n,
-        np.abs(outs["ref"][1] - outs["work"][1]).max()))
-    pre = {k: [] for k in mods}
-    dec = {k: [] for k in mods}
+    outs = {k: [np.asarray(prefill(s)[0]), np.asarray(decode(s)[1]), s.score(text)]
+            for k, s in sides.items()}
+    print(f"{FLAGS.model}: ref={FLAGS.ref} vs the working tree, {FLAGS.repeats} alternations")
+    for k in ("work", "module"):
+        d = [np.nanmax(np.abs(a - b)) for a, b in zip(outs[k], outs["ref"])]
+        print(f"{k:<6} max |diff| from ref: prefill logits {d[0]:.3g}, after {n} decoding "
+              f"steps {d[1]:.3g}, scored log-probs {d[2]:.3g}")
+    print("decoding-step program identical to ref's:", same_decode_program(sides_tr, m))
+    times = {k: {"prefill": [], "decode": [], "score": []} for k in sides}
     for _ in range(FLAGS.repeats):
-        for k, tr in mods.items():
+        for k in rng.permutation(list(sides)):  # no side always runs after the same one
+            s = sides[k]
             t0 = time.perf_counter()
-            prefill(tr)
-            pre[k].append(time.perf_counter() - t0)
-            dec[k].append(decode(tr)[0])
-    for k in mods:
-        print("%-4s prefill %.0f tok/s (median), decode %.1f ms a step (median)" % (
-            k, T / np.median(pre[k]), 1e3 * np.median(dec[k])))
-    ratio = lambda d: float(np.median(np.array(d["ref"]) / np.array(d["work"])))  # noqa: E731
-    print("pairwise ref/work time, median: prefill %.3f, decode %.3f" % (ratio(pre), ratio(dec)))
+            prefill(s)
+            times[k]["prefill"].append(time.perf_counter() - t0)
+            times[k]["decode"].append(decode(s)[0])
+            t0 = time.perf_counter()
+            s.score(text)
+            times[k]["score"].append(time.perf_counter() - t0)
+    for k, t in times.items():
+        print("%-6s prefill %.0f tok/s, decode %.1f ms a step, scoring %.0f tok/s (medians)" % (
+            k, T / np.median(t["prefill"]), 1e3 * np.median(t["decode"]),
+            FLAGS.score_len / np.median(t["score"])))
+    for k in ("work", "module"):
+        ratio = {part: float(np.median(np.array(times["ref"][part]) / np.array(times[k][part])))
+                 for part in ("prefill", "decode", "score")}
+        print("pairwise ref/%s time, median: prefill %.3f, decode %.3f, scoring %.3f" % (
+            k, ratio["prefill"], ratio["decode"], ratio["score"]))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/analyze_csv.py")
 
 def main(argv):
     del argv
+    cli.check_writable(_CONFIG.value.out_dir, "config.out_dir", directory=True)
     paths = run(_CONFIG.value)
     print(open(paths["markdown"]).read())
     print(f"Report: {paths['markdown']}, {paths['json']}, plots: {', '.join(paths['plots'])}")

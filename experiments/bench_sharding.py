@@ -5,10 +5,10 @@
   python experiments/bench_sharding.py --devices=1 --repeats=5  # the 1-device overhead alone
   python experiments/bench_sharding.py --members=2 --devices=2,8  # members shared vs apart
 
-Each device count runs in its own process (brf/eval/scaling.py). Rows: today's
+Each device count runs in its own process (brf/eval/scaling.py). Rows: the
 single-device path (no mesh) and data-, model- and mixed-parallel meshes over
 all N devices, side by side in one process; the ratio column is each row's
-throughput over today's path in the same process. On a CPU host the N
+throughput over the single-device path in the same process. On a CPU host the N
 devices are virtual and share its cores: no speedup is expected there, the
 point is correctness and overhead (goal: <= 10% at 1 device).
 """
@@ -61,7 +61,7 @@ def main(argv):
     print(f"\n{what}model {FLAGS.model}, {FLAGS.segments} segments x {FLAGS.seg_len} tokens, "
           f"chunk {FLAGS.chunk}, best of {FLAGS.repeats}; host {platform.machine()}, "
           f"{jax.devices()[0].platform}\n")
-    print(markdown_table(["devices", "row", "tokens/s", "vs today (same process)"], table))
+    print(markdown_table(["devices", "row", "tokens/s", "vs one device (same process)"], table))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ file or a Hugging Face directory. Without --out the checkpoint goes to the cache
   python experiments/convert.py --source=path/to/model.gguf --out=/tmp/ckpt --overwrite
 """
 
+import os
 import time
 
 from absl import flags
@@ -26,6 +27,9 @@ flags.DEFINE_string("prompt", "The capital of France is", "tokenized as a smoke 
 def main(argv):
     del argv
     out = FLAGS.out or registry.cache_path(FLAGS.source)
+    # The checkpoint is written next to `out` and renamed into place.
+    cli.check_writable(os.path.dirname(os.path.abspath(out)), "the folder of --out",
+                       directory=True)
     t0 = time.perf_counter()
     registry.convert(FLAGS.source, out, overwrite=FLAGS.overwrite)
     t1 = time.perf_counter()

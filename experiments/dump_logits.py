@@ -15,6 +15,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/dump_logits.py")
 
 def main(argv):
     del argv
+    cli.check_writable(_CONFIG.value.output, "config.output")  # before the model loads
     out = run(_CONFIG.value)
     print(f"wrote {out['rows_written']} rows ({out['rows']} in the file) to {out['path']} "
           f"in {out['seconds']:.1f} s")

@@ -20,6 +20,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py")
 def main(argv):
     del argv
     c = _CONFIG.value
+    if c.output:
+        cli.check_writable(c.output, "config.output")
     n = len(read_prompts(c.prompts, c.prompts_file))
     rows = run(c, on_piece=(lambda p: print_stream(p, n)) if c.stream else None)
     if c.output:

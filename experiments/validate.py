@@ -9,7 +9,8 @@ stored there by an earlier (possibly interrupted) run.
 
 from ml_collections import config_flags
 
-from brf import cli
+from brf import cli, sharding
+from brf.eval import plan as plan_lib
 from brf.eval.study import run
 from brf.runtime import enable_compilation_cache
 
@@ -19,13 +20,16 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")
 def main(argv):
     del argv
     cfg = _CONFIG.value
+    sharding.initialize_distributed(cfg.distributed)  # before any other JAX use
+    plan = plan_lib.from_config(cfg)  # every mistake in the config is named here
+    cli.check_writable(plan.out_dir, "config.out_dir", directory=True)
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache_dir or None)
-    rep = run(cfg)
+    rep = run(plan)
     if rep is None:  # multi-host: another process merges the stores and reports
-        print(f"\nScored this process's share into {cfg.out_dir}; process 0 writes the report.")
+        print(f"\nScored this process's share into {plan.out_dir}; process 0 writes the report.")
         return
-    print(f"\nReport: {cfg.out_dir}/report.md ({rep['seconds']:.0f} s)\n")
+    print(f"\nReport: {plan.out_dir}/report.md ({rep['seconds']:.0f} s)\n")
     for k, v in rep["verdict"].items():
         print(f"- {k}: {v}")
 

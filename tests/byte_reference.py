@@ -96,22 +96,30 @@ class BruteForce:
         self.passes = 0
 
     def _fill(self, seqs: list[tuple]) -> None:
-        """Next-token distributions after each sequence, one batched forward pass."""
+        """Next-token distributions after each sequence: batched forward passes
+        (rows padded to a multiple of 8 tokens, batches to 16 rows, so that few
+        shapes compile)."""
         todo = [s for s in dict.fromkeys(seqs) if s not in self.memo]
+        for i in range(0, len(todo), 16):
+            self._fill_batch(todo[i:i + 16])
+
+    def _fill_batch(self, todo: list[tuple]) -> None:
         if not todo:
             return
-        width = len(self.ctx) + max(len(s) for s in todo)
-        toks = np.zeros((len(todo), width), np.int32)
-        valid = np.zeros((len(todo), width), bool)
+        width = -(-(len(self.ctx) + max(len(s) for s in todo)) // 8) * 8
+        toks = np.zeros((16, width), np.int32)
+        valid = np.zeros((16, width), bool)
+        valid[:, 0] = True  # padding rows: one token, ignored
         for r, s in enumerate(todo):
             row = self.ctx + list(s)
             toks[r, :len(row)] = row
             valid[r, :len(row)] = True
         logits, _ = forward(self.params, self.cfg, jnp.asarray(toks), jnp.asarray(valid),
                             dtype=self.dtype)
-        logits = np.asarray(logits, np.float64)
+        rows = np.asarray([len(self.ctx) + len(s) - 1 for s in todo])
+        logits = np.asarray(logits[np.arange(len(todo)), rows], np.float64)
         for r, s in enumerate(todo):
-            x = logits[r, len(self.ctx) + len(s) - 1]
+            x = logits[r]
             p = np.exp(x - x.max())
             p /= p.sum()
             self.memo[s] = p / (p[self.text].sum() + p[self.eos].sum())
@@ -155,4 +163,4 @@ class BruteForce:
         return total, eot
 
 
-__all__ = ["BruteForce"]
+__all__ = ["BruteForce", "byte_level_tokenizer", "sentencepiece_tokenizer", "tiny_model"]

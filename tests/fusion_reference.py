@@ -1,6 +1,6 @@
 """Independent float64 NumPy references for the fusion kernels.
 
-Written from the formulas in DESIGN.md §1, sharing no code with brf.fusion.
+Written from the formulas in docs/design.md §1, sharing no code with brf.fusion.
 """
 
 import math
@@ -150,3 +150,47 @@ def contrastive(l, beta, plausibility, expert=0, amateur=1):
         floor = np.min(np.where(pa > 0, la, np.inf), -1, keepdims=True)
         score = np.where(keep, np.log(pe) - beta * np.maximum(la, floor), -np.inf)
     return softmax(score)
+
+
+def _logsumexp(a, axis):
+    a = np.asarray(a, np.float64)
+    m = np.max(a, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return np.squeeze(m, axis) + np.log(np.exp(a - m).sum(axis))
+
+
+def reshape(l, w, curve, scale, rate=1.0, center=0.0, pool="linear"):
+    """Each member tilted by exp(scale_i c(d_i(t))) (unit-scale curve), then pooled."""
+    l = np.asarray(l, np.float64)
+    finite = np.isfinite(l)
+    d = np.where(finite, np.max(l, -1, keepdims=True) - l, 0.0)
+    shape = {"linear": {}, "tanh": {"rate": abs(rate)},
+             "sigmoid": {"rate": abs(rate), "center": center},
+             "arctan": {"rate": abs(rate)}, "log1p": {"rate": abs(rate)}}[curve]
+    c = CURVES[curve](d, scale=1.0, **shape)
+    s = np.broadcast_to(np.asarray(scale, np.float64), (l.shape[-2],))[:, None]
+    tilted = np.where(finite, l + s * c, -np.inf)
+    if pool == "linear":
+        return linear(tilted, w)
+    with np.errstate(invalid="ignore"):  # rows with no mass left: NaN, the caller's case
+        return loglinear(tilted, w, 1.0)
+
+
+def power_members(l, w, alpha, order):
+    """(sum_i w_i p_i^alpha_i)^(1/order), normalised; computed in log space."""
+    lp = log_softmax(l)
+    n = lp.shape[-2]
+    w = np.broadcast_to(np.asarray(w, np.float64), lp.shape[:-1])[..., None]
+    a = np.broadcast_to(np.asarray(alpha, np.float64), (n,))[:, None]
+    act = w > 0
+    alive = act & np.isfinite(lp)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(alive, np.log(np.where(act, w, 1.0)) + a * np.where(alive, lp, 0.0),
+                     -np.inf)
+    s = _logsumexp(t, -2)
+    score = np.where(np.isfinite(s), s / order, -np.inf)
+    veto = (act & np.isneginf(lp) & (a < 0)).any(-2)
+    score = np.where(veto, -np.inf, score)
+    with np.errstate(invalid="ignore"):  # rows with no mass left: NaN, the caller's case
+        return softmax(score)

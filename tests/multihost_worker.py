@@ -24,7 +24,7 @@ def main(tmp: str, mode: str, *dist: str) -> None:
 
     import jax
 
-    from brf.eval import pipeline, study
+    from brf.eval import plan as plan_lib, scorer, study
     from brf.eval.corpus import load_default_corpus
 
     corpus = os.path.join(tmp, "corpus.txt")
@@ -35,29 +35,25 @@ def main(tmp: str, mode: str, *dist: str) -> None:
     half = len(text) // 2
     c = validate_config.get_config("short")
     c.members = "tiny-a, tiny-b"
-    c.corpus = ""
     c.corpora = (f'{corpus}(label="first", max_chars={half}, prefix="A story.\\n\\n"), '
                  f'{corpus}(label="second", skip_chars={half})')
-    c.min_chars = 1000
-    c.second_prefix = "Text:\n"
-    c.swarm = True
+    c.scoring.min_chars = 1000
+    c.prompts.second_prefix = "Text:\n"
+    c.prompts.swarm = True
     c.topk_sensitivity = 16
-    c.bottleneck_positions = 0
-    c.segment_chars = 400
-    c.top_k = 8
-    c.chunk = 64
-    c.fit_steps = 5
-    c.n_perm = 50
-    c.n_boot = 50
+    c.bottleneck.positions = 0
+    c.scoring.segment_chars = 400
+    c.scoring.top_k = 8
+    c.scoring.chunk = 64
+    c.fit.max_iter = 20
+    c.stats.n_perm = 50
+    c.stats.n_boot = 50
     c.out_dir = os.path.join(tmp, mode)
     c.methods = 'linear(label="linear (tuned)")'
     c.phase_maps = ('constant(label="hellinger (equal phases)", fixed=True), '
                     'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True), tanh')
-    c.variants = c.prompt_variants = "proposed"
+    c.variants = c.prompts.variants = "proposed"
     c.sweep = c.sweep[:1]
-    # Each process has 2 (virtual) devices and keeps the members apart, one per
-    # device: the members of a scoring run at once in threads, each reaching its
-    # own barrier, so this also checks that the barriers match across processes.
     c.mesh.placement = "apart"
     if mode == "multi":
         addr, n, pid = dist
@@ -75,10 +71,11 @@ def main(tmp: str, mode: str, *dist: str) -> None:
     enable_compilation_cache(os.path.join(tmp, "jax_cache"))
 
     members = tiny_members(text)
-    meshes = pipeline.member_meshes(c)
+    plan = plan_lib.from_config(c)
+    meshes = scorer.member_meshes(plan.mesh, len(plan.members))
     assert [[d.id for d in m.devices.flat] for m in meshes] == [
         [d.id for d in jax.local_devices()[:1]], [d.id for d in jax.local_devices()[1:2]]], meshes
-    rep = study.run(c, load_member=members.__getitem__)
+    rep = study.run(plan, load_model=members.__getitem__)
     print("report written" if rep is not None else "share scored", flush=True)
 
 

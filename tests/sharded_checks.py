@@ -2,7 +2,7 @@
 
 Every function here is called as ``python -c "import sharded_checks as s; s.<fn>(...)"``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set in the
-environment before JAX is imported (STYLE.md habit 9), so the process sees 8
+environment before JAX is imported (so the flag takes effect), so the process sees 8
 CPU devices. A failed assertion ends the process with a traceback; the test
 reports it.
 
@@ -111,10 +111,12 @@ def fusion(mesh_name: str) -> None:
     assert (2, 2, V) in _all_gathers(gather.lower(xs).compile().as_text()) or \
         (4, 2, V) in _all_gathers(gather.lower(xs).compile().as_text())
     # Every method that needs no extra input; the softmax-bottleneck methods solve a
-    # program per position over a token support and take the members' unembeddings:
+    # program per position over a token support and take the members' unembeddings,
+    # and the phase-shuffled control permutes phases across the whole vocabulary:
     # they are not vocabulary-sharded kernels.
     cases = [(name, {}) for name in METHODS.names()
-             if not any(p.kind == "array" for p in METHODS.get(name).params.values())] + [
+             if not any(p.kind == "array" for p in METHODS.get(name).params.values())
+             and name != "born_shuffled"] + [
         ("born", {"phase": "tanh(rate=0.5, offset=[0, 1])"}),
         ("born", {"phase": "token_tanh(rate=0.5, offset=[0, 2])"}),
         ("born", {"phase": "constant(offset=[0, 3.1])"})]
@@ -235,15 +237,14 @@ def scoring_apart() -> None:
 
     from test_validate import tiny_members, validate_config
 
-    from brf.eval import pipeline
+    from brf.eval import plan as plan_lib, scorer
     from brf.eval.corpus import load_default_corpus
     from brf.eval.scoring import ROW_FIELDS
 
     text = load_default_corpus(min_chars=100)[:3000]
     members = tiny_members(text)
-    c = validate_config.get_config("short")
-    c.members, c.top_k, c.chunk = "tiny-a, tiny-b", 8, 64
-    segs = pipeline.split_segments(text, 500)
+    pair = [plan_lib.Member("tiny-a"), plan_lib.Member("tiny-b")]
+    segs = plan_lib.split_segments(text, 500)
     # Groups: contiguous, equal, disjoint; members take turns when devices are few.
     apart = dict(data=-1, model=1, placement="apart")
     ids = lambda ms: [[d.id for d in sharding.mesh_devices(m)] for m in ms]
@@ -256,13 +257,14 @@ def scoring_apart() -> None:
         raise AssertionError("a mesh larger than a member's group was accepted")
     except sharding.ShardingError as e:
         assert "this process has 4 in each of 2 member groups" in str(e), e
-    c.mesh = dict(data=-1, model=2, placement="apart")
-    meshes = pipeline.member_meshes(c)
+    meshes = scorer.member_meshes(dict(data=-1, model=2, placement="apart"), 2)
     assert [m.devices.shape for m in meshes] == [(2, 2), (2, 2)]
     assert not set(sharding.mesh_devices(meshes[0])) & set(sharding.mesh_devices(meshes[1]))
     with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as apart:
-        _, ref, _ = pipeline.score_all(c, segs, one, members.__getitem__, mesh=None)
-        _, got, _ = pipeline.score_all(c, segs, apart, members.__getitem__, mesh=meshes)
+        _, ref, _ = scorer.score_members(pair, segs, one, members.__getitem__, top_k=8,
+                                         chunk=64)
+        _, got, _ = scorer.score_members(pair, segs, apart, members.__getitem__, top_k=8,
+                                         chunk=64, meshes=meshes)
         assert sorted(os.listdir(one)) == sorted(os.listdir(apart))
     for r, g in zip(ref, got):
         for f in ("token_ids", "tok_starts", "row_starts", "topk_ids"):
@@ -274,10 +276,10 @@ def scoring_apart() -> None:
 
 
 def checkpoint_on_mesh() -> None:
-    """A checkpoint read straight onto a mesh (store.restore / registry.load with
-    ``mesh=``): every split weight arrives as 1/m of itself per device, in both
-    layouts, with the values of a one-device restore; scoring on it equals one
-    device."""
+    """A checkpoint read straight onto a mesh (store.restore / registry.load /
+    registry.load_module with ``mesh=``): every split weight arrives as 1/m of
+    itself per device, in both layouts, with the values of a one-device restore;
+    the module's logits and scoring on it equal one device's."""
     import tempfile
 
     from brf.checkpoints import registry, store
@@ -304,6 +306,7 @@ def checkpoint_on_mesh() -> None:
                         {r.shape[dim] // 4}, name
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
             assert n_split >= 5, (layout, n_split)
+            _module_on_mesh(path, layout, mesh, got, ref)
         params = registry.load(path).params
         segs = _segments(cfg.vocab_size, lengths=(60, 45, 80))
         a = score_segments(params, cfg, segs, top_k=8, chunk=64)
@@ -311,6 +314,19 @@ def checkpoint_on_mesh() -> None:
                            mesh=mesh)
         np.testing.assert_allclose(b.gold_logp, a.gold_logp, rtol=1e-5, atol=2e-5)
     print("ok")
+
+
+def _module_on_mesh(path, layout, mesh, placed, ref) -> None:
+    """registry.load_module(mesh=) holds the arrays registry.load(mesh=) places, with
+    the same shardings, and its logits are one device's."""
+    from brf.checkpoints import registry
+    from brf.models import prefill
+    module, _ = registry.load_module(path, layout=layout, mesh=mesh)
+    for m, g in zip(jax.tree.leaves(module.to_params()), jax.tree.leaves(placed)):
+        assert m.sharding == g.sharding, (m.sharding, g.sharding)
+    tokens = np.asarray(_segments(module.cfg.vocab_size, lengths=(24,))[0])[None]
+    want = prefill(ref, module.cfg, tokens, None, None)[0]
+    np.testing.assert_allclose(module(tokens), want, rtol=1e-5, atol=2e-5)
 
 
 def dump_on_mesh() -> None:

@@ -44,11 +44,11 @@ CASES = [
     (V + ["--config.phase_maps=tanh(rat=0.5)"], "rat"),
     (V + ["--config.members=smollm2-135m-instruct, no-such-model"], "no-such-model"),
     (V + ["--config.members=smollm2-135m-instruct(prefx='a'), gemma3-270m"], "prefx"),
-    (V + ["--config.calibration_fraction=1.5"], "calibration_fraction"),
-    (V + ["--config.calibration_fraction=abc"], "calibration_fraction"),
+    (V + ["--config.scoring.calibration_fraction=1.5"], "must lie in (0, 1)"),
+    (V + ["--config.scoring.calibration_fraction=abc"], "calibration_fraction"),
     (V + ["--config.no_such_field=1"], "no_such_field"),
-    (V + ["--config.corpus={d}/missing.txt"], "missing.txt"),
-    (V + ["--config.corpus={d}/latin1.txt"], "UTF-8"),
+    (V + ["--config.corpora={d}/missing.txt"], "missing.txt': neither a registered corpus"),
+    (V + ["--config.corpora={d}/latin1.txt"], "not valid UTF-8"),
     (["experiments/validate.py", "--config=configs/validate.py:bogus"], "bogus"),
     # generate: model, method, phase map, sampler, weighting, member fields
     (G + ["--config.members=no-such-model, random:smollm2-135m-instruct:1"], "no-such-model"),
@@ -59,12 +59,34 @@ CASES = [
     (G + ["--config.weighting=perplexity(temperature=-1)"], "temperature must be > 0"),
     (G + ["--config.members=random:smollm2-135m-instruct:0(colour=1)"], "colour"),
     (G + ["--config.max_new_tokens=0"], "max_new_tokens"),
+    (G + ["--config.method=born(phase=\"tanh(rate=1)\")"],
+     "'phase' is given twice: in config.method 'born(phase=\"tanh(rate=1)\")' and in "
+     "config.phase (set config.phase='' to use the method's)"),
     (G + ["--config.prompts_file={d}/missing.txt"], "missing.txt"),
     # convert: bad files and names
     (["experiments/convert.py", "--source={d}/junk.gguf", "--out={d}/o1"], "junk.gguf"),
     (["experiments/convert.py", "--source={d}/hf", "--out={d}/o2"], "config.json"),
     (["experiments/convert.py", "--source={d}/notjson", "--out={d}/o3"], "not valid JSON"),
     (["experiments/convert.py", "--source=no-such-model", "--out={d}/o4"], "no-such-model"),
+    # outputs that cannot be written: refused before any model loads or analysis runs
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}/latin1.txt/x.csv", "--config.compilation_cache=False"],
+     "config.output='{d}/latin1.txt/x.csv' cannot be written: {d}/latin1.txt is a file"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output=", "--config.compilation_cache=False"], "config.output is empty"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}/seg.csv", "--config.segment_tokens=1",
+      "--config.compilation_cache=False"], "segment_tokens=1 must be at least 2"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}", "--config.compilation_cache=False"], "is a directory, not a file"),
+    (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:tiny",
+      "--config.csvs={d}/a.csv,{d}/b.csv", "--config.out_dir={d}/latin1.txt"],
+     "config.out_dir='{d}/latin1.txt' cannot be written: {d}/latin1.txt is a file, not a "
+     "directory"),
+    (G + ["--config.output={d}/latin1.txt/g.jsonl"], "config.output='{d}/latin1.txt/g.jsonl'"),
+    (V + ["--config.out_dir={d}/latin1.txt/run"], "config.out_dir='{d}/latin1.txt/run'"),
+    (["experiments/convert.py", "--source={d}/junk.gguf", "--out={d}/latin1.txt/ck"],
+     "the folder of --out='{d}/latin1.txt' cannot be written"),
     # benchmarks and the demo
     (["experiments/bench_fusion.py", "--methods=nope"], "nope"),
     (["experiments/demo.py", "--config=configs/demo.py", "--config.weights=abc"], "weights"),
@@ -74,6 +96,7 @@ CASES = [
 @pytest.mark.parametrize("args,needle", CASES, ids=[" ".join(a[1:])[:60] for a, _ in CASES])
 def test_user_error_is_one_line_and_exit_2(args, needle, bad_files, tmp_path):
     args = [a.format(d=bad_files) for a in args]
+    needle = needle.format(d=bad_files)
     res = _run(args, tmp_path)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])

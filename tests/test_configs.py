@@ -25,10 +25,14 @@ def test_config_loads_and_names_registered_things(path):
     doc = mod.__doc__ or ""
     assert f"--config=configs/{path.name}" in doc, "the docstring shows the run command"
     cfg = mod.get_config()
-    for spec in list(cfg.get("rows", [])) + method_entries(cfg.get("methods", [])):
-        get_method(spec["method"])
-        if "phase" in spec:
-            phase_map(spec["phase"])
+    for row in cfg.get("rows", []):
+        get_method(row["method"])
+        if "phase" in row:
+            phase_map(row["phase"])
+    for spec in method_entries(cfg.get("methods", [])):
+        get_method(spec.method)
+        if spec.phase:
+            phase_map(spec.phase)
     if "method" in cfg:  # a single method spec (generate.py)
         get_method(parse_spec(cfg.method, "method")[0])
     if cfg.get("phase"):
@@ -44,3 +48,20 @@ def test_demo_main_prints_every_method(capsys):
     for row in cfg.rows:
         assert row["label"] in table
     assert "below every member" in table  # the interference is visible
+
+
+@pytest.mark.parametrize("arg", [None, "short"])
+def test_validation_config_makes_a_plan(arg):
+    """The study's config (full and short) becomes a checked plan: members, corpora,
+    every method in both variants, and the analyses of each corpus."""
+    from brf.eval import plan as plan_lib
+    mod = _load(CONFIGS[[p.stem for p in CONFIGS].index("validate")])
+    plan = plan_lib.from_config(mod.get_config(arg))
+    assert len(plan.members) == 2 and plan.variants == ("proposed", "calibrated")
+    specs = plan.method_specs(2)
+    assert len({s.label for s in specs}) == len(specs)
+    assert {s.role for s in specs} == {"brf", "baseline", "member", "other"}
+    kinds = [a.kind for a in plan.analyses(0)]
+    assert kinds == ["corpus", "topk", "prefix", "same_model", "swarm"]
+    # The linear-pool reference (one offset per member) has no four-member form.
+    assert len(plan.phase_maps_for(4)) == len(plan.phase_maps) - 1

@@ -2,6 +2,7 @@
 validation experiment, resuming, and one-line errors from the mains."""
 
 import csv
+import json
 import math
 import os
 import pathlib
@@ -138,6 +139,10 @@ def test_round_trip_reproduces_model_log_probs(smollm, dumps):
         np.testing.assert_array_equal(run.position, np.arange(len(ids)))
         np.testing.assert_array_equal(run.token_id, ids)
         ctx = context_ids(smollm, system=system)
+        # The metadata names that context; SmolLM2's BOS is its chat-turn marker.
+        assert run.meta["context_ids"] == ctx
+        assert run.meta["context_text"] == _texts_by_tokenizer(smollm.tokenizer, ctx)
+        assert run.meta["context_text"][0] == "\\!<|im_start|>"
         pad_to = -(-(len(ctx) + 200) // 64) * 64
         for a in range(0, len(ids), 200):
             seg = np.asarray(ctx + ids[a:a + 200], np.int32)
@@ -201,7 +206,7 @@ def test_phase_analysis_matches_validation_pipeline_across_tokenizers(smollm, tm
     from brf.eval import hypotheses
     from brf.eval.dump import dump_scores
     from brf.eval.events import build_event_table
-    from brf.eval.pipeline import _encode, member_token_bytes
+    from brf.eval.scorer import encode as _encode, member_token_bytes
     from brf.eval.scoring import score_segments
     gemma = load("gemma3-270m", progress=False)
     text = TEXT[:600]
@@ -264,6 +269,56 @@ def test_generation_dump_and_resume(smollm, tmp_path):
     pathlib.Path(path).write_bytes(keep)
     dump_generations(smollm, ["Say hi.", "Name a colour."], path, **kw)
     assert pathlib.Path(path).read_bytes() == full
+
+
+def _texts_by_tokenizer(tok, ids):
+    """Each token's text field from the tokenizer alone (an independent route)."""
+    special = set(tok.all_special_ids)
+    return [("\\!" + tok.convert_ids_to_tokens(i)) if i in special
+            else lc.escape_bytes(tok.decode([i]).encode()) for i in ids]
+
+
+def test_dump_records_its_context_and_old_files_still_resume(tmp_path):
+    """The metadata names the context tokens (ids and texts) the dump read before the
+    text; a file written before those keys existed reads the same and resumes."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_lm import tiny_member
+    from brf.eval.dump import dump_generations, dump_scores
+    model = tiny_member(0)
+    tok = model.tokenizer
+    path = tmp_path / "ctx.csv"
+    kw = dict(k=4, chunk=32, segment_tokens=40, system="Be brief.", prefix="Q: ")
+    out = dump_scores(model, TEXT[:300], str(path), **kw)
+    meta = lc.read_csv(str(path)).meta
+    chat = tok.apply_chat_template([{"role": "system", "content": "Be brief."}], tokenize=True)
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    want = [tok.bos_token_id] + chat[1:] + tok.encode("Q: ", add_special_tokens=False)
+    assert chat[0] == tok.bos_token_id and meta["context_ids"] == want
+    assert meta["context_tokens"] == len(want)
+    assert meta["context_text"] == _texts_by_tokenizer(tok, want)
+    assert meta["context_text"][0] == "\\!<s>"
+    assert b"".join(lc.unescape(f)[0] for f in meta["context_text"]) == (
+        b"system: Be brief.\nQ: ")
+    # Generation: one context per prompt, the whole wrapped prompt.
+    gen = tmp_path / "gen.csv"
+    dump_generations(model, ["Hi.", "Name a colour."], str(gen), k=4, max_new_tokens=1)
+    gmeta = lc.read_csv(str(gen)).meta
+    for ids, texts, prompt in zip(gmeta["context_ids"], gmeta["context_text"],
+                                  ["Hi.", "Name a colour."], strict=True):
+        ref = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, tokenize=True)
+        assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+        assert texts == _texts_by_tokenizer(tok, ids)
+    # A file from before the context keys: same rows, older metadata line.
+    lines = path.read_bytes().split(b"\n")
+    old = {k: v for k, v in meta.items() if k not in ("context_ids", "context_text")}
+    lines[1] = b"# " + json.dumps(old).encode()
+    path.write_bytes(b"\n".join(lines[:-6]) + b"\n")  # and interrupted: rows missing
+    run = lc.read_csv(str(path))
+    assert "context_ids" not in run.meta and run.n_rows == out["rows"] - 5
+    again = dump_scores(model, TEXT[:300], str(path), **kw)
+    assert again["rows_written"] == 5 and again["rows"] == out["rows"]
+    assert lc.read_csv(str(path)).meta == old  # resumed in place, metadata kept
 
 
 # ---------------------------------------------------------------------------
@@ -335,6 +390,56 @@ def test_hand_written_csv_is_read_and_analysed(tmp_path):
     assert not any(m.startswith("bottleneck") for m in csv_analysis.default_methods())
 
 
+def _two_tokenizer_pair(tmp_path, rng, n=60, k=5, sizes=(50, 60)):
+    """Two metadata-less CSVs of one text by two 'tokenizers' that split it the same
+    way (one letter per token) but number their tokens differently (vocabularies of
+    50 and 60): same positions, different ids, so only byte alignment pairs them."""
+    letters = [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"]
+    text = rng.integers(0, len(letters), n)
+    base = rng.normal(0, 2, (n, len(letters)))
+    paths = []
+    for m, v in enumerate(sizes):
+        id_of = (np.arange(len(letters)) * (1 if m == 0 else 7) + 3 * m) % v
+        logits = base + rng.normal(0, 1.0, base.shape)
+        order = np.argsort(-logits, 1)[:, :k]
+        lse = np.log(np.exp(logits).sum(1))
+        header = (["position", "token_id", "token_text", "token_logit", "lse"]
+                  + [f"logit_{j + 1}" for j in range(k)] + [f"id_{j + 1}" for j in range(k)]
+                  + [f"text_{j + 1}" for j in range(k)])
+        paths.append(str(tmp_path / f"tok{m}.csv"))
+        with open(paths[-1], "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            for i, t in enumerate(text):
+                w.writerow([i, id_of[t], letters[t].decode(), repr(float(logits[i, t])),
+                            repr(float(lse[i]))]
+                           + [repr(float(logits[i, o])) for o in order[i]]
+                           + [int(id_of[o]) for o in order[i]]
+                           + [letters[o].decode() for o in order[i]])
+    return paths
+
+
+def test_auto_alignment_reads_the_given_vocabulary_sizes(tmp_path):
+    """Without metadata, align=auto takes the vocabulary sizes from vocab_sizes: two
+    sizes mean two tokenizers, compared on co-aligned bytes (here every position)."""
+    paths = _two_tokenizer_pair(tmp_path, np.random.default_rng(5))
+    runs, rows, table, align = csv_analysis.load_table(paths, vocab_sizes=[50, 60])
+    assert align == "bytes" and table.n_positions == 60
+    np.testing.assert_array_equal(rows, np.stack([np.arange(60)] * 2, 1))
+    # Equal sizes keep position alignment, whose refusal names the way out.
+    with pytest.raises(lc.CsvError, match=r"token_id .*not on the same positions.*"
+                                          r"--config\.align=bytes"):
+        csv_analysis.load_table(paths, vocab_sizes=[50, 50])
+    with pytest.raises(csv_analysis.UserError, match="2 vocabulary sizes for 3 CSVs"):
+        csv_analysis.load_table(paths + paths[:1], vocab_sizes=[50, 60])
+    r = _main("analyze_csv.py", f"--config={ROOT}/configs/analyze_csv.py:tiny",
+              f"--config.csvs={','.join(paths)}", f"--config.out_dir={tmp_path}/out",
+              "--config.vocab_sizes=50,60", cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    import json
+    assert json.load(open(tmp_path / "out" / "analysis.json"))["align"] == "bytes"
+
+
 # ---------------------------------------------------------------------------
 # Bad input through the mains: one stderr line, exit status 2.
 # ---------------------------------------------------------------------------
@@ -366,7 +471,7 @@ def _bad_inputs(tmp_path):
     _hand_csv(p, top, order, lse, tok, tl, positions=pos)
     cases["mismatched positions"] = (
         [paths[0], p], r"shifted\.csv: line 12 \(row 10\), column 'position': position 10 "
-                       r"where .*hand0\.csv line 12 has 9")
+                       r"where .*hand0\.csv line 12 has 9.*use --config\.align=bytes")
     p = str(tmp_path / "text.csv")
     _hand_csv(p, top, order, lse, tok, tl, bad="text")
     cases["non-numeric"] = ([paths[0], p], r"text\.csv: line 10 \(row 8\), column 'logit_3': "

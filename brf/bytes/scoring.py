@@ -37,8 +37,8 @@ STORE_VERSION = 1
 ROW_FIELDS = ("logp", "gap", "pruned", "n_hyp")
 ROW_DTYPES = {"logp": np.float32, "gap": np.float32, "pruned": np.float32, "n_hyp": np.int32}
 STAT_FIELDS = ("byte_ll", "canonical_ll", "canonical_ll_raw", "lost", "canonical_tokens",
-               "context_tokens", "extra_tokens", "padded_tokens", "tree_calls", "on_demand",
-               "tables", "prefetched_tables", "max_hyp", "seconds")
+               "context_tokens", "extra_tokens", "padded_tokens", "tree_calls", "lookaheads", "speculated",
+               "tables", "used_tables", "max_hyp", "seconds")
 
 
 class ByteScores(dict):

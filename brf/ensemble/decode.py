@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -239,27 +239,11 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
     prompts = list(prompts)
     sampler = Sampler.parse(sampler) if not isinstance(sampler, Sampler) else sampler
     method_params = dict(method_params or {})
-    if mode not in MODES:
-        raise EnsembleInputError(f"unknown mode {mode!r}; use one of {MODES}")
-    if choice not in CHOICES:
-        raise EnsembleInputError(f"unknown choice {choice!r}; use one of {CHOICES}")
-    if not prompts:
-        raise EnsembleInputError("no prompts")
-    if max_new_tokens < 1:
-        raise EnsembleInputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    _check_request(mode, choice, prompts, max_new_tokens, method, method_params, sampler)
     w = normalised_weights(members, weights)
     if mode == "fuse":
         method_params = _with_unembeddings(method, method_params, members)
         _check_method(method, method_params, len(members))
-    elif method != "linear" or method_params:
-        raise EnsembleInputError(f"mode {mode!r} mixes members (a linear pool); it takes no "
-                                 f"fusion method (got method={method!r}, params={method_params})")
-    if mode == "mixture_exact" and sampler != Sampler():
-        raise EnsembleInputError(
-            f"mode 'mixture_exact' samples the linear pool exactly only at temperature 1 "
-            f"without truncation; got {sampler}. Use mode='mixture_per_member' (sampler "
-            f"applied to each member before mixing) or mode='fuse' with method='linear' "
-            f"(sampler applied to the pool)")
     B = len(prompts)
     space = make_space(aligner, members, B, aligner_params)
     if mode != "fuse" and not space.supports_mixture:
@@ -278,8 +262,33 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
         for p in ids:
             check_prompt_fits(m, p, max_new_tokens if same_vocab else 0)
     space.start(prompt_ids)
-    return _run(members, prompts, w, mode, method, method_params, sampler, max_new_tokens,
-                tuple(stop), seed, space, choice, dtype, results, trace, prompt_ids)
+    return _run(_Job(members=members, prompts=prompts, weights=w, mode=mode, method=method,
+                     method_params=method_params, sampler=sampler,
+                     max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed, space=space,
+                     choice=choice, dtype=dtype, trace=trace, prompt_ids=prompt_ids),
+                results)
+
+
+def _check_request(mode: str, choice: str, prompts: list, max_new_tokens: int, method: str,
+                   method_params: dict, sampler: Sampler) -> None:
+    """The checks of :func:`stream` that need no model."""
+    if mode not in MODES:
+        raise EnsembleInputError(f"unknown mode {mode!r}; use one of {MODES}")
+    if choice not in CHOICES:
+        raise EnsembleInputError(f"unknown choice {choice!r}; use one of {CHOICES}")
+    if not prompts:
+        raise EnsembleInputError("no prompts")
+    if max_new_tokens < 1:
+        raise EnsembleInputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if mode != "fuse" and (method != "linear" or method_params):
+        raise EnsembleInputError(f"mode {mode!r} mixes members (a linear pool); it takes no "
+                                 f"fusion method (got method={method!r}, params={method_params})")
+    if mode == "mixture_exact" and sampler != Sampler():
+        raise EnsembleInputError(
+            f"mode 'mixture_exact' samples the linear pool exactly only at temperature 1 "
+            f"without truncation; got {sampler}. Use mode='mixture_per_member' (sampler "
+            f"applied to each member before mixing) or mode='fuse' with method='linear' "
+            f"(sampler applied to the pool)")
 
 
 def _gatherer(members: Sequence[Member]) -> Callable[[jax.Array], jax.Array]:
@@ -301,130 +310,175 @@ def _gatherer(members: Sequence[Member]) -> Callable[[jax.Array], jax.Array]:
     return lambda x: jax.device_put(x, target)
 
 
-def _run(members, prompts, w, mode, method, method_params, sampler, max_new_tokens, stop,
-         seed, space, choice, dtype, results, trace, prompt_ids) -> Iterator[Piece]:
-    n, B = len(members), len(prompts)
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One checked call of :func:`stream` (see its arguments)."""
+    members: list
+    prompts: list
+    weights: np.ndarray
+    mode: str
+    method: str
+    method_params: dict
+    sampler: Sampler
+    max_new_tokens: int
+    stop: tuple
+    seed: int
+    space: Any
+    choice: str
+    dtype: Any
+    trace: bool
+    prompt_ids: list
+
+
+class _Step(NamedTuple):
+    """What one decoding step drew, for every sequence of the batch."""
+    event_B: np.ndarray                 # the chosen event
+    col_B: np.ndarray                   # its column in the step's event list
+    logq_BxE: Any                       # the distribution drawn from (None: not kept)
+    logp: dict                          # member -> aligned log-probs (trace)
+    events: Any                         # the step's event list (None: the space's own)
+
+
+def _run(job: _Job, results: list[Generation] | None) -> Iterator[Piece]:
+    members, B, n = job.members, len(job.prompts), len(job.members)
     gather = _gatherer(members)
+    method_params = job.method_params
     if method_params and method_params.get("unembeddings") is not None:
         # Softmax-bottleneck fusion reads every member's output head where it runs.
         method_params = dict(method_params,
                              unembeddings=[gather(u) for u in method_params["unembeddings"]])
-    gens = [Generation(prompt=p, members_run=[0] * n) for p in prompts]
+    gens = [Generation(prompt=p, members_run=[0] * n) for p in job.prompts]
     if results is not None:
         results[:] = gens
-    streams = [TextStream(stop) for _ in range(B)]
+    streams = [TextStream(job.stop) for _ in range(B)]
     # Room for the prompt bucket plus twice the expected tokens (catch-up padding).
-    states = [catchup.start(m, ids, dtype=dtype,
-                            slots=catchup.bucket(max(map(len, ids)), 8) + 2 * max_new_tokens)
-              for m, ids in zip(members, prompt_ids)]
+    states = [catchup.start(m, ids, dtype=job.dtype,
+                            slots=catchup.bucket(max(map(len, ids)), 8) + 2 * job.max_new_tokens)
+              for m, ids in zip(members, job.prompt_ids)]
     done = [False] * B
-    w_dev = jnp.asarray(w, jnp.float32)
-    base = jax.random.PRNGKey(seed)
-
-    for step in range(max_new_tokens):
+    w_dev = jnp.asarray(job.weights, jnp.float32)
+    base = jax.random.PRNGKey(job.seed)
+    for step in range(job.max_new_tokens):
         live = [b for b in range(B) if not done[b]]
         if not live:
             break
-        k_token, member_B = _step_keys(base, step, w_dev, batch=B, shared=choice == "shared")
-        if mode == "fuse":
-            needed = list(range(n))
-            member_B = None
-        else:
-            member_B = np.asarray(member_B)
-            needed = sorted({int(member_B[b]) for b in live})
-        logp = {}
+        k_token, member_B = _step_keys(base, step, w_dev, batch=B, shared=job.choice == "shared")
+        member_B = None if job.mode == "fuse" else np.asarray(member_B)
+        needed = (list(range(n)) if member_B is None
+                  else sorted({int(member_B[b]) for b in live}))
         for i in needed:  # dispatched without waiting: members apart run at once
-            states[i] = catchup.catch_up(members[i], states[i], dtype=dtype)
+            states[i] = catchup.catch_up(members[i], states[i], dtype=job.dtype)
             for b in live:
                 gens[b].members_run[i] += 1
         logits = {i: gather(states[i].logits_BxV) for i in needed}
-        if mode == "fuse":
-            logp_BxnxE, events = space.align_all([logits[i] for i in range(n)])
-            logp = {i: logp_BxnxE[:, i] for i in range(n)}
-            logq_BxE = fuse(method, logp_BxnxE, w_dev, validate=False, **method_params)
-            col_B = _draw(k_token, logq_BxE, _column_mask(space.mask_E, events), sampler)
-        elif mode == "mixture_exact" and not trace:
-            # Exact ME without truncation: draw a token in the chosen member's own
-            # vocabulary and map it to its event. Same law as drawing from the
-            # member's aligned distribution (the event law is the push-forward of
-            # the token law), without aligning V_i logits onto all events.
-            events, col_B = None, np.zeros(B, np.int64)
-            for i in needed:
-                tok_B = np.asarray(_draw(jax.random.fold_in(k_token, i), logits[i],
-                                         space.token_mask(i), Sampler()))
-                ev_B = space.token_events(i, tok_B)
-                col_B = np.where(member_B == i, ev_B, col_B)
-            logq_BxE = None
-        else:
-            events = None
-            logp = {i: space.align_one(i, logits[i]) for i in needed}
-            if len(needed) == 1:
-                rows_BxE = logp[needed[0]]
-            else:
-                stacked = jnp.stack([logp.get(i, logp[needed[0]]) for i in range(n)])
-                rows_BxE = _pick_rows(stacked, jnp.asarray(member_B))
-            s = sampler if mode == "mixture_per_member" else Sampler()
-            col_B = _draw(k_token, rows_BxE, space.mask_E, s)
-            logq_BxE = rows_BxE if s == Sampler() else _filtered(rows_BxE, s)
-            if mode == "mixture_exact":  # the same draw as the untraced path above
-                col_B = np.asarray(col_B)
-                for i in needed:
-                    tok_B = np.asarray(_draw(jax.random.fold_in(k_token, i),
-                                             logits[i], space.token_mask(i), Sampler()))
-                    col_B = np.where(member_B == i, space.token_events(i, tok_B), col_B)
-        col_B = np.asarray(col_B)
-        if events is None:
-            event_B = col_B
-        else:
-            ev = np.asarray(events)
-            event_B = np.take_along_axis(np.broadcast_to(ev, (B,) + ev.shape[-1:]),
-                                         col_B[:, None], axis=1)[:, 0]
-        if trace:
-            logq_np = np.asarray(logq_BxE)
-            logp_np = {i: np.asarray(v) for i, v in logp.items()}
-            ev_np = None if events is None else np.broadcast_to(np.asarray(events),
-                                                                logq_np.shape)
-        # Host side: text, stop conditions, re-encoding into pending tokens.
+        drawn = _draw_step(job, k_token, logits, member_B, w_dev, method_params)
         edits = [[(0, ())] * B for _ in range(n)]
         for b in live:
-            e = int(event_B[b])
-            g = gens[b]
-            if trace:
-                g.trace.append(dict(logq=logq_np[b], event=e, column=int(col_B[b]),
-                                    events=None if ev_np is None else ev_np[b],
-                                    member_logp={i: v[b] for i, v in logp_np.items()},
-                                    n_read={i: states[i].n_read[b] for i in logp_np},
-                                    member=None if member_B is None else int(member_B[b])))
-            g.n_events += 1
-            reason, piece = None, ""
-            if space.is_eos(e):
-                reason = "eos"
-            else:
-                per_member = space.advance(b, e, [st.n_read[b] for st in states])
-                for i in range(n):
-                    edits[i][b] = per_member[i]
-                piece = streams[b].update(space.text(b))
-                if streams[b].stopped:
-                    reason = "stop"
-                elif g.n_events >= max_new_tokens:
-                    reason = "length"
-                elif any(states[i].n_read[b] + len(states[i].pending[b]) - per_member[i][0]
-                         + len(per_member[i][1]) >= members[i].cfg.max_seq_len
-                         for i in range(n)):
-                    reason = "context"
-            if reason is not None:
-                piece += streams[b].update(space.text(b), final=True)
-                done[b] = True
-                g.finish_reason = reason
-                for i in range(n):
-                    edits[i][b] = (0, ())
-            g.text = streams[b].text
-            if reason is not None:
-                g.data = space.raw(b)
-                g.member_ids = [tuple(space.member_ids(i, b)) for i in range(n)]
+            if job.trace:
+                gens[b].trace.append(_trace_row(drawn, b, states, member_B))
+            piece, reason = _advance(job, b, int(drawn.event_B[b]), gens[b], streams[b],
+                                     states, edits)
+            done[b] = reason is not None
             if piece or reason:
                 yield Piece(b, piece, reason)
         states = [catchup.edit_pending(st, edits[i]) for i, st in enumerate(states)]
+
+
+def _draw_step(job: _Job, k_token, logits: dict, member_B, w_dev, method_params) -> _Step:
+    """Draws every sequence's next event: from the fused distribution (mode 'fuse'), or
+    from the member each sequence picked (the mixture modes)."""
+    space, n, B = job.space, len(job.members), len(job.prompts)
+    logp, events = {}, None
+    if job.mode == "fuse":
+        logp_BxnxE, events = space.align_all([logits[i] for i in range(n)])
+        logp = {i: logp_BxnxE[:, i] for i in range(n)}
+        logq_BxE = fuse(job.method, logp_BxnxE, w_dev, validate=False, **method_params)
+        col_B = _draw(k_token, logq_BxE, _column_mask(space.mask_E, events), job.sampler)
+    elif job.mode == "mixture_exact" and not job.trace:
+        # Exact ME without truncation: draw a token in the chosen member's own
+        # vocabulary and map it to its event. Same law as drawing from the member's
+        # aligned distribution (the event law is the push-forward of the token law),
+        # without aligning V_i logits onto all events.
+        col_B, logq_BxE = _member_tokens(space, k_token, logits, member_B,
+                                         np.zeros(B, np.int64)), None
+    else:
+        logp = {i: space.align_one(i, logits[i]) for i in logits}
+        needed = sorted(logits)
+        if len(needed) == 1:
+            rows_BxE = logp[needed[0]]
+        else:
+            stacked = jnp.stack([logp.get(i, logp[needed[0]]) for i in range(n)])
+            rows_BxE = _pick_rows(stacked, jnp.asarray(member_B))
+        s = job.sampler if job.mode == "mixture_per_member" else Sampler()
+        col_B = _draw(k_token, rows_BxE, space.mask_E, s)
+        logq_BxE = rows_BxE if s == Sampler() else _filtered(rows_BxE, s)
+        if job.mode == "mixture_exact":  # the same draw as the untraced path above
+            col_B = _member_tokens(space, k_token, logits, member_B, np.asarray(col_B))
+    col_B = np.asarray(col_B)
+    if events is None:
+        event_B = col_B
+    else:
+        ev = np.asarray(events)
+        event_B = np.take_along_axis(np.broadcast_to(ev, (B,) + ev.shape[-1:]),
+                                     col_B[:, None], axis=1)[:, 0]
+    return _Step(event_B, col_B, logq_BxE, logp, events)
+
+
+def _member_tokens(space, k_token, logits: dict, member_B, col_B: np.ndarray) -> np.ndarray:
+    """Each sequence's event drawn as a token of its chosen member (exact ME)."""
+    for i in sorted(logits):
+        tok_B = np.asarray(_draw(jax.random.fold_in(k_token, i), logits[i],
+                                 space.token_mask(i), Sampler()))
+        col_B = np.where(member_B == i, space.token_events(i, tok_B), col_B)
+    return col_B
+
+
+def _trace_row(drawn: _Step, b: int, states, member_B) -> dict:
+    """Sequence b's step as recorded with ``trace=True``."""
+    logq = np.asarray(drawn.logq_BxE)
+    return dict(logq=logq[b], event=int(drawn.event_B[b]), column=int(drawn.col_B[b]),
+                events=(None if drawn.events is None
+                        else np.broadcast_to(np.asarray(drawn.events), logq.shape)[b]),
+                member_logp={i: np.asarray(v)[b] for i, v in drawn.logp.items()},
+                n_read={i: states[i].n_read[b] for i in drawn.logp},
+                member=None if member_B is None else int(member_B[b]))
+
+
+def _advance(job: _Job, b: int, e: int, g: Generation, text: TextStream, states,
+             edits) -> tuple[str, str | None]:
+    """Host side of one step for sequence b: the event appended to its text, the
+    members' pending tokens re-encoded (into ``edits``), stop conditions checked.
+
+    Returns:
+        (the newly final text, the finish reason or None).
+    """
+    space, n = job.space, len(job.members)
+    g.n_events += 1
+    reason, piece = None, ""
+    if space.is_eos(e):
+        reason = "eos"
+    else:
+        per_member = space.advance(b, e, [st.n_read[b] for st in states])
+        for i in range(n):
+            edits[i][b] = per_member[i]
+        piece = text.update(space.text(b))
+        if text.stopped:
+            reason = "stop"
+        elif g.n_events >= job.max_new_tokens:
+            reason = "length"
+        elif any(states[i].n_read[b] + len(states[i].pending[b]) - per_member[i][0]
+                 + len(per_member[i][1]) >= job.members[i].cfg.max_seq_len
+                 for i in range(n)):
+            reason = "context"
+    if reason is not None:
+        piece += text.update(space.text(b), final=True)
+        g.finish_reason = reason
+        for i in range(n):
+            edits[i][b] = (0, ())
+        g.data = space.raw(b)
+        g.member_ids = [tuple(space.member_ids(i, b)) for i in range(n)]
+    g.text = text.text
+    return piece, reason
 
 
 def generate(members: Sequence[Member], prompts: Sequence[str], *,

@@ -152,11 +152,14 @@ def method_spec(method: str, method_params: Mapping[str, Any] | None = None,
     from brf.fusion import get_method
     name, params = parse_spec(method, "method")
     takes_phase = "phase" in get_method(name).params
-    for key, value in list(dict(method_params or {}).items()) + (
-            [("phase", phase)] if phase and takes_phase else []):
+    given = [(k, v, "config.method_params") for k, v in dict(method_params or {}).items()]
+    if phase and takes_phase:
+        given.append(("phase", phase, "config.phase"))
+    for key, value, where in given:
         if key in params:
-            raise EnsembleInputError(f"method parameter {key!r} is given twice (in "
-                                     f"config.method {method!r} and elsewhere)")
+            hint = " (set config.phase='' to use the method's)" if where == "config.phase" else ""
+            raise EnsembleInputError(f"method parameter {key!r} is given twice: in "
+                                     f"config.method {method!r} and in {where}{hint}")
         params[key] = value
     return name, params
 
@@ -219,7 +222,7 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     if c.get("mesh"):
         meshes = sharding.member_meshes(c.mesh, len(specs))
         if sharding.on_one_device(meshes):
-            meshes = None  # today's path
+            meshes = None  # one device
     members = place_members(load_members(specs, mesh=meshes), meshes)
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
     aligner = c.aligner if c.aligner != "auto" else auto_aligner(members)

@@ -9,7 +9,7 @@ Flags can set all three (ml_collections cannot override a list of dicts)::
 **Method specs.** ``name(key=value, ...)`` with the method's own parameters and
 these validation keys:
 
-- a parameter given as a value is fixed; ``fit(init)`` fits it with Adam from
+- a parameter given as a value is fixed; ``fit(init)`` fits it (L-BFGS) from
   ``init`` on the calibration split; ``grid(a, b, ...)`` picks the value with the
   lowest calibration NLL (combined with any fitted ones);
 - ``label="..."`` names the row (default: the spec text);
@@ -23,8 +23,8 @@ parameters, fitted with the member weights and a per-member offset, plus
 ``label="..."`` (default: the map's name) and ``fixed=True`` (keep the map as
 given, fit nothing: the reference points).
 
-The older forms (a list of dicts; a dict label -> phase spec with
-``fixed_phase_maps``) are still read.
+A list of dicts (the fields of :class:`~brf.eval.fitting.MethodSpec`) is read
+too.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 from brf import specs as spec_lib
 from brf.errors import UserError
+from brf.eval.fitting import MethodSpec
 
 
 class ConfigSpecError(UserError):
@@ -57,8 +58,8 @@ def _marker(value: Any, where: str) -> tuple[str, list] | None:
     return name, args
 
 
-def method_entry(text: str) -> dict:
-    """One method spec string -> the dict :func:`brf.eval.fitting.fit_method` takes."""
+def method_entry(text: str) -> MethodSpec:
+    """One method spec string -> the :class:`~brf.eval.fitting.MethodSpec` it names."""
     name, params = spec_lib.parse_spec(text, "method")
     entry: dict[str, Any] = {"label": params.pop("label", text.strip()), "method": name}
     if "fit_weights" in params:
@@ -87,7 +88,7 @@ def method_entry(text: str) -> dict:
             entry.setdefault("fit", {})[key] = mark[1][0]
         else:
             entry.setdefault("grid", {})[key] = list(mark[1])
-    return entry
+    return MethodSpec.coerce(entry)
 
 
 def _plain(v):
@@ -96,8 +97,8 @@ def _plain(v):
     return a.item() if a.ndim == 0 else a.tolist()
 
 
-def method_entries(methods: Any) -> list[dict]:
-    """``config.methods`` (a spec string, or a list of specs / dicts) -> dict entries."""
+def method_entries(methods: Any) -> list[MethodSpec]:
+    """``config.methods`` (a spec string, or a list of specs / dicts) -> method specs."""
     if isinstance(methods, str):
         items = spec_lib.split_list(methods)
     else:
@@ -108,31 +109,28 @@ def method_entries(methods: Any) -> list[dict]:
             item = dict(item)
             if "method" not in item:
                 raise ConfigSpecError(f"config.methods: entry {item} has no 'method'")
-            item.setdefault("label", item["method"])
-            out.append(item)
+            try:
+                out.append(MethodSpec.coerce(item))
+            except (TypeError, ValueError) as e:
+                raise ConfigSpecError(f"config.methods: entry {item}: {e}") from None
         else:
             out.append(method_entry(str(item)))
-    labels = [e["label"] for e in out]
+    labels = [e.label for e in out]
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:
         raise ConfigSpecError(f"config.methods: duplicate labels {dup}; give each a label=")
     return out
 
 
-def phase_map_entries(phase_maps: Any, fixed_labels=()) -> dict[str, tuple[str, bool]]:
-    """``config.phase_maps`` -> {label: (phase spec text, fixed)}.
-
-    Accepts a spec string / list (``label=`` and ``fixed=`` keys) or the older
-    dict label -> spec, with ``fixed_labels`` naming the fixed ones.
-    """
-    if isinstance(phase_maps, Mapping) or hasattr(phase_maps, "items"):
-        return {str(k): (str(v), k in tuple(fixed_labels)) for k, v in dict(phase_maps).items()}
+def phase_map_entries(phase_maps: Any) -> dict[str, tuple[str, bool]]:
+    """``config.phase_maps`` (a spec string or a list of specs, with ``label=`` and
+    ``fixed=`` keys) -> {label: (phase spec text, fixed)}."""
     items = spec_lib.split_list(phase_maps) if isinstance(phase_maps, str) else list(phase_maps)
     out: dict[str, tuple[str, bool]] = {}
     for item in items:
         name, params = spec_lib.parse_spec(item, "phase map")
         label = params.pop("label", name)
-        fixed = params.pop("fixed", False) or label in tuple(fixed_labels)
+        fixed = params.pop("fixed", False)
         if not isinstance(fixed, bool):
             raise ConfigSpecError(f"phase map {item!r}: fixed must be True or False")
         if label in out:

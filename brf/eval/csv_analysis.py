@@ -22,7 +22,6 @@ Nothing is fitted here: for tuned comparisons run the validation experiment.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Mapping, Sequence
@@ -53,8 +52,10 @@ def load_table(paths: Sequence[str], *, align: str = "auto",
     Args:
       paths: two or more logit CSVs on the same text.
       align: "position" (same tokenizer), "bytes" (different tokenizers) or
-        "auto" (bytes when the metadata's vocabulary sizes differ).
-      vocab_sizes: each run's V when the metadata lacks it.
+        "auto" (bytes when the runs' vocabulary sizes differ: ``vocab_sizes``
+        where given, else each file's metadata).
+      vocab_sizes: each run's V (one per path; 0 or None: the metadata's);
+        needed when a CSV has no metadata line.
 
     Returns:
       (runs, rows_PxN, EventTable, align used).
@@ -64,9 +65,13 @@ def load_table(paths: Sequence[str], *, align: str = "auto",
     """
     if len(paths) < 2:
         raise UserError(f"give at least two CSVs to compare; got {len(paths)}")
+    if vocab_sizes and len(vocab_sizes) != len(paths):
+        raise UserError(f"{len(vocab_sizes)} vocabulary sizes for {len(paths)} CSVs; give "
+                        f"one per CSV (0: read it from the file's metadata)")
     runs = [read_csv(p) for p in paths]
     if align == "auto":
-        sizes = {r.meta.get("vocab_size") for r in runs}
+        sizes = {(vocab_sizes[j] if vocab_sizes and vocab_sizes[j] else r.meta.get("vocab_size"))
+                 for j, r in enumerate(runs)}
         align = "bytes" if len(sizes - {None}) > 1 else "position"
     if align == "position":
         rows = align_positions(runs)
@@ -87,7 +92,7 @@ def _member_summary(run: LogitRun, rows: np.ndarray) -> dict:
            "gap_mean": float(run.gap[rows].mean())}
     if run.entropy is not None:
         out["entropy_mean"] = float(run.entropy[rows].mean())
-    for key in ("system", "prefix", "mode"):
+    for key in ("system", "prefix", "mode", "context_ids", "context_text"):
         if key in run.meta:
             out[key] = run.meta[key]
     return out
@@ -118,7 +123,8 @@ def fusion_rows(table: EventTable, methods: Sequence[str] | None = None, *,
             continue
         mean, ci = hypotheses.mean_ci(ev["nll"], seed=seed)
         out.append({"label": label, "method": method, "nll": mean, "nll_ci": ci,
-                    "perplexity": math.exp(mean), "top1_accuracy": float(ev["correct"].mean()),
+                    "perplexity": math.exp(mean),
+                    "top1_accuracy": float(ev["top1_credit"].mean()),
                     "floored_positions": int(ev["floored"].sum())})
     return out
 
@@ -219,14 +225,11 @@ def plot(out_dir: str, report: dict, coherence: list[dict]) -> list[str]:
 
 def write_report(out_dir: str, report: dict, coherence: list[dict]) -> dict:
     """analysis.json, analysis.md and the plots under out_dir; returns their paths."""
-    from brf.eval.report import _jsonable
+    from brf.eval.caches import write_json
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "analysis.json"),
              "markdown": os.path.join(out_dir, "analysis.md")}
-    tmp = paths["json"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_jsonable(report), f, indent=1)
-    os.replace(tmp, paths["json"])
+    write_json(paths["json"], report, indent=1)
     with open(paths["markdown"], "w") as f:
         f.write(markdown(report))
     paths["plots"] = plot(out_dir, report, coherence)

@@ -75,6 +75,13 @@ def context_ids(model, *, system: str = "", prefix: str = "") -> list[int]:
     return ids
 
 
+def check_segment_tokens(segment_tokens: int) -> None:
+    """Refuses a segment of fewer than 2 tokens (checked before any model loads)."""
+    if segment_tokens < 2:
+        raise DumpError(f"segment_tokens={segment_tokens} must be at least 2 (text tokens "
+                        f"per forward context)")
+
+
 def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
                 prefix: str = "", segment_tokens: int = 2048, chunk: int = 256,
                 max_positions: int = 0, meta: dict | None = None, resume: bool = True,
@@ -107,14 +114,16 @@ def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
     if max_positions:
         ids = ids[:max_positions]
     n_ctx = len(ctx)
-    if segment_tokens < 2 or n_ctx + segment_tokens > cfg.max_seq_len:
+    check_segment_tokens(segment_tokens)
+    if n_ctx + segment_tokens > cfg.max_seq_len:
         raise DumpError(f"segment_tokens={segment_tokens} plus {n_ctx} context tokens must "
                         f"fit the model's context of {cfg.max_seq_len} tokens")
+    texts_V = vocab_texts(tok, cfg.vocab_size)
     meta = dict(meta or {}, mode="score", vocab_size=int(cfg.vocab_size), system=system,
                 prefix=prefix, text_sha256=hashlib.sha256(text.encode()).hexdigest(),
                 text_tokens=int(len(ids)), segment_tokens=segment_tokens,
-                context_tokens=n_ctx)
-    texts_V = vocab_texts(tok, cfg.vocab_size)
+                context_tokens=n_ctx, context_ids=[int(i) for i in ctx],
+                context_text=texts_V[np.asarray(ctx, np.int64)].tolist())
     starts = list(range(0, len(ids), segment_tokens))
     total = sum(min(segment_tokens, len(ids) - a) - (n_ctx == 0) for a in starts)
     pad_to = -(-(n_ctx + min(segment_tokens, len(ids))) // chunk) * chunk
@@ -129,42 +138,50 @@ def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
             if seen + n_rows <= done:  # a finished segment of a resumed file
                 seen += n_rows
                 continue
-            seq_ids = np.concatenate([np.asarray(ctx, np.int32), seg])
-            padded = np.zeros(pad_to, np.int32)
-            padded[:len(seq_ids)] = seq_ids
-            valid = np.arange(pad_to) < len(seq_ids)
-            for start, logits_1xCxV in iter_logits_chunks(model.params, cfg, padded[None],
-                                                          valid[None], chunk=chunk):
-                # Logits at sequence index j predict index j + 1 = text token
-                # a + j + 1 - n_ctx.
-                j = start + np.arange(logits_1xCxV.shape[1])
-                t = a + j + 1 - n_ctx
-                keep = (t >= a) & (t < a + len(seg))
-                if not keep.any():
-                    continue
-                row_no = seen + np.cumsum(keep) - 1
-                keep &= row_no >= done
-                seen += int(((t >= a) & (t < a + len(seg))).sum())
-                if not keep.any():
-                    continue
-                gold = np.zeros(chunk, np.int32)
-                c = logits_1xCxV.shape[1]
-                gold[:c] = np.where(keep, ids[np.clip(t, 0, len(ids) - 1)], 0)
-                logits = logits_1xCxV[0]
-                if c < chunk:  # one compiled shape
-                    logits = jnp.pad(logits, ((0, chunk - c), (0, 0)))
-                top, top_ids, tl, lse, ent, gap = jax.device_get(
-                    row_stats(logits, jnp.asarray(gold), k))
-                sel = np.nonzero(keep)[0]
-                w.write(RowBlock(np.zeros(len(sel), np.int64), t[sel], gold[sel], tl[sel],
-                                 lse[sel], ent[sel], gap[sel], top[sel], top_ids[sel]))
-                written += len(sel)
-                bar.update(len(sel))
+            n_new = _dump_segment(w, model, ids, np.asarray(ctx, np.int32), a, len(seg),
+                                  k=k, chunk=chunk, pad_to=pad_to, seen=seen, done=done)
+            seen += n_rows
+            written += n_new
+            bar.update(n_new)
         bar.close()
         rows = w.n_rows
     sec = time.perf_counter() - t0
     return {"rows": rows, "rows_written": written, "seconds": sec,
             "positions_per_second": written / max(sec, 1e-9), "path": path}
+
+
+def _dump_segment(w: CsvWriter, model, ids: np.ndarray, ctx: np.ndarray, a: int, n: int, *,
+                  k: int, chunk: int, pad_to: int, seen: int, done: int) -> int:
+    """Writes the rows of text tokens ``ids[a:a + n]`` read after ``ctx``, skipping the
+    first ``done - seen`` of them (written before a resume); returns the rows written."""
+    n_ctx = len(ctx)
+    seq_ids = np.concatenate([ctx, ids[a:a + n]])
+    padded = np.zeros(pad_to, np.int32)
+    padded[:len(seq_ids)] = seq_ids
+    valid = np.arange(pad_to) < len(seq_ids)
+    written = 0
+    for start, logits_1xCxV in iter_logits_chunks(model.params, model.cfg, padded[None],
+                                                  valid[None], chunk=chunk):
+        # Logits at sequence index j predict index j + 1 = text token a + j + 1 - n_ctx.
+        j = start + np.arange(logits_1xCxV.shape[1])
+        t = a + j + 1 - n_ctx
+        in_seg = (t >= a) & (t < a + n)
+        keep = in_seg & (seen + np.cumsum(in_seg) - 1 >= done)
+        seen += int(in_seg.sum())
+        if not keep.any():
+            continue
+        gold = np.zeros(chunk, np.int32)
+        c = logits_1xCxV.shape[1]
+        gold[:c] = np.where(keep, ids[np.clip(t, 0, len(ids) - 1)], 0)
+        logits = logits_1xCxV[0]
+        if c < chunk:  # one compiled shape
+            logits = jnp.pad(logits, ((0, chunk - c), (0, 0)))
+        top, top_ids, tl, lse, ent, gap = jax.device_get(row_stats(logits, jnp.asarray(gold), k))
+        sel = np.nonzero(keep)[0]
+        w.write(RowBlock(np.zeros(len(sel), np.int64), t[sel], gold[sel], tl[sel], lse[sel],
+                         ent[sel], gap[sel], top[sel], top_ids[sel]))
+        written += len(sel)
+    return written
 
 
 def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
@@ -192,8 +209,7 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
       {"rows", "rows_written", "seconds", "texts", "path"}.
     """
     from brf.ensemble.member import Member, check_prompt_fits
-    from brf.fusion import Sampler, sample
-    from brf.models import decode_step_donated, init_cache, prefill_donated
+    from brf.fusion import Sampler
     cfg, tok = model.cfg, model.tokenizer
     if not prompts:
         raise DumpError("no prompts to generate from")
@@ -202,11 +218,13 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
     sampler = Sampler.parse(sampler)
     member = Member("dump", cfg, model.params, tok, prefix=system or prefix,
                     chat=chat and template is None, template=template)
+    texts_V = vocab_texts(tok, cfg.vocab_size)
+    prompt_ids = [[int(i) for i in member.prompt_ids(p)] for p in prompts]
     meta = dict(meta or {}, mode="generate", vocab_size=int(cfg.vocab_size), system=system,
                 prefix=prefix, chat=chat, template=template, prompts=list(prompts),
-                sampler=str(sampler), seed=seed, max_new_tokens=max_new_tokens)
-    texts_V = vocab_texts(tok, cfg.vocab_size)
-    eos = member.eos_ids()
+                sampler=str(sampler), seed=seed, max_new_tokens=max_new_tokens,
+                context_ids=prompt_ids,
+                context_text=[texts_V[np.asarray(p, np.int64)].tolist() for p in prompt_ids])
     t0 = time.perf_counter()
     outs = []
     with CsvWriter(path, meta, k, texts_V, resume=resume) as w:
@@ -219,25 +237,11 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
                 bar.update(max_new_tokens)
                 outs.append(None)
                 continue
-            skip = w.done.get(s, 0)
-            p_ids = member.prompt_ids(prompt)
-            check_prompt_fits(member, p_ids, max_new_tokens)
-            cache = init_cache(cfg, 1, len(p_ids) + max_new_tokens)
-            logits, cache = prefill_donated(model.params, cfg, jnp.asarray([p_ids], jnp.int32),
-                                            None, cache, logits="last")
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), s)
-            gen, block = [], []
-            for t in range(max_new_tokens):
-                nxt = sample(jax.random.fold_in(key, t), jax.nn.log_softmax(logits), sampler)
-                stats = jax.device_get(row_stats(logits, nxt, k))
-                token = int(nxt[0])
-                gen.append(token)
-                if t >= skip:
-                    block.append((t, token, stats))
-                bar.update(1)
-                if token in eos or t == max_new_tokens - 1:
-                    break
-                logits, cache = decode_step_donated(model.params, cfg, nxt, cache)
+            check_prompt_fits(member, prompt_ids[s], max_new_tokens)
+            gen, block = _generate_one(model, prompt_ids[s], jax.random.fold_in(
+                jax.random.PRNGKey(seed), s), k=k, sampler=sampler,
+                max_new_tokens=max_new_tokens, eos=member.eos_ids(), skip=w.done.get(s, 0),
+                bar=bar)
             if block:
                 st = [np.concatenate([b[2][i] for b in block]) for i in range(6)]
                 top, top_ids, tl, lse, ent, gap = st
@@ -250,6 +254,30 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
         rows = w.n_rows
     return {"rows": rows, "rows_written": written, "seconds": time.perf_counter() - t0,
             "texts": outs, "path": path}
+
+
+def _generate_one(model, p_ids: list[int], key, *, k: int, sampler, max_new_tokens: int,
+                  eos, skip: int, bar) -> tuple[list[int], list]:
+    """One prompt's generation: (tokens, [(step, token, row stats)] for steps >= skip)."""
+    from brf.fusion import sample
+    from brf.models import decode_step_donated, init_cache, prefill_donated
+    cfg = model.cfg
+    cache = init_cache(cfg, 1, len(p_ids) + max_new_tokens)
+    logits, cache = prefill_donated(model.params, cfg, jnp.asarray([p_ids], jnp.int32), None,
+                                    cache, logits="last")
+    gen, block = [], []
+    for t in range(max_new_tokens):
+        nxt = sample(jax.random.fold_in(key, t), jax.nn.log_softmax(logits), sampler)
+        stats = jax.device_get(row_stats(logits, nxt, k))
+        token = int(nxt[0])
+        gen.append(token)
+        if t >= skip:
+            block.append((t, token, stats))
+        bar.update(1)
+        if token in eos or t == max_new_tokens - 1:
+            break
+        logits, cache = decode_step_donated(model.params, cfg, nxt, cache)
+    return gen, block
 
 
 def dump_mesh(spec):
@@ -311,6 +339,8 @@ def run(c) -> dict:
     # Settings are checked before the model is loaded.
     text = _score_text(c) if c.mode == "score" else None
     prompts = _prompts(c) if c.mode == "generate" else None
+    if c.mode == "score":
+        check_segment_tokens(c.segment_tokens)
     if c.mode == "generate":
         from brf.fusion import Sampler
         Sampler.parse(c.sampler)

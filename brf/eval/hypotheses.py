@@ -1,4 +1,4 @@
-"""The paper's falsifiable tests on an event table (DESIGN.md §4).
+"""The paper's falsifiable tests on an event table (docs/design.md §4).
 
 * **Phase Coherence Test** — for each member pair and phase map, the phase
   differences over all positions: Rayleigh z = n R̄² with Zar's small-sample

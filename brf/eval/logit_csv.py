@@ -7,10 +7,22 @@ Format ``brf-logit-csv`` version 1 (what :class:`CsvWriter` writes and
   ``# brf-logit-csv 1``; line 2 is ``# `` followed by one JSON object, the
   run's metadata (``format``, ``version``, ``mode`` = ``score`` | ``generate``,
   ``model``, ``k``, ``vocab_size``, ``prefix``, ``system``, ``text_sha256``,
-  ``prompts``, ``sampler``, ``seed`` ...). Both are optional for CSVs written by
-  other tools; metadata then defaults to ``{}``. No ``#`` occurs anywhere
-  else in the file (token texts escape it), so ``pandas.read_csv(path,
-  comment="#")`` and ``csv.reader`` over the non-``#`` lines both read it.
+  ``prompts``, ``sampler``, ``seed``, ``context_ids``, ``context_text`` ...).
+  Both lines are optional for CSVs written by other tools; metadata then
+  defaults to ``{}``. No ``#`` occurs anywhere else in the file (token texts
+  escape it), so ``pandas.read_csv(path, comment="#")`` and ``csv.reader``
+  over the non-``#`` lines both read it.
+* **The context**: ``context_ids`` are the token ids the model read before the
+  first row (score mode: one list, BOS, the chat-templated system turn and the
+  prefix; generate mode: one list per prompt, the whole wrapped prompt) and
+  ``context_text`` the same tokens as text fields (escaped like
+  ``token_text``: ``\\!<|im_start|>`` is a control token), so a CSV made
+  elsewhere can be checked against the context it must match.
+  ``context_tokens`` (score mode) is their number.
+* **Versions**: the number changes when the rows or the header change.
+  Metadata keys are added within a version and readers take what is there:
+  ``context_ids`` and ``context_text`` came after the first version-1 files,
+  which lack them; those read the same and resume.
 * **Header row**, then one row per position::
 
       seq,position,token_id,token_text,token_logit,lse,entropy,gap,
@@ -78,8 +90,11 @@ MAGIC = f"# {FORMAT} {VERSION}"
 FIXED_COLUMNS = ("seq", "position", "token_id", "token_text", "token_logit", "lse",
                  "entropy", "gap")
 REQUIRED = ("position", "lse")
-# Metadata keys that must agree for a dump to be resumed.
+# Metadata keys that need not agree for a dump to be resumed.
 _VOLATILE_META = ("created", "seconds")
+# Keys added after the first version-1 files: a file without them resumes (what
+# they record follows from the keys it has: model, system, prefix, prompts).
+_ADDED_META = ("context_ids", "context_text")
 
 
 class CsvError(UserError):
@@ -216,8 +231,11 @@ def format_rows(block: RowBlock, texts_V: np.ndarray) -> str:
     return "".join(lines)
 
 
-def _meta_key(meta: dict) -> dict:
-    return {k: v for k, v in meta.items() if k not in _VOLATILE_META}
+def _meta_key(meta: dict, old: dict | None = None) -> dict:
+    """The keys that must agree; with ``old`` (the existing file's metadata), the
+    added keys it lacks are left out too."""
+    skip = set(_VOLATILE_META) | ({k for k in _ADDED_META if k not in old} if old else set())
+    return {k: v for k, v in meta.items() if k not in skip}
 
 
 class CsvWriter:
@@ -267,9 +285,10 @@ class CsvWriter:
             old = json.loads(lines[1][2:].decode("utf-8"))
         except ValueError:
             raise CsvError(f"{self.path}: line 2: the metadata is not JSON") from None
-        if _meta_key(old) != _meta_key(json.loads(json.dumps(self.meta))):
-            diff = sorted(k for k in set(old) | set(self.meta)
-                          if k not in _VOLATILE_META and old.get(k) != self.meta.get(k))
+        new = _meta_key(json.loads(json.dumps(self.meta)), old)
+        if _meta_key(old) != new:
+            diff = sorted(k for k in set(old) | set(new)
+                          if k not in _VOLATILE_META and old.get(k) != new.get(k))
             raise CsvError(f"{self.path}: exists with different settings ({', '.join(diff)}); "
                            f"delete it, write elsewhere, or set overwrite")
         if lines[2].decode("ascii", "replace") != ",".join(columns(self.k)):
@@ -406,6 +425,38 @@ def read_csv(path: str) -> LogitRun:
         wrong number of fields, a bad checksum, a non-numeric value, an empty
         file; the message names the file, line (1-based), row and column.
     """
+    raw_lines = _text_lines(path)
+    meta, i = _read_meta(path, raw_lines)
+    if i >= len(raw_lines):
+        raise CsvError(f"{path}: no header row (an empty file, or comments only)")
+    header_line = i + 1
+    header = [h.strip() for h in next(csv.reader([raw_lines[i].rstrip("\r")]))]
+    col = {h: j for j, h in enumerate(header)}
+    k = _top_k(path, col, header, header_line)
+    body = [s.rstrip("\r") for s in raw_lines[i + 1:]]
+    lines = np.arange(i + 2, i + 2 + len(body))
+    keep = [j for j, s in enumerate(body) if s.strip()]
+    body, lines = [body[j] for j in keep], lines[keep]
+    if not body:
+        raise CsvError(f"{path}: no rows after the header (line {header_line})")
+    if "crc32" in col:
+        for j, s in enumerate(body):
+            if not _crc_ok(s.encode("utf-8")):
+                last = j == len(body) - 1
+                raise CsvError(
+                    f"{path}: line {lines[j]} (row {j + 1}), column 'crc32': checksum does not "
+                    f"match the row" + (" (a partial last row: an interrupted dump? resume "
+                                        "it or delete the line)" if last else " (edited?)"))
+    rows = list(csv.reader(body))
+    for j, r in enumerate(rows):
+        if len(r) != len(header):
+            raise CsvError(f"{path}: line {lines[j]} (row {j + 1}): {len(r)} fields, the "
+                           f"header has {len(header)}")
+    return _run_from_columns(path, meta, list(zip(*rows)), col, k, lines)
+
+
+def _text_lines(path: str) -> list[str]:
+    """The file's lines (UTF-8), without a final empty one."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -418,6 +469,11 @@ def read_csv(path: str) -> LogitRun:
     raw_lines = text.split("\n")
     if raw_lines and raw_lines[-1] == "":
         raw_lines.pop()
+    return raw_lines
+
+
+def _read_meta(path: str, raw_lines: list[str]) -> tuple[dict, int]:
+    """(metadata, index of the header line): the comment lines first, checked."""
     meta: dict[str, Any] = {}
     i = 0
     while i < len(raw_lines) and (raw_lines[i].startswith("#") or not raw_lines[i].strip()):
@@ -432,12 +488,11 @@ def read_csv(path: str) -> LogitRun:
         ver = raw_lines[0].split()[-1]
         if ver != str(VERSION):
             raise CsvError(f"{path}: line 1: format version {ver}; this brf reads {VERSION}")
-    if i >= len(raw_lines):
-        raise CsvError(f"{path}: no header row (an empty file, or comments only)")
-    header_line = i + 1
-    header = next(csv.reader([raw_lines[i].rstrip("\r")]))
-    header = [h.strip() for h in header]
-    col = {h: j for j, h in enumerate(header)}
+    return meta, i
+
+
+def _top_k(path: str, col: dict, header: list[str], header_line: int) -> int:
+    """k of the logit_1..logit_k / id_1..id_k columns, the required columns checked."""
     for name in REQUIRED + ("logit_1", "logit_2", "id_1", "id_2"):
         if name not in col:
             raise CsvError(f"{path}: line {header_line}: missing column {name!r} (the header "
@@ -449,33 +504,16 @@ def read_csv(path: str) -> LogitRun:
         if f"id_{j}" not in col:
             raise CsvError(f"{path}: line {header_line}: missing column 'id_{j}' "
                            f"(there are logit_1..logit_{k})")
-    body = [s.rstrip("\r") for s in raw_lines[i + 1:]]
-    lines = np.arange(i + 2, i + 2 + len(body))
-    keep = [j for j, s in enumerate(body) if s.strip()]
-    body, lines = [body[j] for j in keep], lines[keep]
-    if not body:
-        raise CsvError(f"{path}: no rows after the header (line {header_line})")
-    has_crc = "crc32" in col
-    if has_crc:
-        for j, s in enumerate(body):
-            if not _crc_ok(s.encode("utf-8")):
-                last = j == len(body) - 1
-                raise CsvError(
-                    f"{path}: line {lines[j]} (row {j + 1}), column 'crc32': checksum does not "
-                    f"match the row" + (" (a partial last row: an interrupted dump? resume "
-                                        "it or delete the line)" if last else " (edited?)"))
-    rows = list(csv.reader(body))
-    ncol = len(header)
-    for j, r in enumerate(rows):
-        if len(r) != ncol:
-            raise CsvError(f"{path}: line {lines[j]} (row {j + 1}): {len(r)} fields, the "
-                           f"header has {ncol}")
-    cols = list(zip(*rows))
+    return k
 
+
+def _run_from_columns(path: str, meta: dict, cols: list, col: dict, k: int,
+                      lines: np.ndarray) -> LogitRun:
+    """The LogitRun of a file's parsed columns (optional ones filled or None)."""
     def get(name, kind):
         return _column(path, name, cols[col[name]], lines, kind)
 
-    n = len(rows)
+    n = len(lines)
     seq = get("seq", "int") if "seq" in col else np.zeros(n, np.int64)
     position = get("position", "int")
     lse = get("lse", "float").astype(np.float32)
@@ -504,6 +542,10 @@ def _key_rows(run: LogitRun) -> dict:
     return {(int(s), int(p)): r for r, (s, p) in enumerate(zip(run.seq, run.position))}
 
 
+# Two tokenizers are compared on co-aligned byte offsets instead (align_bytes).
+_BYTES_HINT = " Different tokenizers: use --config.align=bytes"
+
+
 def align_positions(runs: Sequence[LogitRun]) -> np.ndarray:
     """[P, n] row indices of the same (seq, position) in every run (same tokenizer).
 
@@ -527,12 +569,13 @@ def align_positions(runs: Sequence[LogitRun]) -> np.ndarray:
                 r = int(diff[0])
                 raise CsvError(f"{b.where(r, name)}: {name} {int(y[r])} where {a.path} line "
                                f"{int(a.lines[r])} has {int(x[r])}: the runs are not on the "
-                               f"same positions (same text, same tokenizer?)")
+                               f"same positions (same text, same tokenizer?{_BYTES_HINT})")
         if a.n_rows != b.n_rows:
             longer, shorter = (a, b) if a.n_rows > b.n_rows else (b, a)
             raise CsvError(f"{longer.where(n, 'position')}: position {int(longer.position[n])} "
                            f"has no row in {shorter.path} ({shorter.n_rows} rows against "
-                           f"{longer.n_rows}): the runs are not on the same positions")
+                           f"{longer.n_rows}): the runs are not on the same positions "
+                           f"(same text, same tokenizer?{_BYTES_HINT})")
         out.append(np.arange(b.n_rows))
     return np.stack(out, 1)
 
@@ -608,31 +651,21 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
     Raises:
       CsvError: a run lacks token_id/token_logit or its vocabulary size.
     """
-    from brf.eval.events import fill_member_events
     from brf.eval.fitting import EventTable
     n = len(runs)
-    sizes = []
-    for j, run in enumerate(runs):
-        if run.token_id is None or run.token_logit is None:
-            raise CsvError(f"{run.path}: the event table needs the columns 'token_id' and "
-                           f"'token_logit' (the gold token and its logit)")
-        v = (vocab_sizes[j] if vocab_sizes and vocab_sizes[j] else run.meta.get("vocab_size"))
-        if not v:
-            raise CsvError(f"{run.path}: no vocab_size in its metadata line; give it "
-                           f"(--config.vocab_sizes) to share tail mass")
-        sizes.append(int(v))
+    sizes = _vocab_sizes(runs, vocab_sizes)
     p = rows_PxN.shape[0]
     k = max(r.k for r in runs)
     logp = np.full((p, n, 2 + n * k), -np.inf, np.float32)
     gap = np.zeros((p, n), np.float32)
     texts = [None] * n
+    top_b = [None] * n
     if by == "bytes":
         texts = [_row_bytes(r) for r in runs]
-        top_b = [[[unescape(f)[0] for f in row] for row in r.top_texts] if r.top_texts
-                 else None for r in runs]
         for j, r in enumerate(runs):
-            if top_b[j] is None:
+            if not r.top_texts:
                 raise CsvError(f"{r.path}: aligning by bytes needs the columns text_1..text_k")
+            top_b[j] = [[unescape(f)[0] for f in row] for row in r.top_texts]
     top_lp = [r.top_logp() for r in runs]
     gold_lp = [(r.token_logit - r.lse).astype(np.float32) for r in runs]
     gold_bytes = np.ones(p, np.int64)
@@ -645,27 +678,55 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
             tt = runs[0].token_text
             if tt is not None:
                 gold_bytes[q] = max(1, len(unescape(tt[rows_PxN[q, 0]])[0]))
-        events = {g: 0}
-        lists = []
-        for i, run in enumerate(runs):
-            r = rows_PxN[q, i]
-            mass = {}
-            keys = top_b[i][r] if by == "bytes" else run.top_ids[r].tolist()
-            for key, lp in zip(keys, top_lp[i][r]):
-                if by == "bytes" and not key:
-                    continue
-                mass[key] = np.logaddexp(mass[key], lp) if key in mass else lp
-            if g not in mass:
-                mass[g] = gold_lp[i][r]
-            lists.append(mass)
-            for key in mass:
-                events.setdefault(key, len(events))
-        for i, (run, mass) in enumerate(zip(runs, lists)):
-            fill_member_events(logp[q, i], events, mass, sizes[i])
-            gap[q, i] = run.gap[rows_PxN[q, i]]
+        lists = [_listed_mass(top_b[i][rows_PxN[q, i]] if by == "bytes"
+                              else run.top_ids[rows_PxN[q, i]].tolist(),
+                              top_lp[i][rows_PxN[q, i]], g, gold_lp[i][rows_PxN[q, i]],
+                              skip_empty=by == "bytes")
+                 for i, run in enumerate(runs)]
+        _fill_position(logp[q], gap[q], g, lists, runs, rows_PxN[q], sizes)
     used = int(np.isfinite(logp).any(axis=(0, 1)).nonzero()[0].max()) + 1
     return EventTable(logp[:, :, :used], np.zeros(p, np.int64), gap, gold_bytes,
                       np.asarray(runs[0].seq[rows_PxN[:, 0]], np.int64))
+
+
+def _vocab_sizes(runs: Sequence[LogitRun], given: Sequence[int | None] | None) -> list[int]:
+    """Each run's vocabulary size (given, else its metadata's), checked."""
+    sizes = []
+    for j, run in enumerate(runs):
+        if run.token_id is None or run.token_logit is None:
+            raise CsvError(f"{run.path}: the event table needs the columns 'token_id' and "
+                           f"'token_logit' (the gold token and its logit)")
+        v = given[j] if given and given[j] else run.meta.get("vocab_size")
+        if not v:
+            raise CsvError(f"{run.path}: no vocab_size in its metadata line; give it "
+                           f"(--config.vocab_sizes) to share tail mass")
+        sizes.append(int(v))
+    return sizes
+
+
+def _listed_mass(keys, top_lp, gold, gold_lp, *, skip_empty: bool) -> dict:
+    """One run's listed events at a position: its top-k keys (summed when they repeat)
+    and the gold -> log-prob."""
+    mass = {}
+    for key, lp in zip(keys, top_lp):
+        if skip_empty and not key:
+            continue
+        mass[key] = np.logaddexp(mass[key], lp) if key in mass else lp
+    if gold not in mass:
+        mass[gold] = gold_lp
+    return mass
+
+
+def _fill_position(logp_NxE, gap_N, gold, lists, runs, rows_N, sizes) -> None:
+    """One position's rows of the event table (gold first, then every listed key)."""
+    from brf.eval.events import fill_member_events
+    events = {gold: 0}
+    for mass in lists:
+        for key in mass:
+            events.setdefault(key, len(events))
+    for i, (run, mass) in enumerate(zip(runs, lists)):
+        fill_member_events(logp_NxE[i], events, mass, sizes[i])
+        gap_N[i] = run.gap[rows_N[i]]
 
 
 __all__ = ["CsvError", "CsvWriter", "FIXED_COLUMNS", "FORMAT", "LogitRun", "MAGIC",

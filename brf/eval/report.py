@@ -1,18 +1,19 @@
-"""The validation report: JSON (documented schema), Markdown summary, PNG plots.
+"""One analysis's report: JSON (documented schema), Markdown summary, PNG plots.
 
-JSON schema (``report.json``), all NLLs in nats per co-aligned position:
+JSON schema (``report-<analysis>.json`` in a corpus's run directory), all NLLs in
+nats per position of the analysis's event table:
 
     {
-      "schema": "brf.validate/1",
-      "config": {...},                      # the run's config, as given
-      "corpus": {"source", "sha256", "chars", "segments"},
-      "members": [{"name", "vocab_size", "positions"}],
+      "schema": "brf.analysis/3",
+      "analysis": str, "top_k": int,
+      "members": [{"name", "vocab_size", "prefix_tokens", "positions"}],
       "coverage": {"positions", "member_positions", "bytes_covered",
                    "bytes_total", "fraction_of_bytes", "fraction_of_member_positions"},
       "split": {"calibration_positions", "test_positions"},
-      "methods": [{"label", "method", "variant", "params", "weights", "calib_nll",
+      "methods": [{"label", "method", "variant", "role", "params", "weights",
+                   "calib_nll", "fit": {"iterations", "evaluations", "converged"},
                    "test": {"nll", "nll_ci", "perplexity", "bits_per_byte",
-                            "top1_accuracy", "ece"}}],
+                            "top1_accuracy", "ece", "floored_positions"}}],
       "phase_coherence": [{"phase_map", "spec", "pair", "n", "mean_resultant_length",
                            "mean_direction", "rayleigh_z", "rayleigh_p",
                            "permutation_p", "null_mean_resultant_length"}],
@@ -20,6 +21,13 @@ JSON schema (``report.json``), all NLLs in nats per co-aligned position:
                      "n_competitors"}, "rel": {...}, "rel_equal_phases": {...}},
       "nll_comparison": {<variant>: {"brf", "baseline", "mean_difference", "ci",
                                      "p_value", "block", "n"}},   # like with like
+      "fair_summary": {<variant>: {"brf": ROW, "rival": ROW, "mean_difference", "ci",
+                       "p_value", "block", "n", "brf_candidates", "rival_candidates",
+                       "per_token": ROW, "controls": [ROW + {"mean_difference", "ci",
+                       "p_value", "block", "n"}]}},
+          # ROW = {"label", "role", "method", "free_parameters", "calib_nll", "test_nll"};
+          # differences are the BRF row minus the other row; "per_token" / "controls"
+          # only when the variant has controls
       "forking": {<variant>: {"reference", "primary_member", "top_fraction",
                   "by_method": {<label>: {"mean_gain", "ci", "entropy_edges", "total_gain",
                                 "top_fraction", "top_share", "top_mean_gain",
@@ -28,37 +36,22 @@ JSON schema (``report.json``), all NLLs in nats per co-aligned position:
                             "gain_full", "gain_gated", "kept", "calls_saved"}}}},
       "sweep": [{"phase_map", "param", "values", "calib_nll", "test_nll"}],
       "verdict": {"phase_coherence", "cross_term", "nll", "forking_tokens"}
-
-Version 2 (this one) added method variants, per-variant comparisons and the
-forking-token analysis.
     }
+
+Version 3 (this one): one report per analysis, each method's role and fit
+diagnostics (L-BFGS iterations, evaluations, convergence), the fair summary.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from typing import Any
 
 import numpy as np
 
-SCHEMA = "brf.validate/2"
+from brf.eval.caches import write_json
 
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items() if not isinstance(v, np.ndarray)
-                or v.size < 64}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, (np.floating, np.integer, np.bool_)):
-        return x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
+SCHEMA = "brf.analysis/3"
 
 
 def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
@@ -89,6 +82,9 @@ def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
            "the phase map improves the separation beyond member agreement." if lo > c_hi else
            "the phase map separates gold WORSE than member agreement alone."))
     out["nll"] = " ".join(nll_sentence(c, v) for v, c in report["nll_comparison"].items())
+    fair = " ".join(fair_sentence(c, v) for v, c in report.get("fair_summary", {}).items())
+    if fair:
+        out["fair_summary"] = fair
     fk = forking_sentence(report.get("forking", {}))
     if fk:
         out["forking_tokens"] = fk
@@ -116,6 +112,61 @@ def nll_sentence(c: dict, variant: str) -> str:
             f"[{lo:+.4f}, {hi:+.4f}] (paired block bootstrap).")
 
 
+def _ci(c: dict) -> str:
+    return f"{c['mean_difference']:+.4f} [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}]"
+
+
+def fair_sentence(c: dict, variant: str) -> str:
+    """The fair summary of one variant in words: the best BRF row against the best of
+    every other row, and the per-token BRF row against its controls."""
+    b, r = c["brf"], c["rival"]
+    lo, hi = c["ci"]
+    edge = ("BRF's edge survives" if hi < 0 else "BRF is WORSE" if lo > 0 else
+            "no edge either way is shown")
+    out = (f"[{variant}] Best BRF row {b['label']} ({b['free_parameters']} free parameters; "
+           f"best of {c['brf_candidates']} BRF rows on calibration) minus the best of the "
+           f"{c['rival_candidates']} other rows, {r['label']} ({r['role']}, "
+           f"{r['free_parameters']} free parameters): {_ci(c)} nats/position: {edge}.")
+    if c.get("controls"):
+        t = c["per_token"]
+        parts = [f"{x['label']} ({x['free_parameters']}) {_ci(x)}" for x in c["controls"]]
+        shuffled = [x for x in c["controls"] if x["method"] == "born_shuffled"]
+        beaten = [x for x in c["controls"] if x["ci"][1] < 0]
+        if shuffled and shuffled[0]["ci"][1] < 0:
+            why = "the phases' link to tokens carries part of its fit (shuffling them costs)"
+        elif shuffled:
+            why = ("shuffling its phases across tokens costs nothing detectable, so its fit "
+                   "is not shown to come from the interference structure")
+        else:
+            why = ""
+        out += (f" The per-token BRF row {t['label']} ({t['free_parameters']}) minus each "
+                f"control: " + "; ".join(parts) + f" -- it beats {len(beaten)} of "
+                f"{len(c['controls'])} controls" + (f"; {why}." if why else "."))
+    return out
+
+
+def fair_markdown(fair: dict) -> list[str]:
+    """The fair summary as a table: rows with their free-parameter counts, differences
+    to the BRF row (< 0: BRF better)."""
+    if not fair:
+        return []
+    lines = ["## Fair summary: BRF against every other row, controls included", "",
+             "Differences are the BRF row's test NLL minus the other row's (nats/position, "
+             "paired block bootstrap 95% CI); `k` is the row's count of free parameters "
+             "(brf/eval/controls.py).", "",
+             "| variant | BRF row (k) | other row (role, k) | difference [95% CI] |",
+             "|---|---|---|---|"]
+    for v, c in fair.items():
+        b, r = c["brf"], c["rival"]
+        lines.append(f"| {v} | {b['label']} ({b['free_parameters']}) | best other: "
+                     f"{r['label']} ({r['role']}, {r['free_parameters']}) | {_ci(c)} |")
+        for x in c.get("controls", []):
+            t = c["per_token"]
+            lines.append(f"| {v} | {t['label']} ({t['free_parameters']}) | {x['label']} "
+                         f"(control, {x['free_parameters']}) | {_ci(x)} |")
+    return lines + [""]
+
+
 def forking_sentence(forking: dict) -> str:
     """What share of the gain the high-entropy positions carry, and what gating keeps."""
     parts = []
@@ -136,11 +187,16 @@ def forking_sentence(forking: dict) -> str:
     return " ".join(parts)
 
 
-def write_json(path: str, report: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(_jsonable({"schema": SCHEMA, **report}), f, indent=1)
-    os.replace(tmp, path)
+def write_analysis(run_dir: str, name: str, rep: dict, *, corpus: dict,
+                   figures: tuple | None = None) -> None:
+    """``report-<name>.json`` / ``.md`` in ``run_dir``; with ``figures`` = (coherence
+    rows, cross-term scores) also the PNG plots."""
+    write_json(os.path.join(run_dir, f"report-{name}.json"), {"schema": SCHEMA, **rep},
+               indent=1)
+    with open(os.path.join(run_dir, f"report-{name}.md"), "w") as f:
+        f.write(markdown({**rep, "corpus": corpus}))
+    if figures is not None:
+        plots(run_dir, rep, *figures)
 
 
 def markdown(report: dict) -> str:
@@ -200,6 +256,7 @@ def markdown(report: dict) -> str:
               f"{ct['rel_equal_phases']['auroc']:.4f} [{ct['rel_equal_phases']['ci'][0]:.4f}, "
               f"{ct['rel_equal_phases']['ci'][1]:.4f}]", "",
               ""]
+    lines += fair_markdown(report.get("fair_summary", {}))
     lines += forking_markdown(report.get("forking", {}))
     lines += ["Plots: `nll_by_method.png`, `phase_differences.png`, `sweep.png`, "
               "`cross_terms.png`, `gain_by_entropy.png`.", ""]
@@ -257,7 +314,7 @@ def plots(out_dir: str, report: dict, phase_rows: list[dict], cross_scores: dict
     for s in report["sweep"]:
         ax.plot(s["values"], s["test_nll"], marker=".", label=f"{s['phase_map']} ({s['param']})")
     for m in report["methods"]:
-        if m["label"] in ("linear (tuned)", "loglinear (tuned)"):
+        if m.get("role") == "baseline" and m["variant"] == "proposed":
             ax.axhline(m["test"]["nll"], ls="--", lw=1, color="gray")
             ax.text(ax.get_xlim()[0], m["test"]["nll"], m["label"], fontsize=7, va="bottom")
     ax.set_xlabel("swept parameter value (uniform weights, other parameters at defaults)")

@@ -3,7 +3,7 @@
 One process per device count: XLA fixes the number of (virtual) CPU devices
 when JAX starts, so :func:`spawn` runs :func:`measure` in a child process
 with ``--xla_force_host_platform_device_count=N`` in its environment. Inside a
-process, every row (today's single-device path and each mesh) scores the
+process, every row (the one-device path and each mesh) scores the
 same segments, once untimed (compilation) and then in turn for a few rounds
 (best kept), so a shared machine's drift hits every row alike and the ratios
 between rows are measured side by side.
@@ -48,16 +48,16 @@ def load_model(source: str):
 
 def measure(source: str, meshes: Sequence[dict], *, n_segments: int, seg_len: int,
             chunk: int, repeats: int, top_k: int = 64) -> list[dict]:
-    """Tokens/s of teacher-forced scoring: today's path (no mesh) and each mesh.
+    """Tokens/s of teacher-forced scoring: the one-device path (no mesh) and each mesh.
 
     Returns:
-      One dict per row: label, mesh (None for today's path), seconds, tokens_per_s.
+      One dict per row: label, mesh (None for the one-device path), seconds, tokens_per_s.
     """
     cfg, params = load_model(source)
     rng = np.random.default_rng(0)
     segs = [rng.integers(3, cfg.vocab_size, size=seg_len).astype(np.int32)
             for _ in range(n_segments)]
-    rows = [("today (no mesh)", None, params, None)]
+    rows = [("one device (no mesh)", None, params, None)]
     for spec in meshes:
         mesh = sharding.make_mesh(spec)
         rows.append((f"mesh data={spec['data']} model={spec['model']}", spec,
@@ -87,7 +87,7 @@ def measure_members(source: str, n_members: int, *, n_segments: int, seg_len: in
                     chunk: int, repeats: int, top_k: int = 64) -> list[dict]:
     """Tokens/s of scoring an ensemble: every member on every device, one member
     after another ('shared'), against each member on its own devices, all at once
-    ('apart', :func:`brf.sharding.member_meshes`); today's path (one device, one
+    ('apart', :func:`brf.sharding.member_meshes`); the one-device path (one device, one
     member after another) is the baseline. Every member runs ``source``'s weights
     (each member's copy placed where it runs).
 
@@ -101,7 +101,7 @@ def measure_members(source: str, n_members: int, *, n_segments: int, seg_len: in
     rng = np.random.default_rng(0)
     segs = [rng.integers(3, cfg.vocab_size, size=seg_len).astype(np.int32)
             for _ in range(n_segments)]
-    rows = [("today (no mesh), members in turn", None, [None] * n_members)]
+    rows = [("one device (no mesh), members in turn", None, [None] * n_members)]
     for placement in ("shared", "apart"):
         spec = dict(data=-1, model=1, placement=placement)
         rows.append((f"{placement}: data=-1 model=1", spec,

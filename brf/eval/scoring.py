@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import zipfile
 from typing import NamedTuple
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from brf import sharding as sharding_lib
+from brf.eval import caches
 from brf.models import iter_logits_chunks
 
 STORE_VERSION = 1
@@ -233,7 +235,7 @@ def score_segments(params, cfg, segments_ids: list[np.ndarray], *, top_k: int = 
       desc: progress-bar label.
       mesh: optional mesh (:mod:`brf.sharding`): segments are scored as
         batches of its 'data' size, one segment per device (the params as
-        placed by the caller). None: one segment at a time, today's path.
+        placed by the caller). None: one segment at a time on one device.
 
     Returns:
       MemberScores over all segments.
@@ -279,29 +281,42 @@ def assemble(segments_ids, rows: list[dict], vocab_size: int) -> MemberScores:
 def save_partial(path: str, segments_ids, rows: list[dict], meta: dict,
                  vocab_size: int) -> None:
     """Writes the segments scored so far, atomically (temp file + rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     scores = assemble(segments_ids, rows, vocab_size)
-    tmp = f"{path}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, **{k: np.asarray(v) for k, v in scores._asdict().items()},
-             _meta=np.asarray(repr(sorted(meta.items()))),
-             _version=np.asarray(STORE_VERSION))
-    os.replace(tmp, path)
+    with caches.atomic_path(path, suffix=".npz") as tmp:
+        np.savez(tmp, **{k: np.asarray(v) for k, v in scores._asdict().items()},
+                 _meta=np.asarray(repr(sorted(meta.items()))),
+                 _version=np.asarray(STORE_VERSION))
 
 
 def load_partial(path: str, meta: dict) -> list[dict]:
-    """Row dicts of the segments already in the store (empty if none/stale)."""
+    """Row dicts of the segments already in the store.
+
+    Empty when there is none or it was made with other settings (``meta``), and
+    empty with a warning naming the file when it is damaged: every member's
+    CRC-32 is checked before any number is read (a flipped byte anywhere in
+    the data fails it), so damaged scores are rescored, never used.
+    """
     if not path or not os.path.isfile(path):
         return []
     try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+        if bad is not None:
+            raise zipfile.BadZipFile(f"bad CRC-32 for {bad}")
         with np.load(path) as z:
             if int(z["_version"]) != STORE_VERSION or str(z["_meta"]) != repr(
                     sorted(meta.items())):
                 return []
             rs = z["row_starts"]
-            return [{name: z[name][rs[s]:rs[s + 1]] for name in ROW_FIELDS}
-                    for s in range(len(rs) - 1)]
-    except (OSError, ValueError, KeyError, EOFError):
-        return []  # unreadable or partial file: rescore
+            fields = {name: z[name] for name in ROW_FIELDS}
+        if rs[0] != 0 or np.any(np.diff(rs) < 0) or any(
+                len(v) != rs[-1] for v in fields.values()):
+            raise ValueError("row_starts does not match the stored rows")
+        return [{name: v[rs[s]:rs[s + 1]] for name, v in fields.items()}
+                for s in range(len(rs) - 1)]
+    except (OSError, ValueError, KeyError, EOFError, IndexError, zipfile.BadZipFile) as e:
+        caches.warn_unreadable("score store", path, e, "it is rescored")
+        return []
 
 
 def strip_prefix(scores: MemberScores, n_prefix: int, has_bos: bool) -> MemberScores:

@@ -1,4 +1,4 @@
-"""Statistics for the validation experiments (DESIGN.md section 4), in NumPy.
+"""Statistics for the validation experiments (docs/design.md §4), in NumPy.
 
 Everything here works on host arrays (NumPy float64), not on JAX arrays: the
 inputs are per-position summaries that the experiments have already pulled
@@ -509,8 +509,9 @@ def expected_calibration_error(confidence, correct,
 
     Bins are (0, 1/B], (1/B, 2/B], ..., ((B-1)/B, 1]; a confidence of
     exactly 0 goes to the first bin (Guo et al. 2017). With N predictions,
-    n_b of them in bin b, acc_b the fraction correct and conf_b the mean
-    confidence there:
+    n_b of them in bin b, acc_b the fraction correct (the mean credit, when a
+    tie at the top earns a fraction of a hit) and conf_b the mean confidence
+    there:
 
         ECE = sum_b (n_b / N) |acc_b - conf_b|.
 
@@ -519,7 +520,8 @@ def expected_calibration_error(confidence, correct,
     Args:
         confidence: Probability given to the predicted token (e.g. the fused
             distribution's top-1 probability), shape (N,), in [0, 1].
-        correct: Whether that prediction was right, shape (N,), bool or 0/1.
+        correct: Whether that prediction was right, shape (N,), bool or 0/1,
+            or a credit in [0, 1] (a tie shared among the tied tokens).
         n_bins: Number of bins B, >= 1.
 
     Returns:

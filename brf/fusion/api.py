@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from brf.fusion import born as _born  # noqa: F401  (registers "born")
 from brf.fusion import bottleneck as _bottleneck  # noqa: F401  (registers "bottleneck_*")
+from brf.fusion import controls as _controls  # noqa: F401  (registers the controls)
 from brf.fusion import pools as _pools  # noqa: F401  (registers the baselines)
 from brf.fusion import methods as M
 from brf.fusion.checks import check_inputs, uniform_weights

@@ -87,14 +87,32 @@ def born(logits: jax.Array, weights: jax.Array, *, phase=None,
       z being the normaliser relative to the linear pool's (which is 1).
     """
     phase = phase_map(phase if phase is not None else "constant")
-    n = logits.shape[-2]
-    weights = jnp.broadcast_to(weights, logits.shape[:-1]).astype(logits.dtype)
     top1, phi = member_phases(logits, phase)
+    return born_from_phases(logits, weights, top1, phi, z_min=z_min)
+
+
+def born_from_phases(logits: jax.Array, weights: jax.Array, top1: jax.Array,
+                     phi: jax.Array, *, z_min=DEFAULT_Z_MIN):
+    """Born fusion with given member phases (the kernel behind :func:`born`).
+
+    Args:
+      logits: [..., n, V] member logits (-inf marks invalid tokens).
+      weights: [..., n] on the simplex.
+      top1: [..., n] each member's top logit.
+      phi: [..., n] (one phase per member) or [..., n, V] (one per token).
+      z_min: threshold of the Z -> 0 guard.
+
+    Returns:
+      (log q [..., V], info) as :func:`born`.
+    """
+    n = logits.shape[-2]
+    token = phi.ndim == logits.ndim
+    weights = jnp.broadcast_to(weights, logits.shape[:-1]).astype(logits.dtype)
     xs, ws = unstack(logits), unstack(weights, axis=-1)
     # h_i = log sqrt of member i's unnormalised probabilities (max token: 0).
     h = [0.5 * (xs[i] - top1[..., i, None]) for i in range(n)]
     log_w = [_log(w) for w in ws]
-    if phase.kind == "token":
+    if token:
         log_norm = [jax.nn.logsumexp(2.0 * hi, axis=-1) for hi in h]
         cos_phi, sin_phi = unstack(jnp.cos(phi)), unstack(jnp.sin(phi))
     else:
@@ -116,7 +134,7 @@ def born(logits: jax.Array, weights: jax.Array, *, phase=None,
     a = [jnp.exp(ui - top) for ui in u]
     re = msum([ai * ci for ai, ci in zip(a, cos_phi)])
     im = msum([ai * si for ai, si in zip(a, sin_phi)])
-    if phase.kind == "token":
+    if token:
         log_born = 2.0 * top + _log(re * re + im * im)
         log_z = jax.nn.logsumexp(log_born, axis=-1)
         z = jnp.exp(log_z)

@@ -9,7 +9,8 @@ pool). Methods assume checked inputs; :func:`brf.fusion.fuse` does the checks.
 
 Each method declares its parameters. Float, phase-map and array parameters are
 traced under jit (changing their values never recompiles); int, str and bool
-parameters are compile-time constants. Array parameters (e.g. the members'
+parameters are compile-time constants. A ``floats`` parameter is a number or
+one number per member (shape [] or [n]), traced like a float. Array parameters (e.g. the members'
 unembeddings for softmax-bottleneck fusion) are a tuple of float32 arrays,
 checked by the parameter's own ``check``.
 """
@@ -25,7 +26,7 @@ from brf.fusion.checks import FusionInputError
 from brf.fusion.phase import PhaseMap, phase_map
 from brf.registry import Registry
 
-DYNAMIC_KINDS = ("float", "phase", "array")
+DYNAMIC_KINDS = ("float", "floats", "phase", "array")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Param:
 
     Attributes:
       default: the value used when the caller gives none.
-      kind: 'float' | 'int' | 'str' | 'phase' | 'method' | 'params' | 'array'.
+      kind: 'float' | 'floats' | 'int' | 'str' | 'phase' | 'method' | 'params' |
+        'array'.
       check: ``check(value) -> None or str``; a string is the error message.
       doc: one line for listings.
     """
@@ -75,15 +77,18 @@ def get_method(name: str) -> Method:
 
 def _coerce(method: str, key: str, p: Param, value: Any) -> Any:
     where = f"{method}: parameter {key}={value!r}"
-    if p.kind == "float":
+    if p.kind in ("float", "floats"):
+        one = p.kind == "float"
+        what = "a number" if one else "a number or a list of numbers"
         if isinstance(value, bool) or value is None:
-            raise FusionInputError(f"{where} must be a number")
+            raise FusionInputError(f"{where} must be {what}")
         try:
             arr = jnp.asarray(value, dtype=jnp.result_type(float))
         except (TypeError, ValueError):
-            raise FusionInputError(f"{where} must be a number") from None
-        if arr.ndim:
-            raise FusionInputError(f"{where} must be a scalar")
+            raise FusionInputError(f"{where} must be {what}") from None
+        if arr.ndim > (0 if one else 1):
+            raise FusionInputError(f"{where} must be " + (
+                "a scalar" if one else "a number or one number per member"))
         value = arr
     elif p.kind == "int":
         if isinstance(value, bool) or int(value) != value:
@@ -171,7 +176,13 @@ def positive(v) -> str | None:
 
 
 def finite(v) -> str | None:
-    return None if bool(jnp.isfinite(v)) else "must be finite"
+    return None if bool(jnp.all(jnp.isfinite(v))) else "must be finite"
+
+
+def nonzero(v) -> str | None:
+    if not bool(jnp.isfinite(v)):
+        return "must be finite"
+    return None if float(v) != 0 else "must be nonzero"
 
 
 def nonnegative(v) -> str | None:

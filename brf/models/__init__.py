@@ -1,7 +1,8 @@
-"""brf.models: pure-function Llama / Gemma 3 forward passes over a params pytree.
+"""brf.models: Llama / Gemma 3 as pure functions over a params pytree, and as
+flax.nnx modules over the same functions (`brf.models.modules`).
 
 Registry: :data:`ARCHITECTURES` maps ModelConfig.arch to an
-:class:`Architecture` bundling the functions that serve it.
+:class:`Architecture` bundling the functions and the module class that serve it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Callable, NamedTuple
 
 from brf.models.cache import cache_bytes, init_cache, room
 from brf.models.config import ModelConfig
+from brf.models.modules import Gemma3, Llama, Transformer, from_params
 from brf.models.scoring import iter_logits_chunks, score_tokens
 from brf.models.transformer import (cast_params, decode_step, decode_step_donated, forward,
                                     forward_tree, init_params, param_shapes, prefill, prefill_donated)
@@ -17,22 +19,23 @@ from brf.registry import Registry
 
 
 class Architecture(NamedTuple):
-    """The functions serving one ModelConfig.arch."""
+    """The functions serving one ModelConfig.arch, and its flax.nnx module class."""
     param_shapes: Callable
     init_params: Callable
     init_cache: Callable
     prefill: Callable
     decode_step: Callable
     forward: Callable
+    module: type
 
 
 ARCHITECTURES: Registry[Architecture] = Registry("model architecture")
 # Llama and Gemma 3 share one code path; ModelConfig fields select the differences.
-for _name in ("llama", "gemma3"):
+for _name, _module in (("llama", Llama), ("gemma3", Gemma3)):
     ARCHITECTURES.add(_name, Architecture(param_shapes, init_params, init_cache, prefill,
-                                          decode_step, forward))
+                                          decode_step, forward, _module))
 
-__all__ = ["ARCHITECTURES", "Architecture", "ModelConfig", "cache_bytes", "cast_params",
-           "decode_step", "decode_step_donated", "forward", "forward_tree", "init_cache", "init_params",
-           "iter_logits_chunks", "param_shapes", "prefill", "prefill_donated", "room",
-           "score_tokens"]
+__all__ = ["ARCHITECTURES", "Architecture", "Gemma3", "Llama", "ModelConfig", "Transformer",
+           "cache_bytes", "cast_params", "decode_step", "decode_step_donated", "forward", "forward_tree",
+           "from_params", "init_cache", "init_params", "iter_logits_chunks", "param_shapes",
+           "prefill", "prefill_donated", "room", "score_tokens"]

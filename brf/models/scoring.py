@@ -38,7 +38,7 @@ def iter_logits_chunks(params: dict, cfg: ModelConfig, tokens_BxN, valid_BxN=Non
         mesh: optional ``jax.sharding.Mesh`` (:mod:`brf.sharding`): the batch
             (tokens, cache) is split over its 'data' axis; B must divide by
             its size. Place params with ``brf.sharding.shard_params`` for the
-            'model' axis. None: today's single-device path, unchanged.
+            'model' axis. None: one device.
 
     Yields:
         (start, logits) with logits float32 [B, C', V], C' = min(C, N - start).

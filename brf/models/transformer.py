@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -262,38 +263,66 @@ def _causal_attention(cfg, q_BxTxHxE, old, new):
     return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
 
 
-def _block(cfg, dtype, x_BxTxD, lp, rope, window, kv, pos_BxT, kpos_BxS, write_at,
-           keep="all", allow=None):
+class Slots(NamedTuple):
+    """Where a call's T new tokens sit; the same for every layer of the call."""
+    pos_BxT: jax.Array   # each new token's position (-1: padding)
+    kpos_BxS: jax.Array  # each cache slot's position once this call is written
+    write_at: jax.Array  # the slot the new tokens are written from
+    # None, or (cache_allow_BxTxS, tree_allow_BxTxT): explicit masks ANDed with the
+    # positional one (tree attention, `forward_tree`; all queries kept).
+    allow: Any = None
+
+
+def _block(cfg, dtype, x_BxTxD, lp, *, rope, window, kv, at: Slots, keep="all"):
     """One decoder layer: returns the new residual stream and the T new keys and values.
 
     keep='last' carries on only each sequence's last valid token (the residual
     stream comes back as B x 1 x D) and keep='none' only computes the keys and
     values: for the last layer when only the last logits, or none, are wanted.
 
-    rope is this layer's (cos_BxTxF, sin_BxTxF) from `_rope_angles`. kv is None
-    (no cache, or a cache known to be empty) or this layer's (kT_BxKxExS,
-    v_BxKxSxE) before this call; it is only read. The caller writes the returned
-    (kT_BxKxExT, v_BxKxTxE) at slot write_at (`_write_cache`): an in-place update
-    inside a computation that also reads the cache makes XLA:CPU copy the whole
-    cache per layer.
-
-    allow (keep='all' only) is None or (cache_allow_BxTxS, tree_allow_BxTxT):
-    explicit attention masks ANDed with the positional one (tree attention, see
-    `forward_tree`). tree_allow must not let a query see a later new key.
+    rope is this layer's (cos_BxTxF, sin_BxTxF) from `_rope_angles` and window
+    its attention window. kv is None (no cache, or a cache known to be empty)
+    or this layer's (kT_BxKxExS, v_BxKxSxE) before this call; it is only read.
+    The caller writes the returned (kT_BxKxExT, v_BxKxTxE) at slot
+    ``at.write_at`` (`_write_cache`): an in-place update inside a computation
+    that also reads the cache makes XLA:CPU copy the whole cache per layer.
     """
+    q_BxTxHxE, new = _qkv(cfg, dtype, x_BxTxD, lp, rope)
+    if keep == "none":
+        return x_BxTxD, new
+    q_pos_BxT = at.pos_BxT
+    if keep == "last":
+        last_Bx1 = _last_valid(at.pos_BxT >= 0)[:, None]
+        x_BxTxD = jnp.take_along_axis(x_BxTxD, last_Bx1[:, :, None], axis=1)
+        q_BxTxHxE = jnp.take_along_axis(q_BxTxHxE, last_Bx1[:, :, None, None], axis=1)
+        q_pos_BxT = jnp.take_along_axis(at.pos_BxT, last_Bx1, axis=1)
+    o_BxTxHE = _self_attention(cfg, q_BxTxHxE.astype(dtype), q_pos_BxT, new, kv, window, at,
+                               several=keep != "last")
+    x_BxTxD = x_BxTxD + _post_norm(cfg, lp, "post_attn_norm", _proj(lp, "wo", o_BxTxHE, dtype))
+    return x_BxTxD + _mlp(cfg, dtype, x_BxTxD, lp), new
+
+
+def _proj(lp, name, h_BxTxI, dtype):
+    """h @ W for W stored [in, out] as <name>, or [out, in] as <name>_t."""
+    if name in lp:
+        return h_BxTxI @ lp[name].astype(dtype)
+    return jnp.einsum("bti,oi->bto", h_BxTxI, lp[name + "_t"].astype(dtype))
+
+
+def _post_norm(cfg, lp, name, x):
+    """Gemma's norm after attention / the MLP (`name` absent in Llama: x unchanged)."""
+    return rms_norm(x, lp[name], cfg.norm_eps) if name in lp else x
+
+
+def _qkv(cfg, dtype, x_BxTxD, lp, rope):
+    """Queries q_BxTxHxE and the new (kT_BxKxExT, v_BxKxTxE), normed and rotated."""
     B, T, _ = x_BxTxD.shape
     E, H, K = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-
-    def proj(h_BxTxI, name):  # h @ W for W [in, out], or stored [out, in] as <name>_t
-        if name in lp:
-            return h_BxTxI @ lp[name].astype(dtype)
-        return jnp.einsum("bti,oi->bto", h_BxTxI, lp[name + "_t"].astype(dtype))
-
     h_BxTxD = rms_norm(x_BxTxD, lp["attn_norm"], cfg.norm_eps)
     if "wq" in lp:
-        q, k, v = (proj(h_BxTxD, name) for name in ("wq", "wk", "wv"))
+        q, k, v = (_proj(lp, name, h_BxTxD, dtype) for name in ("wq", "wk", "wv"))
     else:  # fused by unstack_layers
-        q, k, v = jnp.split(proj(h_BxTxD, "wqkv"), [H * E, (H + K) * E], axis=-1)
+        q, k, v = jnp.split(_proj(lp, "wqkv", h_BxTxD, dtype), [H * E, (H + K) * E], axis=-1)
     q_BxTxHxE = q.reshape(B, T, H, E)
     k_BxTxKxE = k.reshape(B, T, K, E)
     v_BxTxKxE = v.reshape(B, T, K, E)
@@ -302,54 +331,48 @@ def _block(cfg, dtype, x_BxTxD, lp, rope, window, kv, pos_BxT, kpos_BxS, write_a
         k_BxTxKxE = rms_norm(k_BxTxKxE, lp["k_norm"], cfg.norm_eps)
     q_BxTxHxE = _rotate(q_BxTxHxE, *rope)
     k_BxTxKxE = _rotate(k_BxTxKxE, *rope)
-    new = (k_BxTxKxE.transpose(0, 2, 3, 1), v_BxTxKxE.transpose(0, 2, 1, 3))  # kT_BxKxExT, v_BxKxTxE
+    return q_BxTxHxE, (k_BxTxKxE.transpose(0, 2, 3, 1), v_BxTxKxE.transpose(0, 2, 1, 3))
 
-    def mask(q_pos_BxT, k_pos_BxS, allow_BxTxS=None):
-        # Causal by position (not slot), valid keys only, within the layer's window.
-        diff_BxTxS = q_pos_BxT[:, :, None] - k_pos_BxS[:, None, :]
-        m = (k_pos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
-        return m if allow_BxTxS is None else m & allow_BxTxS
 
-    cache_allow, tree_allow = (None, None) if allow is None else allow
-    if allow is not None and keep != "all":
-        raise ValueError("explicit attention masks need keep='all'")
+def _mask(q_pos_BxT, k_pos_BxS, window):
+    """Causal by position (not slot), valid keys only, within the layer's window."""
+    diff_BxTxS = q_pos_BxT[:, :, None] - k_pos_BxS[:, None, :]
+    return (k_pos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
 
-    if keep == "none":
-        return x_BxTxD, new
-    q_pos_BxT = pos_BxT
-    if keep == "last":
-        last_Bx1 = _last_valid(pos_BxT >= 0)[:, None]
-        x_BxTxD = jnp.take_along_axis(x_BxTxD, last_Bx1[:, :, None], axis=1)
-        q_BxTxHxE = jnp.take_along_axis(q_BxTxHxE, last_Bx1[:, :, None, None], axis=1)
-        q_pos_BxT = jnp.take_along_axis(pos_BxT, last_Bx1, axis=1)
+
+def _self_attention(cfg, q_BxTxHxE, q_pos_BxT, new, kv, window, at: Slots, several: bool):
+    """Attention of the queries to the cache as it was (kv) and to the new keys.
+
+    Slots from at.write_at on are not these tokens' yet in the old cache. The new
+    keys are a second part of the same softmax (attending to an updated cache
+    would copy the whole cache per layer). several: the queries are every new
+    token (causal blocks, `_causal_attention`), not each sequence's last one.
+    """
     old = None
     if kv is not None:
-        # The cache as it was before this call: slots from write_at on are not
-        # these tokens' yet. The new keys are a second part of the same softmax
-        # (attending to an updated cache would copy the whole cache per layer).
-        S = kpos_BxS.shape[1]
-        old = (*kv, mask(q_pos_BxT, jnp.where(jnp.arange(S) < write_at, kpos_BxS, -1),
-                         cache_allow))
-    new_part = (*new, mask(q_pos_BxT, pos_BxT, tree_allow))
-    q_BxTxHxE = q_BxTxHxE.astype(dtype)
-    if keep == "last":
-        o_BxTxHE = _attention(cfg, q_BxTxHxE, ([] if old is None else [old]) + [new_part])
-    else:
-        o_BxTxHE = _causal_attention(cfg, q_BxTxHxE, old, new_part)
-    o_BxTxD = proj(o_BxTxHE, "wo")
-    if "post_attn_norm" in lp:
-        o_BxTxD = rms_norm(o_BxTxD, lp["post_attn_norm"], cfg.norm_eps)
-    x_BxTxD = x_BxTxD + o_BxTxD
+        S = at.kpos_BxS.shape[1]
+        old_pos_BxS = jnp.where(jnp.arange(S) < at.write_at, at.kpos_BxS, -1)
+        old = (*kv, _mask(q_pos_BxT, old_pos_BxS, window))
+    new_part = (*new, _mask(q_pos_BxT, at.pos_BxT, window))
+    if at.allow is not None:
+        cache_allow_BxTxS, tree_allow_BxTxT = at.allow
+        if old is not None:
+            old = (*old[:2], old[2] & cache_allow_BxTxS)
+        new_part = (*new_part[:2], new_part[2] & tree_allow_BxTxT)
+    if several:
+        return _causal_attention(cfg, q_BxTxHxE, old, new_part)
+    return _attention(cfg, q_BxTxHxE, ([] if old is None else [old]) + [new_part])
+
+
+def _mlp(cfg, dtype, x_BxTxD, lp):
+    """The gated MLP's output (after Gemma's post-MLP norm), to add to x."""
     h_BxTxD = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.norm_eps)
     act = jax.nn.silu if cfg.act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
     if "w_gate" in lp:
-        gate, up = proj(h_BxTxD, "w_gate"), proj(h_BxTxD, "w_up")
+        gate, up = _proj(lp, "w_gate", h_BxTxD, dtype), _proj(lp, "w_up", h_BxTxD, dtype)
     else:  # fused by unstack_layers
-        gate, up = jnp.split(proj(h_BxTxD, "w_gate_up"), 2, axis=-1)
-    m_BxTxD = proj(act(gate) * up, "w_down")
-    if "post_mlp_norm" in lp:
-        m_BxTxD = rms_norm(m_BxTxD, lp["post_mlp_norm"], cfg.norm_eps)
-    return x_BxTxD + m_BxTxD, new
+        gate, up = jnp.split(_proj(lp, "w_gate_up", h_BxTxD, dtype), 2, axis=-1)
+    return _post_norm(cfg, lp, "post_mlp_norm", _proj(lp, "w_down", act(gate) * up, dtype))
 
 
 def _write_layer(kv, new, write_at):
@@ -533,6 +556,7 @@ def _compute(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits):
     x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta = _embed(params["embed"], cfg, tokens_BxT,
                                                          valid_BxT, cache, dtype)
     write_at = 0 if cache is None else cache["end"]
+    at = Slots(pos_BxT, kpos_BxS, write_at)
     inv_RxF, rope_L, window_L = _rope_layout(cfg)
     cos_RxBxTxF, sin_RxBxTxF = _rope_angles(pos_BxT, inv_RxF)
     kv_L = [None] * cfg.n_layers if cache is None else list(zip(cache["k"], cache["v"]))
@@ -540,8 +564,8 @@ def _compute(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits):
         new_L = []
         for layer, lp in enumerate(params["layers"]):
             rope = (cos_RxBxTxF[rope_L[layer]], sin_RxBxTxF[rope_L[layer]])
-            x_BxTxD, new = _block(cfg, dtype, x_BxTxD, lp, rope, window_L[layer],
-                                  kv_L[layer], pos_BxT, kpos_BxS, write_at)
+            x_BxTxD, new = _block(cfg, dtype, x_BxTxD, lp, rope=rope, window=window_L[layer],
+                                  kv=kv_L[layer], at=at)
             new_L.append(new)
     else:
         # The per-layer caches are stacked for the scan.
@@ -550,7 +574,7 @@ def _compute(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits):
         def step(x, xs):
             lp, r, window, kv = xs
             rope = (cos_RxBxTxF[r], sin_RxBxTxF[r])
-            return _block(cfg, dtype, x, lp, rope, window, kv, pos_BxT, kpos_BxS, write_at)
+            return _block(cfg, dtype, x, lp, rope=rope, window=window, kv=kv, at=at)
 
         xs = (params["layers"], rope_L, window_L, kv_stacked)
         x_BxTxD, new_stacked = jax.lax.scan(step, x_BxTxD, xs)
@@ -628,6 +652,7 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
         params["embed"], cfg, tokens_BxT, valid_BxT, meta_in, dtype=dtype)
     end = None if cache is None else cache["end"]
     write_at = jnp.zeros((), jnp.int32) if end is None else end
+    at = Slots(pos_BxT, kpos_BxS, write_at)
     # One host read per prompt (not per decoding step) to know the cache is empty.
     if end is None or (tokens_BxT.shape[1] > 1 and not isinstance(end, jax.core.Tracer)
                        and int(end) == 0):
@@ -641,8 +666,8 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
         keep_L[-1] = logits
     new_L = []
     for lp, kv, (r, window), keep in zip(params["layers"], kv_L, _layer_plan(cfg), keep_L):
-        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, ropes[r], window, kv, pos_BxT,
-                                  kpos_BxS, write_at, keep=keep)
+        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, rope=ropes[r], window=window, kv=kv,
+                                  at=at, keep=keep)
         new_L.append(new)
     new_cache = _updated_cache(cache, new_L, write_at, meta, write)
     head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
@@ -772,8 +797,9 @@ def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_Bx
     new_L = []
     for lp, kv, (r, window) in zip(params["layers"], zip(cache["k"], cache["v"]),
                                    _layer_plan(cfg)):
-        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, ropes[r], window, kv, pos_BxT,
-                                  cache["pos"], cache["end"], keep="all", allow=allow)
+        at = Slots(pos_BxT, cache["pos"], cache["end"], allow)
+        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, rope=ropes[r], window=window, kv=kv,
+                                  at=at, keep="all")
         new_L.append(new)
     head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
     logits = _logits_jit(head, cfg, x_BxTxD, None, "all")

@@ -1,0 +1,357 @@
+"""One event table, analysed: every method fitted and tested, the paper's tests run.
+
+:func:`analyse` splits the table (calibration / test, by segment), fits every
+method spec of the plan on calibration (cached in the run directory), then the
+controls of the best per-token BRF row of each variant (:mod:`brf.eval.controls`),
+evaluates them on test, and runs the Phase Coherence and Cross-Term
+Discrimination tests, the paired comparison of the best BRF setting with the best
+baseline within each variant, the fair summary (the best BRF row against the best
+of every other row, controls included, with free-parameter counts), the
+forking-token analysis and the sweep. It returns an
+:class:`AnalysisResult`; :meth:`AnalysisResult.section` is the JSON report
+section (``brf.eval.report`` renders it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from brf.eval import controls as controls_lib
+from brf.eval import forking, hypotheses, stats
+from brf.eval.caches import FitCache
+from brf.eval.fitting import (EventTable, FitSettings, Fitted, MethodSpec, evaluate,
+                              fit_method)
+from brf.eval.plan import Plan, SweepCurve, split
+
+
+@dataclasses.dataclass
+class MethodResult:
+    """A method fitted on calibration and evaluated on test."""
+    spec: MethodSpec
+    fitted: Fitted
+    test: dict            # metrics on the test split (see :func:`metrics`)
+    test_nll: np.ndarray  # [P_test] per-position NLL (nats)
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def variant(self) -> str:
+        return self.spec.variant
+
+    @property
+    def calib_nll(self) -> float:
+        return self.fitted.calib_nll
+
+    def row(self) -> dict:
+        """The method's row in the report."""
+        return {"label": self.label, "method": self.fitted.method, "variant": self.variant,
+                "role": self.role, "params": self.fitted.params,
+                "weights": np.asarray(self.fitted.weights).tolist(),
+                "calib_nll": self.calib_nll, "fit": dict(self.fitted.info), "test": self.test}
+
+
+@dataclasses.dataclass
+class AnalysisResult:
+    """What :func:`analyse` found on one event table."""
+    calib: EventTable
+    test: EventTable
+    methods: list[MethodResult]
+    coherence: list[dict]       # per (phase map, pair), with the phase differences ("diffs")
+    cross: dict                 # the cross-term test, with the per-event scores ("scores")
+    comparisons: dict[str, dict]
+    fair: dict[str, dict]
+    forking: dict
+    sweep: list[dict]
+    left_out: list[str]
+
+    def rows(self, variant: str, roles: Sequence[str] | None = None) -> list[MethodResult]:
+        return [m for m in self.methods if m.variant == variant
+                and (roles is None or m.role in roles)]
+
+    def best(self, variant: str, roles: Sequence[str]) -> MethodResult | None:
+        """The row of ``variant`` with one of ``roles`` and the lowest calibration NLL."""
+        rows = self.rows(variant, roles)
+        return min(rows, key=lambda m: m.calib_nll) if rows else None
+
+    def by_label(self, label: str) -> MethodResult:
+        return next(m for m in self.methods if m.label == label)
+
+    def section(self) -> dict:
+        """The JSON report section of this analysis."""
+        return {
+            "phase_maps_left_out": self.left_out,
+            "split": {"calibration_positions": int(self.calib.n_positions),
+                      "test_positions": int(self.test.n_positions)},
+            "methods": [m.row() for m in self.methods],
+            "phase_coherence": [{k: v for k, v in r.items() if k != "diffs"}
+                                for r in self.coherence],
+            "cross_term": {k: v for k, v in self.cross.items() if k != "scores"},
+            "nll_comparison": self.comparisons,
+            "fair_summary": self.fair,
+            "forking": self.forking,
+            "sweep": self.sweep,
+        }
+
+
+def metrics(ev: dict, gold_bytes: np.ndarray, *, n_boot: int, seed: int) -> dict:
+    """Test-split metrics of one method from its per-position evaluation."""
+    nll = ev["nll"]
+    mean, ci = hypotheses.mean_ci(nll, n_boot=n_boot, seed=seed)
+    return {"nll": float(mean), "nll_ci": ci, "perplexity": float(math.exp(mean)),
+            "floored_positions": int(ev["floored"].sum()),
+            "bits_per_byte": float(nll.sum() / math.log(2) / gold_bytes.sum()),
+            "top1_accuracy": float(ev["top1_credit"].mean()),
+            "ece": float(stats.expected_calibration_error(ev["confidence"],
+                                                          ev["top1_credit"]))}
+
+
+def fit_all(plan: Plan, specs: Sequence[MethodSpec], calib: EventTable, test: EventTable,
+            *, cache_path: str, desc: str = "fitting methods",
+            before: Sequence[MethodResult] = ()) -> list[MethodResult]:
+    """Fits every spec on calibration (reusing cached fits) and evaluates it on test."""
+    fits = fit_specs(specs, calib, plan.fit, cache=FitCache(cache_path, calib, plan.fit),
+                     desc=desc, before=before)
+    out = []
+    for spec, f in zip(specs, fits):
+        ev = evaluate(f, test)
+        out.append(MethodResult(spec, f, metrics(ev, test.gold_bytes, n_boot=plan.stats.n_boot,
+                                                 seed=plan.stats.seed), ev["nll"]))
+    return out
+
+
+def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSettings, *,
+              cache: FitCache | None = None, desc: str = "fitting methods",
+              before: Sequence[MethodResult] = ()) -> list[Fitted]:
+    """Fits every spec on calibration, in order, each once (``cache`` keeps them).
+
+    A spec in a variant other than 'proposed' starts from the proposed fit of the
+    same row, and from the temperatures and weights of the best such fit so far
+    (the calibrated objectives have local optima); ``before`` are rows fitted
+    earlier on the same table, which count as "so far".
+    """
+    out, proposed, calibrated = [], {}, []
+    for m in before:
+        if m.variant == "proposed":
+            proposed[_row_key(m.spec)] = m.fitted
+        elif m.role != "member":
+            calibrated.append(m.fitted)
+    for spec in tqdm(specs, desc=desc, unit="method", dynamic_ncols=True):
+        f = cache.get(spec) if cache is not None else None
+        if f is None:
+            others = sorted(calibrated, key=lambda g: g.calib_nll)[:1]
+            f = fit_spec(spec, calib, settings, warm=proposed.get(_row_key(spec)),
+                         starts=others if spec.variant != "proposed" else ())
+            if cache is not None:
+                cache.put(spec, f)
+        if spec.variant == "proposed":
+            proposed[_row_key(spec)] = f
+        elif spec.role != "member":
+            calibrated.append(f)
+        out.append(f)
+    return out
+
+
+def _row_key(spec: MethodSpec) -> str:
+    return dataclasses.replace(spec, label="", variant="proposed").key()
+
+
+def fit_spec(spec: MethodSpec, calib: EventTable, settings: FitSettings, *,
+             warm: Fitted | None = None, starts: Sequence[Fitted] = ()) -> Fitted:
+    """One spec fitted; a single member as proposed has nothing to fit."""
+    if spec.fixed_weights is not None and spec.variant == "proposed":
+        f = Fitted(spec.label, spec.method, {}, np.asarray(spec.fixed_weights, np.float64),
+                   float("nan"))
+        return dataclasses.replace(f, calib_nll=float(np.mean(evaluate(f, calib)["nll"])))
+    return fit_method(spec, calib, settings=settings, warm=warm, starts=starts)
+
+
+def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[MethodResult]
+                ) -> dict[str, dict]:
+    """Per variant: the best BRF setting vs the best baseline, both chosen on calibration
+    NLL among rows of that variant (like with like); paired block bootstrap on test."""
+    out = {}
+    for v in variants:
+        rows = [m for m in result_methods if m.variant == v]
+        born = [m for m in rows if m.role == "brf"]
+        base = [m for m in rows if m.role == "baseline"]
+        if not born or not base:
+            continue
+        b = min(born, key=lambda m: m.calib_nll)
+        a = min(base, key=lambda m: m.calib_nll)
+        out[v] = {"brf": b.label, "baseline": a.label,
+                  **hypotheses.nll_difference(b.test_nll, a.test_nll, n_boot=plan.stats.n_boot,
+                                              seed=plan.stats.seed)}
+    return out
+
+
+def control_specs(methods: Sequence[MethodResult], n: int, variants: Sequence[str], *,
+                  seed: int) -> list[MethodSpec]:
+    """Per variant, the controls (:func:`brf.eval.controls.controls_for`) of the BRF row
+    with a per-token phase map and the lowest calibration NLL of that variant."""
+    out = []
+    for v in variants:
+        b = _best([m for m in methods if m.variant == v and _per_token(m)])
+        if b is not None:
+            out += list(controls_lib.controls_for(b.spec, n, seed=seed).values())
+    return out
+
+
+def _per_token(m: MethodResult) -> bool:
+    from brf.fusion import PHASE_MAPS
+    return m.role == "brf" and bool(m.spec.phase) and PHASE_MAPS.get(m.spec.phase).kind == "token"
+
+
+def _best(rows: Sequence[MethodResult]) -> MethodResult | None:
+    return min(rows, key=lambda m: m.calib_nll) if rows else None
+
+
+def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodResult],
+                 n: int) -> dict[str, dict]:
+    """Per variant: the best BRF row against the best of every other row of the variant
+    (baselines, controls, single members and the rest; both chosen on calibration NLL),
+    with their free-parameter counts, and the per-token BRF row the controls were built
+    from against each of its controls. Differences are BRF minus the other row on test
+    (paired block bootstrap); < 0 means BRF is better."""
+    st, out = plan.stats, {}
+
+    def row(m: MethodResult) -> dict:
+        return {"label": m.label, "role": m.role, "method": m.spec.method,
+                "free_parameters": controls_lib.free_parameters(m.spec, n).total,
+                "calib_nll": m.calib_nll, "test_nll": m.test["nll"]}
+
+    def diff(a: MethodResult, b: MethodResult) -> dict:
+        return hypotheses.nll_difference(a.test_nll, b.test_nll, n_boot=st.n_boot,
+                                         seed=st.seed)
+
+    for v in variants:
+        rows = [m for m in methods if m.variant == v]
+        born = _best([m for m in rows if m.role == "brf"])
+        rival = _best([m for m in rows if m.role != "brf"])
+        if born is None or rival is None:
+            continue
+        entry = {"brf": row(born), "rival": row(rival), **diff(born, rival),
+                 "brf_candidates": sum(m.role == "brf" for m in rows),
+                 "rival_candidates": sum(m.role != "brf" for m in rows)}
+        controls = [m for m in rows if m.role == "control"]
+        token = _best([m for m in rows if _per_token(m)])
+        if controls and token is not None:
+            entry["per_token"] = row(token)
+            entry["controls"] = [{**row(c), **diff(token, c)} for c in controls]
+        out[v] = entry
+    return out
+
+
+def forking_tokens(plan: Plan, variants: Sequence[str], result_methods: list[MethodResult],
+                   calib: EventTable, test: EventTable) -> dict:
+    """Per variant: every method's gain over the best single member by the members' mean
+    entropy (deciles, top fraction), and entropy-gated fusion that runs the other
+    members only at the primary member's top-fraction entropy positions
+    (:mod:`brf.eval.forking`)."""
+    ent_test = forking.member_entropy(test)
+    ent_cal = forking.member_entropy(calib)
+    n = test.logp.shape[1]
+    top = plan.stats.forking_top_fraction
+    out = {}
+    for v in variants:
+        rows = [m for m in result_methods if m.variant == v]
+        singles = [m for m in rows if m.role == "member"]
+        if not singles:
+            continue
+        ref = min(singles, key=lambda m: m.calib_nll)
+        primary = int(np.argmax(ref.fitted.weights))
+        primary_nll = next(m.test_nll for m in singles
+                           if int(np.argmax(m.fitted.weights)) == primary)
+        per_method = {m.label: forking.gain_by_entropy(
+            m.test_nll, ref.test_nll, ent_test.mean(1), top_fraction=top,
+            n_boot=min(plan.stats.n_boot, 500), seed=plan.stats.seed)
+            for m in rows if m.role != "member"}
+        thr = float(np.quantile(ent_cal[:, primary], 1 - top))
+        gated = {}
+        for kind, roles in (("brf", ("brf",)), ("baseline", ("baseline",))):
+            cands = [m for m in rows if m.role in roles]
+            if cands:
+                best = min(cands, key=lambda m: m.calib_nll)
+                gated[kind] = {"method": best.label, **forking.gated_fusion(
+                    best.test_nll, primary_nll, ref.test_nll, ent_test[:, primary], thr, n)}
+        out[v] = {"reference": ref.label, "primary_member": primary, "top_fraction": top,
+                  "by_method": per_method, "gated": gated}
+    return out
+
+
+def sweep(curves: Sequence[SweepCurve], calib: EventTable, test: EventTable) -> list[dict]:
+    """Calibration and test NLL of BRF (uniform weights) along each sweep curve."""
+    out = []
+    n = calib.logp.shape[1]
+    for curve in curves:
+        c_nll, t_nll = [], []
+        for v in curve.values:
+            params = dict(curve.fixed)
+            if curve.param == "offset_difference":
+                params["offset"] = [0.0, float(v)] + [0.0] * (n - 2)
+            else:
+                params[curve.param] = float(v)
+            f = Fitted(curve.label, "born", {"phase": curve.phase_map,
+                                             **{f"phase.{k}": p for k, p in params.items()}},
+                       np.full(n, 1.0 / n), float("nan"))
+            c_nll.append(float(np.mean(evaluate(f, calib)["nll"])))
+            t_nll.append(float(np.mean(evaluate(f, test)["nll"])))
+        out.append({"phase_map": curve.label, "param": curve.param,
+                    "values": list(curve.values), "calib_nll": c_nll, "test_nll": t_nll})
+    return out
+
+
+def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequence[str],
+            cache_path: str, with_sweep: bool = True) -> AnalysisResult:
+    """Fits, evaluates and tests every method on one event table.
+
+    Args:
+      plan: the study's plan (method specs, fit and statistics settings).
+      table: every position of the analysis, in text order.
+      n_segments: the corpus's segment count (the split is by segment).
+      variants: the method variants to fit.
+      cache_path: the fit cache's file.
+      with_sweep: compute the sweep curves.
+    """
+    from brf.fusion import phase_map
+    calib, test = split(plan.scoring, table, n_segments)
+    n = table.logp.shape[1]
+    methods = fit_all(plan, plan.method_specs(n, variants), calib, test, cache_path=cache_path)
+    if plan.controls:
+        methods += fit_all(plan, control_specs(methods, n, variants, seed=plan.stats.seed),
+                           calib, test, cache_path=cache_path, desc="fitting controls",
+                           before=methods)
+    # The cross-term test reads the best BRF setting's weights and phase map; from the
+    # calibrated variant when it runs (its temperatures do not enter the test).
+    v_cross = "calibrated" if "calibrated" in variants else variants[0]
+    best_born = min((m for m in methods if m.role == "brf" and m.variant == v_cross),
+                    key=lambda m: m.calib_nll).fitted
+    # The coherence test reads each phase map as configured (a property of the
+    # map, not of a fit); maps that ignore the logits (constant) are left out.
+    usable = plan.phase_maps_for(n)
+    phase_specs = {e.label: e.spec for e in usable if phase_map(e.spec).name != "constant"}
+    st = plan.stats
+    return AnalysisResult(
+        calib=calib, test=test, methods=methods,
+        coherence=hypotheses.phase_coherence(test, phase_specs, n_perm=st.n_perm,
+                                             seed=st.seed),
+        cross=hypotheses.cross_term_test(test, best_born, n_boot=st.n_boot, seed=st.seed),
+        comparisons=comparisons(plan, variants, methods),
+        fair=fair_summary(plan, variants, methods, n),
+        forking=forking_tokens(plan, variants, methods, calib, test),
+        sweep=sweep(plan.sweep, calib, test) if with_sweep else [],
+        left_out=sorted({e.label for e in plan.phase_maps} - {e.label for e in usable}))
+
+
+__all__ = ["AnalysisResult", "MethodResult", "analyse", "control_specs", "fair_summary",
+           "fit_all", "fit_spec", "fit_specs", "metrics"]

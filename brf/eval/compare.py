@@ -1,0 +1,164 @@
+"""Comparisons across analyses: pooled over corpora, prefix effects, the event-space check.
+
+Every function takes :class:`~brf.eval.analysis.AnalysisResult` s and returns a
+JSON-able dict (``brf.eval.study_report`` states them in words).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from brf.eval import stats
+from brf.eval.analysis import AnalysisResult
+
+
+def rbar_change(diff_a: np.ndarray, diff_b: np.ndarray, *, n_boot: int, block: int = 32,
+                seed: int = 0) -> dict:
+    """R̄(b) - R̄(a) for phase differences at the same positions, with a paired circular
+    block-bootstrap 95% CI (positions resampled in blocks, jointly for a and b)."""
+    n = len(diff_a)
+    if len(diff_b) != n or n < 2:
+        raise ValueError(f"rbar_change: need two equal-length arrays; got {n}, {len(diff_b)}")
+    L = max(1, min(block, n // 4))
+    rng = np.random.default_rng(seed)
+    n_blocks = -(-n // L)
+    boots = np.empty(n_boot)
+    ca, sa, cb, sb = np.cos(diff_a), np.sin(diff_a), np.cos(diff_b), np.sin(diff_b)
+    for b in range(n_boot):
+        starts = rng.integers(0, n, n_blocks)
+        idx = ((starts[:, None] + np.arange(L)[None]) % n).reshape(-1)[:n]
+        boots[b] = np.hypot(cb[idx].mean(), sb[idx].mean()) - np.hypot(ca[idx].mean(),
+                                                                       sa[idx].mean())
+    est = _rbar(diff_b) - _rbar(diff_a)
+    lo, hi = np.quantile(boots, [0.025, 0.975])
+    return {"estimate": est, "ci": [float(lo), float(hi)]}
+
+
+def _rbar(d: np.ndarray) -> float:
+    return float(np.hypot(np.cos(d).mean(), np.sin(d).mean()))
+
+
+def _same_positions(a: AnalysisResult, b: AnalysisResult) -> bool:
+    ta, tb = a.test, b.test
+    return (ta.n_positions == tb.n_positions and np.array_equal(ta.gold_bytes, tb.gold_bytes)
+            and np.array_equal(ta.segment, tb.segment))
+
+
+def prefix_effect(plain: AnalysisResult, prefixed: AnalysisResult, *, n_boot: int,
+                  seed: int) -> dict:
+    """How a steadying prefix on each member changes the paper's quantities.
+
+    Both analyses cover the same corpus, split and positions (a prefix does not move
+    token boundaries), so the changes are paired per position.
+    """
+    out: dict[str, Any] = {"phase_concentration": [], "cross_term": {}, "nll_gap": {}}
+    same = _same_positions(plain, prefixed)
+    out["paired"] = bool(same)
+    by1 = {(r["phase_map"], tuple(r["pair"])): r for r in prefixed.coherence}
+    for r0 in plain.coherence:
+        r1 = by1.get((r0["phase_map"], tuple(r0["pair"])))
+        if r1 is None or not same:
+            continue
+        ch = rbar_change(r0["diffs"], r1["diffs"], n_boot=min(n_boot, 1000), seed=seed)
+        ex_0 = r0["mean_resultant_length"] - r0["null_mean_resultant_length"]
+        ex_1 = r1["mean_resultant_length"] - r1["null_mean_resultant_length"]
+        dnull = r1["null_mean_resultant_length"] - r0["null_mean_resultant_length"]
+        out["phase_concentration"].append({
+            "phase_map": r0["phase_map"], "pair": r0["pair"],
+            "rbar_plain": r0["mean_resultant_length"], "rbar_prefix": r1["mean_resultant_length"],
+            "rbar_change": ch["estimate"], "rbar_change_ci": ch["ci"],
+            "excess_plain": ex_0, "excess_prefix": ex_1, "excess_change": ex_1 - ex_0,
+            # the permutation nulls are treated as fixed: the excess change's CI is the
+            # R̄ change's CI shifted by the change of the null's mean.
+            "excess_change_ci": [ch["ci"][0] - dnull, ch["ci"][1] - dnull]})
+    c0, c1 = plain.cross["rel"], prefixed.cross["rel"]
+    se = math.hypot((c0["ci"][1] - c0["ci"][0]) / 3.92, (c1["ci"][1] - c1["ci"][0]) / 3.92)
+    d = c1["auroc"] - c0["auroc"]
+    out["cross_term"] = {"setting_plain": plain.cross["setting"],
+                         "setting_prefix": prefixed.cross["setting"],
+                         "auroc_plain": c0["auroc"], "auroc_prefix": c1["auroc"],
+                         "auroc_change": d, "auroc_change_ci": [d - 1.96 * se, d + 1.96 * se],
+                         "ci_method": "normal approximation from the two bootstrap CIs, "
+                                      "treated as independent (conservative for paired "
+                                      "positions)"}
+    for v, a in plain.comparisons.items():
+        b = prefixed.comparisons.get(v)
+        if not b or not same:
+            continue
+        gap0 = plain.by_label(a["brf"]).test_nll - plain.by_label(a["baseline"]).test_nll
+        gap1 = prefixed.by_label(b["brf"]).test_nll - prefixed.by_label(b["baseline"]).test_nll
+        ci = stats.paired_bootstrap_ci(gap1, gap0, n_boot=n_boot,
+                                       rng=np.random.default_rng(seed),
+                                       block_size=min(32, max(1, len(gap0) // 4)))
+        out["nll_gap"][v] = {"gap_plain": float(gap0.mean()), "gap_prefix": float(gap1.mean()),
+                             "change": ci.estimate, "ci": [ci.ci_low, ci.ci_high],
+                             "brf_plain": a["brf"], "brf_prefix": b["brf"],
+                             "baseline_plain": a["baseline"], "baseline_prefix": b["baseline"]}
+    return out
+
+
+def pooled(per_corpus: Sequence[tuple[str, AnalysisResult]], variants: Sequence[str], *,
+           n_boot: int, seed: int, fair: bool = False) -> dict:
+    """Per variant: the BRF-minus-baseline NLL difference pooled over corpora.
+
+    With ``fair``, the fair summary's pair instead: the best BRF row minus the best
+    of every other row (controls included)."""
+    out = {}
+    for v in variants:
+        pairs, used = [], []
+        for label, res in per_corpus:
+            pair = _fair_pair(res, v) if fair else _baseline_pair(res, v)
+            if pair is None:
+                continue
+            a, b, c = pair
+            pairs.append((res.by_label(a).test_nll, res.by_label(b).test_nll))
+            used.append({"corpus": label, "brf": a, "baseline": b,
+                         "mean_difference": c["mean_difference"], "ci": c["ci"]})
+        if not pairs:
+            continue
+        ci = stats.pooled_paired_bootstrap_ci(pairs, n_boot=n_boot,
+                                              rng=np.random.default_rng(seed), block_size=32)
+        out[v] = {"mean_difference": ci.estimate, "ci": [ci.ci_low, ci.ci_high],
+                  "p_value": ci.p_value, "corpora": used,
+                  "weighting": "equal weight per corpus; stratified circular block bootstrap "
+                               "(blocks of 32 positions within each corpus)"}
+    return out
+
+
+def _baseline_pair(res: AnalysisResult, v: str):
+    c = res.comparisons.get(v)
+    return (c["brf"], c["baseline"], c) if c else None
+
+
+def _fair_pair(res: AnalysisResult, v: str):
+    c = res.fair.get(v)
+    return (c["brf"]["label"], c["rival"]["label"], c) if c else None
+
+
+def side(ci) -> str:
+    """'lower' / 'higher' / 'undecided': where a CI lies relative to 0."""
+    return "lower" if ci[1] < 0 else "higher" if ci[0] > 0 else "undecided"
+
+
+def topk_moves(a: AnalysisResult, b: AnalysisResult) -> dict:
+    """Whether the verdicts of two analyses of the same corpus differ (event-space check)."""
+    rows = {}
+    for v, ca in a.comparisons.items():
+        cb = b.comparisons.get(v)
+        if cb:
+            rows[f"nll[{v}]"] = {"a": side(ca["ci"]), "b": side(cb["ci"]),
+                                 "a_difference": ca["mean_difference"],
+                                 "b_difference": cb["mean_difference"],
+                                 "a_pair": [ca["brf"], ca["baseline"]],
+                                 "b_pair": [cb["brf"], cb["baseline"]]}
+    ra, rb = a.cross["rel"], b.cross["rel"]
+    rows["cross_term"] = {"a": side([x - 0.5 for x in ra["ci"]]),
+                          "b": side([x - 0.5 for x in rb["ci"]]),
+                          "a_auroc": ra["auroc"], "b_auroc": rb["auroc"]}
+    pa = sum(r["permutation_p"] < 0.05 for r in a.coherence)
+    pb = sum(r["permutation_p"] < 0.05 for r in b.coherence)
+    rows["phase_coherence"] = {"a": pa, "b": pb}
+    return {"rows": rows, "moved": [k for k, r in rows.items() if r["a"] != r["b"]]}

@@ -1,0 +1,430 @@
+"""The study's plan: the config read and checked once, as frozen records.
+
+``experiments/validate.py`` turns its ``ml_collections`` config into a
+:class:`Plan` with :func:`from_config`; nothing below the main reads the config.
+Every mistake a user can make in it (an unknown member parameter, method, phase
+map, corpus or variant; a bad split; a corpus too short to split) is found here,
+before any model is loaded, and raised as :class:`ValidationError` (one line,
+exit status 2 in a main).
+
+A plan names *what* to run: the members, the corpora, the method specs in each
+variant, and for each corpus the analyses (:class:`Analysis`: which members, on
+which event space, in which variants). ``brf.eval.study`` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from brf.errors import UserError
+from brf.eval import config_specs
+from brf.eval import corpus as corpus_lib
+from brf.eval.fitting import VARIANTS, FitSettings, MethodSpec
+from brf.specs import format_spec, parse_list, split_list
+
+MIN_SPLIT_POSITIONS = 50   # per split: below this no test or fit means much
+
+
+class ValidationError(UserError):
+    """A bad validation config or corpus, reported before any model runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A member of an analysis: a model (registry name, GGUF file or HF directory)
+    and an optional prefix it reads before every segment."""
+    name: str
+    prefix: str = ""
+
+    @property
+    def label(self) -> str:
+        """The member's name in reports (its spec text)."""
+        return format_spec(self.name, {"prefix": self.prefix} if self.prefix else {})
+
+    def with_prefix(self, prefix: str) -> "Member":
+        return dataclasses.replace(self, prefix=prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """One corpus of the study (``brf.eval.corpus.CORPORA`` name or a UTF-8 file)."""
+    name: str
+    label: str
+    max_chars: int = 0
+    skip_chars: int = 0
+    prefix: str = ""   # the prompt study's steadying prefix ("" = none)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseMapEntry:
+    """One BRF row per phase map: its spec text; ``fixed`` keeps it as given."""
+    label: str
+    spec: str
+    fixed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepCurve:
+    """Test NLL of BRF (uniform weights) along one parameter of one phase map."""
+    label: str
+    phase_map: str
+    param: str
+    values: tuple[float, ...]
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringSettings:
+    segment_chars: int = 3000
+    top_k: int = 64
+    chunk: int = 256
+    min_chars: int = 2000
+    calibration_fraction: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsSettings:
+    n_boot: int = 2000
+    n_perm: int = 2000
+    seed: int = 0
+    forking_top_fraction: float = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSettings:
+    enabled: bool = True
+    second_prefix: str = ""
+    swarm: bool = True
+    variants: tuple[str, ...] = ("calibrated",)
+
+
+@dataclasses.dataclass(frozen=True)
+class BottleneckSettings:
+    positions: int = 0
+    top_k: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """One event table to analyse: which members, how many top strings per member,
+    in which variants.
+
+    Attributes:
+      kind: 'corpus' (the default pair), 'topk' (the event-space check), 'prefix'
+        (each member with the corpus's prefix), 'same_model' (member 0 under two
+        prefixes) or 'swarm' (each member with and without the prefix).
+      label: the analysis's name in reports.
+      members: who is scored and fused.
+      top_k: top strings per member in the event space.
+      store_k: top strings kept in the score stores (>= top_k; the first corpus
+        stores the sensitivity check's larger k so that both analyses share it).
+      variants: method variants fitted.
+      sweep: draw the sweep curves and per-analysis plots.
+    """
+    kind: str
+    label: str
+    members: tuple[Member, ...]
+    top_k: int
+    store_k: int
+    variants: tuple[str, ...]
+    sweep: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything one run of the study does, checked."""
+    members: tuple[Member, ...]
+    corpora: tuple[Corpus, ...]
+    methods: tuple[MethodSpec, ...]          # the configured methods, as proposed
+    phase_maps: tuple[PhaseMapEntry, ...]
+    variants: tuple[str, ...]
+    nll_baselines: tuple[str, ...]
+    sweep: tuple[SweepCurve, ...]
+    scoring: ScoringSettings
+    fit: FitSettings
+    stats: StatsSettings
+    prompts: PromptSettings
+    bottleneck: BottleneckSettings
+    topk_sensitivity: int
+    out_dir: str
+    controls: bool = True
+    mesh: Mapping[str, Any] | None = None
+    distributed: Mapping[str, Any] | None = None
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def phase_maps_for(self, n: int) -> tuple[PhaseMapEntry, ...]:
+        """The maps usable with n members. A map given one offset per member for a
+        different number of members is left out (e.g. the linear-pool reference
+        ``offset=[0, pi/2]`` has no n = 4 counterpart: four phases cannot all differ
+        pairwise by pi/2)."""
+        from brf.fusion import phase_map
+        keep = []
+        for e in self.phase_maps:
+            offset = np.asarray(phase_map(e.spec).params["offset"])
+            if offset.ndim == 0 or offset.shape[0] == n:
+                keep.append(e)
+        return tuple(keep)
+
+    def method_specs(self, n: int, variants: Sequence[str] | None = None) -> list[MethodSpec]:
+        """The configured methods, each member alone and one BRF row per phase map,
+        in every variant (as proposed first)."""
+        from brf.fusion import phase_map
+        base = list(self.methods)
+        for i in range(n):
+            base.append(MethodSpec(f"member {i} alone", "linear", fit_weights=False,
+                                   fixed_weights=tuple(float(j == i) for j in range(n)),
+                                   role="member"))
+        for e in self.phase_maps_for(n):
+            pm = phase_map(e.spec)
+            if e.fixed:  # reference points: keep the map as given
+                fit = {}
+                fixed = {f"phase.{k}": np.asarray(v).tolist() for k, v in pm.params.items()}
+            else:
+                fit = {f"phase.{k}": float(np.asarray(v).reshape(-1)[0])
+                       for k, v in pm.params.items() if k != "offset"}
+                fit["phase.offset"] = [0.0] + [0.5] * (n - 1)
+                fixed = {}
+            base.append(MethodSpec(f"born {e.label}", "born", fit=fit, fixed=fixed,
+                                   phase=pm.name, role="brf"))
+        return [s.in_variant(v) for v in (variants or self.variants) for s in base]
+
+    def analyses(self, index: int) -> list[Analysis]:
+        """The analyses of corpus ``index``: the default pair (with the sweep), the
+        event-space check (first corpus), and the prompt study where it has a prefix."""
+        c = self.corpora[index]
+        k2 = self.topk_sensitivity if index == 0 else 0
+        store_k = k2 or self.scoring.top_k
+        out = [Analysis("corpus", c.label, self.members, self.scoring.top_k, store_k,
+                        self.variants, sweep=True)]
+        if k2:
+            out.append(Analysis("topk", f"{c.label} (top-{k2})", self.members, k2, k2,
+                                self.variants))
+        if c.prefix and self.prompts.enabled:
+            aux = self.prompts.variants
+            out.append(Analysis("prefix", f"{c.label} + prefix",
+                                tuple(m.with_prefix(c.prefix) for m in self.members),
+                                self.scoring.top_k, store_k, aux))
+            if self.prompts.second_prefix:
+                m0 = self.members[0]
+                out.append(Analysis("same_model", f"{c.label} same model",
+                                    (m0.with_prefix(c.prefix),
+                                     m0.with_prefix(self.prompts.second_prefix)),
+                                    self.scoring.top_k, store_k, aux))
+            if self.prompts.swarm:
+                swarm = tuple(x for m in self.members for x in (m, m.with_prefix(c.prefix)))
+                out.append(Analysis("swarm", f"{c.label} swarm", swarm, self.scoring.top_k,
+                                    store_k, aux))
+        return out
+
+
+def split_segments(text: str, max_chars: int) -> list[str]:
+    """Cuts text into segments of at most ``max_chars``, at line breaks.
+
+    Segments keep their line breaks, so their concatenation is the text.
+    A single line longer than ``max_chars`` is cut at a space (or hard).
+    """
+    if max_chars < 16:
+        raise ValidationError(f"segment_chars must be >= 16; got {max_chars}")
+    segments, cur = [], ""
+    for line in text.splitlines(keepends=True):
+        while len(line) > max_chars:
+            cut = line.rfind(" ", 0, max_chars) + 1 or max_chars
+            if cur:
+                segments.append(cur)
+                cur = ""
+            segments.append(line[:cut])
+            line = line[cut:]
+        if len(cur) + len(line) > max_chars and cur:
+            segments.append(cur)
+            cur = ""
+        cur += line
+    if cur:
+        segments.append(cur)
+    return segments
+
+
+def load_segments(plan: Plan, corpus: Corpus) -> tuple[list[str], str, str]:
+    """(segments, source, licence) of one corpus of the plan."""
+    text, source, licence = corpus_lib.load_named(
+        corpus.name, max_chars=corpus.max_chars, skip_chars=corpus.skip_chars,
+        min_chars=plan.scoring.min_chars)
+    return split_segments(text, plan.scoring.segment_chars), source, licence
+
+
+# ----------------------------------------------------------------- from a config
+
+MEMBER_KEYS = ("prefix",)
+CORPUS_KEYS = ("max_chars", "skip_chars", "prefix", "label")
+
+
+def from_config(cfg) -> Plan:
+    """The plan of a validation config (configs/validate.py), checked.
+
+    Raises:
+        ValidationError (and the other UserErrors of config_specs and corpus): a
+        mistake in the config, named.
+    """
+    members = tuple(_members(cfg.members))
+    if len(members) < 2:
+        raise ValidationError("validation needs at least two members")
+    baselines = tuple(_names(cfg.nll_baselines))
+    methods = tuple(_methods(cfg.methods, baselines))
+    phase_maps = tuple(_phase_maps(cfg.phase_maps))
+    variants = _variants(cfg.variants, "config.variants")
+    sc = cfg.scoring
+    scoring = ScoringSettings(int(sc.segment_chars), int(sc.top_k), int(sc.chunk),
+                              int(sc.min_chars), float(sc.calibration_fraction))
+    if not 0.0 < scoring.calibration_fraction < 1.0:
+        raise ValidationError(
+            f"scoring.calibration_fraction must lie in (0, 1) so that both splits have "
+            f"positions; got {scoring.calibration_fraction}")
+    if scoring.top_k < 2:
+        raise ValidationError(f"scoring.top_k must be >= 2; got {scoring.top_k}")
+    k2 = int(cfg.topk_sensitivity)
+    if k2 and k2 <= scoring.top_k:
+        raise ValidationError(f"topk_sensitivity ({k2}) must exceed scoring.top_k "
+                              f"({scoring.top_k}), or be 0 (off)")
+    fit = FitSettings(max_iter=int(cfg.fit.max_iter), ftol=float(cfg.fit.ftol),
+                      gtol=float(cfg.fit.gtol))
+    if fit.max_iter < 1 or fit.ftol <= 0 or fit.gtol <= 0:
+        raise ValidationError(f"fit: max_iter must be >= 1 and ftol, gtol > 0; got {fit}")
+    st = cfg.stats
+    stats = StatsSettings(int(st.n_boot), int(st.n_perm), int(st.seed),
+                          float(st.forking_top_fraction))
+    if stats.n_boot < 10 or stats.n_perm < 10:
+        raise ValidationError(f"stats.n_boot and stats.n_perm must be >= 10; got {stats}")
+    if not 0.0 < stats.forking_top_fraction < 1.0:
+        raise ValidationError(f"stats.forking_top_fraction must lie in (0, 1); got "
+                              f"{stats.forking_top_fraction}")
+    pr = cfg.prompts
+    prompts = PromptSettings(bool(pr.enabled), str(pr.second_prefix), bool(pr.swarm),
+                             _variants(pr.variants or cfg.variants, "config.prompts.variants"))
+    bottleneck = BottleneckSettings(int(cfg.bottleneck.positions), int(cfg.bottleneck.top_k))
+    plan = Plan(members=members, corpora=tuple(_corpora(cfg.corpora)), methods=methods,
+                phase_maps=phase_maps, variants=variants, nll_baselines=baselines,
+                sweep=tuple(_sweep(cfg.sweep)), scoring=scoring, fit=fit, stats=stats,
+                prompts=prompts, bottleneck=bottleneck, topk_sensitivity=k2,
+                out_dir=str(cfg.out_dir), controls=bool(cfg.controls),
+                mesh=_plain(cfg.get("mesh")),
+                distributed=_plain(cfg.get("distributed")), config=cfg.to_dict())
+    for c in plan.corpora:  # a corpus too short for the split fails here, not after scoring
+        segments, _, _ = load_segments(plan, c)
+        if len(segments) < 2:
+            raise ValidationError(
+                f"corpus {c.label!r}: {sum(map(len, segments))} characters make "
+                f"{len(segments)} segment(s) of <= {scoring.segment_chars}; the "
+                f"calibration/test split needs at least 2")
+    return plan
+
+
+def _plain(x):
+    return None if x is None else (x.to_dict() if hasattr(x, "to_dict") else dict(x))
+
+
+def _names(value) -> list[str]:
+    return split_list(value) if isinstance(value, str) else [str(v) for v in value]
+
+
+def _members(value) -> list[Member]:
+    out = []
+    for name, params in config_specs.member_entries(value, supported=MEMBER_KEYS):
+        prefix = params.get("prefix", "")
+        if not isinstance(prefix, str):
+            raise ValidationError(f"member {name!r}: prefix must be a string; got {prefix!r}")
+        out.append(Member(name, prefix))
+    return out
+
+
+def _methods(value, baselines: Sequence[str]) -> list[MethodSpec]:
+    from brf.fusion import get_method
+    from brf.fusion.methods import resolve_params
+    out = []
+    for spec in config_specs.method_entries(value):
+        try:
+            m = get_method(spec.method)
+            given = {**spec.fixed, **spec.fit, **{k: v[0] for k, v in spec.grid.items() if v}}
+            resolve_params(m, {k: v for k, v in given.items() if not k.startswith("phase.")})
+        except ValueError as e:
+            raise ValidationError(f"config.methods[{spec.label!r}]: {e}") from None
+        role = "baseline" if spec.method in baselines else "other"
+        out.append(dataclasses.replace(spec, role=role))
+    return out
+
+
+def _phase_maps(value) -> list[PhaseMapEntry]:
+    from brf.fusion import phase_map
+    out = []
+    for label, (spec, fixed) in config_specs.phase_map_entries(value).items():
+        try:
+            phase_map(spec)
+        except ValueError as e:
+            raise ValidationError(f"config.phase_maps[{label!r}]: {e}") from None
+        out.append(PhaseMapEntry(label, spec, fixed))
+    return out
+
+
+def _variants(value, where: str) -> tuple[str, ...]:
+    names = tuple(_names(value))
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise ValidationError(f"{where}: unknown method variant(s) {bad or list(names)}; "
+                              f"use a comma-separated subset of {list(VARIANTS)}")
+    return names
+
+
+def _corpora(value) -> list[Corpus]:
+    out = []
+    for name, params in parse_list(value, "corpus"):
+        bad = sorted(set(params) - set(CORPUS_KEYS))
+        if bad:
+            raise ValidationError(
+                f"corpus {name!r}: unknown parameter(s) {bad}; it takes {list(CORPUS_KEYS)}")
+        label = params.get("label", os.path.basename(name).split(".")[0] or name)
+        out.append(Corpus(name, str(label), int(params.get("max_chars", 0)),
+                          int(params.get("skip_chars", 0)), str(params.get("prefix", ""))))
+    if not out:
+        raise ValidationError("config.corpora names no corpus")
+    labels = [c.label for c in out]
+    if len(set(labels)) != len(labels):
+        raise ValidationError(f"config.corpora: duplicate labels {labels}; give each a label=")
+    return out
+
+
+def _sweep(value) -> list[SweepCurve]:
+    from brf.fusion import phase_map
+    out = []
+    for entry in value:
+        e = dict(entry)
+        try:
+            phase_map(e["phase_map"])
+        except ValueError as err:
+            raise ValidationError(f"config.sweep[{e.get('label')!r}]: {err}") from None
+        out.append(SweepCurve(str(e["label"]), str(e["phase_map"]), str(e["param"]),
+                              tuple(float(v) for v in e["values"]),
+                              dict(e.get("fixed", {}))))
+    return out
+
+
+def split(plan_scoring: ScoringSettings, table, n_segments: int):
+    """(calibration, test) tables: the first calibration_fraction of the segments, the
+    rest. Raises ValidationError when either has fewer than MIN_SPLIT_POSITIONS."""
+    n_cal_seg = max(1, int(round(n_segments * plan_scoring.calibration_fraction)))
+    cal_idx = np.nonzero(table.segment < n_cal_seg)[0]
+    test_idx = np.nonzero(table.segment >= n_cal_seg)[0]
+    for idx, what in ((test_idx, "test"), (cal_idx, "calibration")):
+        if len(idx) < MIN_SPLIT_POSITIONS:
+            raise ValidationError(
+                f"the split leaves {len(idx) or 'no'} {what} positions (fewer than "
+                f"{MIN_SPLIT_POSITIONS}; {n_segments} segments, calibration_fraction="
+                f"{plan_scoring.calibration_fraction}); use a longer corpus or other "
+                f"segment sizes")
+    return table.take(cal_idx), table.take(test_idx)
+
+
+def calibration_segments(plan_scoring: ScoringSettings, n_segments: int) -> int:
+    """How many leading segments form the calibration split."""
+    return max(1, int(round(n_segments * plan_scoring.calibration_fraction)))

@@ -1,0 +1,208 @@
+"""The study's report in words, Markdown and plots (``report.json`` / ``report.md``).
+
+:func:`verdicts` states every answer in a sentence from the numbers alone;
+:func:`markdown` gathers them with the per-corpus comparison table; :func:`plots`
+draws the pooled comparison and the gain by entropy. Each analysis also has its
+own full report in its run directory (:mod:`brf.eval.report`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from brf.eval import report as report_lib
+from brf.eval.caches import write_json
+
+STUDY_SCHEMA = "brf.study/2"
+
+
+def write(out_dir: str, rep: dict) -> None:
+    """report.json, report.md and the plots of the study."""
+    write_json(os.path.join(out_dir, "report.json"), rep, indent=1)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(markdown(rep))
+    plots(out_dir, rep)
+
+
+def brief(rep: dict | None) -> dict | None:
+    """An analysis without its per-method parameters (the per-corpus files keep them);
+    None for None (a multi-process run's other processes analyse nothing)."""
+    if rep is None:
+        return None
+    keep = ("analysis", "members", "top_k", "coverage", "split", "nll_comparison",
+            "fair_summary", "phase_coherence", "cross_term", "verdict")
+    out = {k: rep[k] for k in keep if k in rep}
+    out["methods"] = [{"label": m["label"], "variant": m["variant"],
+                       "test_nll": m["test"]["nll"], "test_nll_ci": m["test"]["nll_ci"],
+                       "calib_nll": m["calib_nll"]} for m in rep["methods"]]
+    if "forking" in rep:
+        # Keep the gated methods' rows whole (gains, CIs, top share): the study's
+        # plot and markdown read them as the per-corpus report has them.
+        out["forking"] = {v: {k: f[k] for k in ("reference", "top_fraction", "gated")}
+                          | {"by_method": {g["method"]: f["by_method"][g["method"]]
+                                           for g in f["gated"].values()}}
+                          for v, f in rep["forking"].items()}
+    return out
+
+
+# ----------------------------------------------------------------- words
+
+def _side(ci, what_low, what_high, what_none):
+    return what_low if ci[1] < 0 else what_high if ci[0] > 0 else what_none
+
+
+def verdicts(rep: dict) -> dict[str, str]:
+    """The study's answers, one paragraph each, from the numbers alone."""
+    out = {}
+    for label, r in rep["per_corpus"].items():
+        out[f"nll: {label}"] = r["verdict"]["nll"]
+        if "fair_summary" in r["verdict"]:
+            out[f"fair: {label}"] = r["verdict"]["fair_summary"]
+    for key, what in (("pooled", "the best baseline"),
+                      ("pooled_fair", "the best of every other row (controls included)")):
+        for v, p in rep.get(key, {}).items():
+            lo, hi = p["ci"]
+            out[f"{'nll' if key == 'pooled' else 'fair'}: pooled ({v})"] = (
+                f"Pooled over {len(p['corpora'])} corpora (equal weight each), the best BRF "
+                f"setting minus {what}, {report_lib.VARIANT_WORDS.get(v, v)}: "
+                f"{p['mean_difference']:+.4f} nats/position, 95% CI [{lo:+.4f}, {hi:+.4f}]: "
+                "BRF is " + _side(p["ci"], "better", "worse", "not distinguishable from it")
+                + " on this evidence.")
+    for label, pr in rep["prompts"].items():
+        e = pr["effect"]
+        parts = []
+        for r in e["phase_concentration"]:
+            parts.append(f"{r['phase_map']}: R̄ {r['rbar_plain']:.3f} -> {r['rbar_prefix']:.3f} "
+                         f"(change {r['rbar_change']:+.3f} [{r['rbar_change_ci'][0]:+.3f}, "
+                         f"{r['rbar_change_ci'][1]:+.3f}]; excess over the null "
+                         f"{r['excess_change']:+.3f})")
+        ct = e["cross_term"]
+        gap = "; ".join(
+            f"{v}: BRF's NLL gap to the best baseline {g['gap_plain']:+.4f} -> "
+            f"{g['gap_prefix']:+.4f} (change {g['change']:+.4f} [{g['ci'][0]:+.4f}, "
+            f"{g['ci'][1]:+.4f}])" for v, g in e["nll_gap"].items())
+        tightened = [r for r in e["phase_concentration"] if r["rbar_change_ci"][0] > 0]
+        loosened = [r for r in e["phase_concentration"] if r["rbar_change_ci"][1] < 0]
+        out[f"prompts: {label}"] = (
+            f"With the steadying prefix {pr['prefix']!r} on each member, the members' phase "
+            f"relationship tightened for {len(tightened)} and loosened for {len(loosened)} "
+            f"of {len(e['phase_concentration'])} phase maps (CIs excluding 0) -- "
+            + "; ".join(parts) + f". Cross-term AUROC {ct['auroc_plain']:.3f} -> "
+            f"{ct['auroc_prefix']:.3f} (change {ct['auroc_change']:+.3f} "
+            f"[{ct['auroc_change_ci'][0]:+.3f}, {ct['auroc_change_ci'][1]:+.3f}]). {gap}.")
+        b = pr.get("bottleneck")
+        if b:
+            parts = []
+            for r in b["rows"]:
+                if r["method"].startswith("bottleneck"):
+                    d = r["difference_to_linear"]
+                    reg = ", ".join(f"{v} {k}" for k, v in r["regimes"].items() if v)
+                    parts.append(f"{r['method']} {r['nll']:.3f} (vs the linear pool "
+                                 f"{d['mean_difference']:+.3f} [{d['ci'][0]:+.3f}, "
+                                 f"{d['ci'][1]:+.3f}]; regimes: {reg}; fell back to the linear "
+                                 f"pool at {100 * r['fallback_fraction']:.0f}% of positions)")
+            lin = next(r for r in b["rows"] if r["method"] == "linear")
+            out[f"softmax bottleneck: {label}"] = (
+                f"One model under two prefixes, {b['positions']} sampled test positions, full "
+                f"distributions (bottleneck support: each member's top {b['top_k']} tokens): "
+                f"linear pool NLL {lin['nll']:.3f}; " + "; ".join(parts) + ".")
+        for key, what in (("same_model", "One model under two prefixes"),
+                          ("swarm", "The four-member swarm")):
+            if key in pr:
+                out[f"{key}: {label}"] = f"{what}: " + " ".join(
+                    pr[key]["verdict"][k] for k in ("nll", "fair_summary")
+                    if k in pr[key]["verdict"])
+    s = rep.get("topk_sensitivity")
+    if s:
+        out["event space"] = (
+            f"On {s['corpus']}, building the event space from each member's top-"
+            f"{s['top_k'][1]} strings instead of top-{s['top_k'][0]}: "
+            + ("no verdict moves." if not s["moved"] else
+               f"these verdicts move: {', '.join(s['moved'])}."))
+    return out
+
+
+def markdown(rep: dict) -> str:
+    lines = ["# Born Rule Fusion: the study", "",
+             "Each corpus has its full report (every method, the tests, the sweep, "
+             "forking tokens, plots) in its own directory; this page gathers the verdicts.",
+             "", "## Corpora", "",
+             "| corpus | source | licence | characters | co-aligned positions | prefix |",
+             "|---|---|---|---|---|---|"]
+    for c in rep["corpora"]:
+        pc = rep["per_corpus"][c["label"]]
+        lines.append(f"| {c['label']} | {c['source']} | {c['licence']} | {c['chars']} | "
+                     f"{pc['coverage']['positions']} | {c['prefix']!r} |")
+    lines += ["", "## Verdicts", ""]
+    for k, v in rep["verdict"].items():
+        lines.append(f"- **{k}**: {v}")
+    lines += ["", "## Best BRF vs best baseline, per corpus and pooled", "",
+              "| corpus | variant | BRF | baseline | difference [95% CI] |",
+              "|---|---|---|---|---|"]
+    for label, r in rep["per_corpus"].items():
+        for v, c in r["nll_comparison"].items():
+            lines.append(f"| {label} | {v} | {c['brf']} | {c['baseline']} | "
+                         f"{c['mean_difference']:+.4f} [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}] |")
+    for v, p in rep["pooled"].items():
+        lines.append(f"| **pooled** | {v} | | | {p['mean_difference']:+.4f} "
+                     f"[{p['ci'][0]:+.4f}, {p['ci'][1]:+.4f}] |")
+    lines += ["", "## Fair summary: best BRF vs best of every other row (controls included)",
+              "", "| analysis | variant | BRF (k) | other (role, k) | difference [95% CI] |",
+              "|---|---|---|---|---|"]
+    fair = [(label, r) for label, r in rep["per_corpus"].items()]
+    fair += [(f"{label} / {key}", pr[key]) for label, pr in rep["prompts"].items()
+             for key in ("with_prefix", "same_model", "swarm") if key in pr]
+    for label, r in fair:
+        for v, c in r.get("fair_summary", {}).items():
+            b, o = c["brf"], c["rival"]
+            lines.append(f"| {label} | {v} | {b['label']} ({b['free_parameters']}) | "
+                         f"{o['label']} ({o['role']}, {o['free_parameters']}) | "
+                         f"{c['mean_difference']:+.4f} [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}] |")
+    for v, p in rep.get("pooled_fair", {}).items():
+        lines.append(f"| **pooled** | {v} | | | {p['mean_difference']:+.4f} "
+                     f"[{p['ci'][0]:+.4f}, {p['ci'][1]:+.4f}] |")
+    lines += ["", "Each analysis's report lists the per-token BRF row against each of its "
+              "controls (phases shuffled, reshaping + pool, per-member power mean).", ""]
+    lines += ["", "## Forking tokens", ""]
+    for label, r in rep["per_corpus"].items():
+        for v, f in r.get("forking", {}).items():
+            for kind, g in f["gated"].items():
+                share = f["by_method"][g["method"]]["top_share"]
+                lines.append(
+                    f"- {label} [{v}] {g['method']}: top {100 * f['top_fraction']:.0f}% entropy "
+                    f"positions carry {100 * share:.0f}% of the gain over "
+                    f"{f['reference']}; gated fusion keeps {100 * g['kept']:.0f}% of it and "
+                    f"saves {100 * g['calls_saved']:.0f}% of member calls.")
+    lines += ["", "Plots: `gain_by_entropy.png` (this directory and each corpus's), "
+              "`pooled.png`.", ""]
+    return "\n".join(lines)
+
+
+def plots(out_dir: str, rep: dict) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    rows = [(label, v, c) for label, r in rep["per_corpus"].items()
+            for v, c in r["nll_comparison"].items()]
+    rows += [("pooled", v, p) for v, p in rep["pooled"].items()]
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
+    y = np.arange(len(rows))
+    m = np.array([r[2]["mean_difference"] for r in rows])
+    ci = np.array([r[2]["ci"] for r in rows])
+    ax.errorbar(m, y, xerr=[m - ci[:, 0], ci[:, 1] - m], fmt="o", capsize=3)
+    ax.axvline(0, color="grey", lw=0.7)
+    ax.set_yticks(y, [f"{a} [{b}]" for a, b, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("best BRF minus best baseline, test NLL (nats/position); < 0: BRF better")
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "pooled.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    first = next(iter(rep["per_corpus"].values()))
+    if first.get("forking"):
+        paths.append(report_lib.plot_gain_by_entropy(
+            os.path.join(out_dir, "gain_by_entropy.png"), first["forking"]))
+    return paths

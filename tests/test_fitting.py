@@ -1,0 +1,139 @@
+"""The study's fitter (brf.eval.fitting.fit_method, brf.eval.lbfgs) against scipy in float64."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from scipy import optimize
+
+from brf.eval import lbfgs
+from brf.eval.fitting import EventTable, FitSettings, MethodSpec, evaluate, fit_method
+
+
+def _log_softmax(x, axis=-1):
+    m = x.max(axis=axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+
+def _table(P=1500, E=12, seed=0):
+    """Two members, one sharp and one noisy; gold drawn from a third distribution."""
+    rng = np.random.default_rng(seed)
+    true = _log_softmax(rng.normal(size=(P, E)) * 1.5)
+    true[:, -1] = -np.inf  # gold is never the event member 1 lacks
+    true = _log_softmax(true)
+    gold = np.array([rng.choice(E, p=np.exp(r)) for r in true])
+    true[:, -1] = -8.0
+    a = _log_softmax(true * 2.0)
+    b = _log_softmax(true + rng.normal(size=(P, E)))
+    b[:, -1] = -np.inf  # an event member 1 cannot express
+    b = _log_softmax(b)
+    logp = np.stack([a, b], 1).astype(np.float32)
+    return EventTable(logp, gold, np.ones((P, 2), np.float32), np.ones(P, np.int64),
+                      np.arange(P) // 50)
+
+
+def _loglinear_nll64(x, logp, gold):
+    """Mean NLL of loglinear(temperature) with weights softmax([0, z]), float64."""
+    t, z = np.exp(x[0]), x[1]
+    w = np.exp([0.0, z]) / np.exp([0.0, z]).sum()
+    lp = np.where(np.isfinite(logp), logp, -1e30)
+    s = np.einsum("n,pne->pe", w, lp) / t
+    return -np.mean(_log_softmax(s)[np.arange(len(gold)), gold])
+
+
+def test_lbfgs_finds_scipys_optimum_of_a_smooth_problem():
+    """Rosenbrock from the usual start: the same minimum as scipy's L-BFGS-B."""
+    def fun(x):
+        f = (1 - x[0]) ** 2 + 100 * (x[1] - x[0] ** 2) ** 2
+        g = np.array([-2 * (1 - x[0]) - 400 * x[0] * (x[1] - x[0] ** 2),
+                      200 * (x[1] - x[0] ** 2)])
+        return f, g
+    r = lbfgs.minimize(fun, np.array([-1.2, 1.0]), max_iter=500, ftol=1e-14, gtol=1e-8,
+                       history=10, max_step=1.0)
+    ref = optimize.minimize(fun, [-1.2, 1.0], jac=True, method="L-BFGS-B")
+    assert r.converged
+    np.testing.assert_allclose(r.x, ref.x, atol=1e-3)
+    np.testing.assert_allclose(r.x, [1.0, 1.0], atol=1e-3)
+
+
+def test_fit_matches_a_float64_scipy_fit():
+    """loglinear with a fitted temperature and weights: brf's calibration NLL and
+    parameters equal scipy's float64 optimum of the same objective."""
+    t = _table()
+    f = fit_method({"label": "ll", "method": "loglinear", "fit": {"temperature": 1.0}}, t)
+    ref = optimize.minimize(_loglinear_nll64, [0.0, 0.0], args=(t.logp.astype(np.float64),
+                                                               t.gold), method="L-BFGS-B")
+    assert f.info["converged"]
+    assert f.calib_nll == pytest.approx(ref.fun, abs=2e-6)
+    assert f.params["temperature"] == pytest.approx(np.exp(ref.x[0]), rel=2e-3)
+    w_ref = np.exp([0.0, ref.x[1]]) / np.exp([0.0, ref.x[1]]).sum()
+    np.testing.assert_allclose(f.weights, w_ref, atol=2e-3)
+    # The reported NLL is the fitted parameters' NLL on the table.
+    assert np.mean(evaluate(f, t)["nll"]) == pytest.approx(f.calib_nll, abs=1e-6)
+
+
+def test_padding_events_and_positions_changes_nothing():
+    """Extra all-(-inf) events and a table size in another position bucket give the
+    same fit (padding is masked out)."""
+    t = _table(P=700)
+    wide = t._replace(logp=np.concatenate(
+        [t.logp, np.full(t.logp.shape[:2] + (21,), -np.inf, np.float32)], axis=2))
+    spec = {"label": "b", "method": "born", "phase": "tanh",
+            "fit": {"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]}}
+    a, b = fit_method(spec, t), fit_method(spec, wide)
+    assert a.calib_nll == pytest.approx(b.calib_nll, abs=1e-6)
+
+
+def test_subsample_then_polish_reaches_the_full_optimum():
+    """Fitting on a subsample first, then on all positions from there, ends at the
+    optimum of the whole calibration NLL (the same as fitting on all positions)."""
+    t = _table(P=1600)
+    for spec in ({"label": "g", "method": "entropy_gated",
+                  "grid": {"threshold": [0.5, 1.0, 2.0]}},
+                 {"label": "b", "method": "born", "phase": "tanh", "grid": {"phase.rate": [0.3, 0.6]},
+                  "fit": {"phase.scale": 1.5, "phase.offset": [0.0, 0.5]}}):
+        direct = fit_method(spec, t, settings=FitSettings(subsample=0))
+        staged = fit_method(spec, t, settings=FitSettings(subsample=300))
+        assert staged.info["subsample_evaluations"] > 0 and staged.info["converged"]
+        assert staged.calib_nll == pytest.approx(direct.calib_nll, abs=2e-6)
+
+
+def test_calibration_temperatures_stay_in_their_range():
+    """The calibrated variant's temperatures lie in [1/r, r]; with r = 0 they are free
+    (and this table's optimum lies outside the default range)."""
+    t = _table()
+    spec = {"label": "lin", "method": "linear", "variant": "calibrated"}
+    for r in (10.0, 2.0):
+        f = fit_method(spec, t, settings=FitSettings(calib_range=r))
+        temps = [f.params["calib.temperature"], *f.params["calib.member_temperature"]]
+        assert all(1 / r - 1e-4 <= x <= r + 1e-4 for x in temps), (r, temps)
+    free = fit_method(spec, t, settings=FitSettings(calib_range=0.0))
+    narrow = fit_method(spec, t, settings=FitSettings(calib_range=2.0))
+    assert free.calib_nll < narrow.calib_nll
+
+
+def test_specs_differing_in_float_values_share_one_compilation():
+    """loglinear(T fitted) and loglinear(T = 1) are one compiled program; a second
+    table of the same size bucket reuses it too."""
+    from brf.eval import fitting
+    t = _table(P=600)
+    fit_method({"label": "a", "method": "loglinear", "fit": {"temperature": 1.0}}, t)
+    before = fitting._value_and_grad._cache_size()
+    fit_method({"label": "b", "method": "loglinear", "fixed": {"temperature": 1.0}}, t)
+    fit_method({"label": "c", "method": "loglinear", "fit": {"temperature": 0.5}},
+               _table(P=650, seed=1))
+    assert fitting._value_and_grad._cache_size() == before
+
+
+def test_several_starts_keep_the_best_basin():
+    """With several starts the fit is the best of the fits from each start alone (here
+    a cold start and a start from the calibrated linear pool's values end in
+    different optima)."""
+    t = _table()
+    spec = MethodSpec("h", "born", fixed={"phase.offset": 0.0}, phase="constant",
+                      variant="calibrated")
+    lin = fit_method(dataclasses.replace(spec, method="linear", phase=None, fixed={}), t)
+    cold, from_lin = fit_method(spec, t), fit_method(spec, t, warm=lin)
+    assert abs(cold.calib_nll - from_lin.calib_nll) > 1e-5  # two basins
+    both = fit_method(spec, t, starts=[lin])
+    assert both.calib_nll == pytest.approx(min(cold.calib_nll, from_lin.calib_nll), abs=1e-7)
