@@ -174,3 +174,28 @@ def test_every_method_fuses_byte_distributions(tmp_path):
         assert not np.isnan(lq).any() and (lq < 1e-6).all(), (method, phase)
         np.testing.assert_allclose(np.exp(lq).sum(axis=1), 1.0, rtol=1e-4,
                                    err_msg=f"{method} {phase}")
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_real_models_equal_brute_force(name):
+    """The real members, short strings (<= 8 bytes), float64: byte-level prefix
+    probabilities = brute-force sums over every covering token sequence."""
+    from brf.checkpoints import registry
+    from brf.models import cast_params
+    with jax.enable_x64(True):
+        try:
+            model = registry.load(name, progress=False)
+        except Exception as e:  # not converted on this machine
+            pytest.skip(f"{name}: {e}")
+        params = cast_params(model.params, jnp.float64)
+        lm = ByteLM(params, model.cfg, model.tokenizer, name=name, dtype=jnp.float64)
+        bf = BruteForce(params, model.cfg, lm.codec.table, lm.context(), dtype=jnp.float64)
+        for text in [" 2024", "é x"]:
+            data = text.encode()
+            r = score_text(lm, data, **EXACT)
+            gold = r.logp[np.arange(len(data)), np.frombuffer(data, np.uint8)]
+            P, _ = bf.prefix_prob(data)
+            np.testing.assert_allclose(gold.sum(), np.log(P), rtol=1e-6, err_msg=text)
+            assert r.stats["byte_ll"] >= r.stats["canonical_ll"] - 1e-9
