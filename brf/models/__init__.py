@@ -14,7 +14,7 @@ from brf.models.config import ModelConfig
 from brf.models.modules import Gemma3, Llama, Transformer, from_params
 from brf.models.scoring import iter_logits_chunks, score_tokens
 from brf.models.transformer import (cast_params, decode_step, decode_step_donated, forward,
-                                    init_params, param_shapes, prefill, prefill_donated)
+                                    forward_tree, init_params, param_shapes, prefill, prefill_donated)
 from brf.registry import Registry
 
 
@@ -36,6 +36,6 @@ for _name, _module in (("llama", Llama), ("gemma3", Gemma3)):
                                           decode_step, forward, _module))
 
 __all__ = ["ARCHITECTURES", "Architecture", "Gemma3", "Llama", "ModelConfig", "Transformer",
-           "cache_bytes", "cast_params", "decode_step", "decode_step_donated", "forward",
+           "cache_bytes", "cast_params", "decode_step", "decode_step_donated", "forward", "forward_tree",
            "from_params", "init_cache", "init_params", "iter_logits_chunks", "param_shapes",
            "prefill", "prefill_donated", "room", "score_tokens"]

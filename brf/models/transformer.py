@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,12 @@ from brf.models.config import ModelConfig
 
 _NEG = -0.7 * float(np.finfo(np.float32).max)  # finite: fully masked rows stay NaN-free
 _NO_WINDOW = np.iinfo(np.int32).max
+
+
+def _acc(dtype):
+    """The accumulation dtype for a compute dtype: float32, or float64 when computing
+    in float64 (jax's x64 mode), so that a float64 run is float64 throughout."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -142,10 +148,10 @@ def _rope_angles(pos_BxT, inv_RxF):
 
 
 def rms_norm(x, scale, eps: float):
-    """RMSNorm in float32, multiplied by `scale`, returned in x's dtype."""
-    x32 = x.astype(jnp.float32)
+    """RMSNorm in float32 (float64 for float64 x), multiplied by `scale`, returned in x's dtype."""
+    x32 = x.astype(_acc(x.dtype))
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return (y * scale.astype(x32.dtype)).astype(x.dtype)
 
 
 def apply_rope(x_BxTxNxE, pos_BxT, inv_F):
@@ -157,7 +163,7 @@ def apply_rope(x_BxTxNxE, pos_BxT, inv_F):
 def _rotate(x_BxTxNxE, cos_BxTxF, sin_BxTxF):
     """`apply_rope` with the angles' cosines and sines given."""
     cos, sin = cos_BxTxF[:, :, None, :], sin_BxTxF[:, :, None, :]
-    x1, x2 = jnp.split(x_BxTxNxE.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x_BxTxNxE.astype(_acc(x_BxTxNxE.dtype)), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxNxE.dtype)
 
@@ -191,19 +197,22 @@ def _attention(cfg, q_BxTxHxE, parts):
     # and one more op per layer costs more there than the products it saves.
     several = T > 1
     if several:
-        q_BxTxHxE = (q_BxTxHxE.astype(jnp.float32) * cfg.attn_scale).astype(q_BxTxHxE.dtype)
+        q_BxTxHxE = (q_BxTxHxE.astype(_acc(q_BxTxHxE.dtype)) * cfg.attn_scale
+                     ).astype(q_BxTxHxE.dtype)
     q_BxKxTGxE = q_BxTxHxE.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(
         B, K, T * G, E)
 
-    def matmul(a_BxKxRxI, b_BxKxIxJ):  # -> [B, K, R, J], float32 accumulation
+    acc = _acc(q_BxTxHxE.dtype)
+
+    def matmul(a_BxKxRxI, b_BxKxIxJ):  # -> [B, K, R, J], float32 (float64) accumulation
         # A decoding step's own key (J = 1) or value (I = 1) needs no matmul call.
         if 1 in b_BxKxIxJ.shape[2:]:
-            a, b = a_BxKxRxI.astype(jnp.float32), b_BxKxIxJ.astype(jnp.float32)
+            a, b = a_BxKxRxI.astype(acc), b_BxKxIxJ.astype(acc)
             if b.shape[3] == 1:
                 return jnp.sum(a * b[..., 0][:, :, None], axis=-1, keepdims=True)
             return a * b
         return jnp.einsum("bkri,bkij->bkrj", a_BxKxRxI, b_BxKxIxJ,
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=acc)
 
     scores = []
     for kT_BxKxExS, _, mask_BxTxS in parts:
@@ -259,6 +268,9 @@ class Slots(NamedTuple):
     pos_BxT: jax.Array   # each new token's position (-1: padding)
     kpos_BxS: jax.Array  # each cache slot's position once this call is written
     write_at: jax.Array  # the slot the new tokens are written from
+    # None, or (cache_allow_BxTxS, tree_allow_BxTxT): explicit masks ANDed with the
+    # positional one (tree attention, `forward_tree`; all queries kept).
+    allow: Any = None
 
 
 def _block(cfg, dtype, x_BxTxD, lp, *, rope, window, kv, at: Slots, keep="all"):
@@ -342,6 +354,11 @@ def _self_attention(cfg, q_BxTxHxE, q_pos_BxT, new, kv, window, at: Slots, sever
         old_pos_BxS = jnp.where(jnp.arange(S) < at.write_at, at.kpos_BxS, -1)
         old = (*kv, _mask(q_pos_BxT, old_pos_BxS, window))
     new_part = (*new, _mask(q_pos_BxT, at.pos_BxT, window))
+    if at.allow is not None:
+        cache_allow_BxTxS, tree_allow_BxTxT = at.allow
+        if old is not None:
+            old = (*old[:2], old[2] & cache_allow_BxTxS)
+        new_part = (*new_part[:2], new_part[2] & tree_allow_BxTxT)
     if several:
         return _causal_attention(cfg, q_BxTxHxE, old, new_part)
     return _attention(cfg, q_BxTxHxE, ([] if old is None else [old]) + [new_part])
@@ -362,8 +379,9 @@ def _write_layer(kv, new, write_at):
     """One layer's cache (kT_BxKxExS, v_BxKxSxE) with `new` (T slots) written at write_at."""
     kT, v = kv
     new_kT, new_v = new
-    return (jax.lax.dynamic_update_slice(kT, new_kT.astype(kT.dtype), (0, 0, 0, write_at)),
-            jax.lax.dynamic_update_slice(v, new_v.astype(v.dtype), (0, 0, write_at, 0)))
+    z = jnp.zeros_like(write_at)  # index dtypes must match (int32 also in x64 mode)
+    return (jax.lax.dynamic_update_slice(kT, new_kT.astype(kT.dtype), (z, z, z, write_at)),
+            jax.lax.dynamic_update_slice(v, new_v.astype(v.dtype), (z, z, write_at, z)))
 
 
 def _write_cache(k_L, v_L, new_k_L, new_v_L, write_at):
@@ -444,6 +462,14 @@ def is_unstacked(params: dict) -> bool:
     return isinstance(params["layers"], (tuple, list))
 
 
+def _embed_tokens(embed_VxD, cfg, tokens_BxT, dtype):
+    """Token embeddings (scaled by sqrt(d_model) where the architecture does)."""
+    x_BxTxD = embed_VxD[tokens_BxT].astype(dtype)
+    if cfg.embed_scale:
+        x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+    return x_BxTxD
+
+
 def _embed(embed_VxD, cfg, tokens_BxT, valid_BxT, cache, dtype):
     """Token embeddings, positions, and the cache's slot positions after this call."""
     B, T = tokens_BxT.shape
@@ -453,12 +479,11 @@ def _embed(embed_VxD, cfg, tokens_BxT, valid_BxT, cache, dtype):
     start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache["next_pos"]
     pos_BxT = start_B[:, None] + jnp.cumsum(valid_BxT, axis=1, dtype=jnp.int32) - 1
     pos_BxT = jnp.where(valid_BxT, pos_BxT, -1)
-    x_BxTxD = embed_VxD[tokens_BxT].astype(dtype)
-    if cfg.embed_scale:
-        x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+    x_BxTxD = _embed_tokens(embed_VxD, cfg, tokens_BxT, dtype)
     if cache is None:
         return x_BxTxD, valid_BxT, pos_BxT, pos_BxT, None
-    kpos_BxS = jax.lax.dynamic_update_slice(cache["pos"], pos_BxT, (0, cache["end"]))
+    kpos_BxS = jax.lax.dynamic_update_slice(cache["pos"], pos_BxT,
+                                            (jnp.zeros_like(cache["end"]), cache["end"]))
     meta = dict(pos=kpos_BxS, end=cache["end"] + T,
                 next_pos=cache["next_pos"] + valid_BxT.sum(axis=1, dtype=jnp.int32))
     return x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta
@@ -509,7 +534,8 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
         cache: a KV cache from `brf.models.cache.init_cache`, or None to attend
             over the T tokens alone (no state kept).
         dtype: compute dtype (jnp.float32 or jnp.bfloat16); norms, softmax and
-            RoPE run in float32 whatever this is.
+            RoPE run in float32 whatever this is (float64 in jax's x64 mode with
+            dtype jnp.float64, which makes the whole pass float64).
         logits: 'all' -> logits_BxTxV; 'last' -> logits_BxV at each sequence's
             last valid token; 'none' -> None (only fill the cache).
 
@@ -560,7 +586,7 @@ def unembed(params: dict, cfg: ModelConfig, x_BxTxD):
     """Final norm, output projection (tied or untied) and optional softcap; float32 logits."""
     x_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
     head_VxD = params["embed" if cfg.tie_embeddings else "lm_head"].astype(x_BxTxD.dtype)
-    out = jnp.einsum("btd,vd->btv", x_BxTxD, head_VxD, preferred_element_type=jnp.float32)
+    out = jnp.einsum("btd,vd->btv", x_BxTxD, head_VxD, preferred_element_type=_acc(x_BxTxD.dtype))
     return _softcap(out, cfg.final_logit_softcap)
 
 
@@ -713,14 +739,85 @@ def decode_step_donated(params: dict, cfg: ModelConfig, token_B, cache, valid_B=
                            dtype=dtype, logits="last")
 
 
+_embed_tokens_jit = jax.jit(_embed_tokens, static_argnames=("cfg", "dtype"))
+
+
+def _tree_meta(cache_meta, pos_BxT):
+    """The cache's slot positions, end and next positions after `forward_tree` writes."""
+    end = cache_meta["end"]
+    pos = jax.lax.dynamic_update_slice(cache_meta["pos"], pos_BxT, (jnp.zeros_like(end), end))
+    return dict(pos=pos, end=end + pos_BxT.shape[1], next_pos=cache_meta["next_pos"])
+
+
+_tree_meta_jit = jax.jit(_tree_meta)
+
+
+def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_BxT,
+                 cache_allow_BxTxS, tree_allow_BxTxT, *, dtype=jnp.float32,
+                 donate: bool = False):
+    """T new tokens at given positions, each attending to chosen cache slots and
+    chosen new tokens (tree attention); their keys and values are then written
+    at the cache's next T slots.
+
+    Many continuations of one cached context run in one call: a token that
+    continues the context's first i tokens sits at position i and sees cache
+    slots [0, i), the earlier tokens of its own continuation (in the cache from
+    an earlier call, or among the new tokens) and itself -- e.g. every
+    alternative tokenization of a text's next bytes, all read against the
+    canonical tokenization's KV cache at once (`brf.bytes`). Slots hold a
+    token's position (padding: -1), so later calls can attend to these tokens
+    by slot.
+
+    Args:
+        params: params pytree (either layout; stacked params are unstacked per call).
+        cfg: the architecture.
+        cache: a KV cache with at least T free slots (`prefill` filled its start).
+        tokens_BxT: int token ids.
+        pos_BxT: int32 position of each new token; -1 marks padding.
+        cache_allow_BxTxS: bool, new token t may attend to cache slot s.
+        tree_allow_BxTxT: bool, new token t may attend to new token u; only u <= t
+            (lower triangular), and t itself must be allowed.
+        dtype: compute dtype.
+        donate: update the cache in place (the cache passed in is invalidated).
+
+    Returns:
+        (logits_BxTxV, cache): float32 logits (float64 for a float64 run), each
+        row equal to a plain forward pass over the sequence it stands for (its
+        visible slots' tokens, its visible new tokens, itself); the cache with
+        the new tokens at slots [end, end + T).
+    """
+    if not is_unstacked(params):
+        params = unstack_layers(params)
+    dtype = jnp.dtype(dtype)
+    tokens_BxT = jnp.asarray(tokens_BxT)
+    pos_BxT = jnp.asarray(pos_BxT, jnp.int32)
+    allow = (jnp.asarray(cache_allow_BxTxS, bool), jnp.asarray(tree_allow_BxTxT, bool))
+    x_BxTxD = _embed_tokens_jit(params["embed"], cfg, tokens_BxT, dtype=dtype)
+    ropes = _rope_jit(cfg, pos_BxT)
+    new_L = []
+    for lp, kv, (r, window) in zip(params["layers"], zip(cache["k"], cache["v"]),
+                                   _layer_plan(cfg)):
+        at = Slots(pos_BxT, cache["pos"], cache["end"], allow)
+        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, rope=ropes[r], window=window, kv=kv,
+                                  at=at, keep="all")
+        new_L.append(new)
+    head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
+    logits = _logits_jit(head, cfg, x_BxTxD, None, "all")
+    meta = _tree_meta_jit({k: cache[k] for k in ("pos", "end", "next_pos")}, pos_BxT)
+    cache = _updated_cache(cache, new_L, cache["end"], meta,
+                           _write_jit_donated if donate else _write_jit)
+    return logits, cache
+
+
 def compiled_count() -> int:
     """Executables compiled so far by this module's jitted pieces (retrace checks)."""
     return sum(f._cache_size() for f in (_forward_jit, _forward_jit_donated, _compute_jit,
                                          _embed_jit, _rope_jit, _block_jit, _write_jit,
-                                         _write_jit_donated, _logits_jit))
+                                         _write_jit_donated, _logits_jit, _embed_tokens_jit,
+                                         _tree_meta_jit))
 
 
 __all__ = ["cast_params", "compiled_count", "decode_step", "decode_step_donated", "forward",
-           "init_params", "is_unstacked", "param_shapes", "prefill", "prefill_donated",
+           "forward_tree", "init_params", "is_unstacked", "param_shapes", "prefill", "prefill_donated",
            "rope_inv_freq", "layer_tables", "rms_norm", "apply_rope", "stack_layers",
            "unembed", "unstack_layers"]

@@ -1,0 +1,1 @@
+"""brf.bytes: every member as a model over bytes, exactly or with a reported pruned mass."""

@@ -1,0 +1,397 @@
+"""A member's byte-level view: its next-byte distributions on a text, every byte.
+
+`ByteLM` bundles a model, its tokenizer's byte tables and trie. `score_text`
+reads a text byte by byte with the hypothesis state of `brf.bytes.state` and
+returns, for every byte, the member's distribution over the 257 byte events
+(256 bytes, end-of-text) given the context and the bytes before it.
+
+**Where the forward passes come from.**
+
+1. *The canonical pass.* The text's canonical tokenization (the tokenizer's
+   own, `brf.align.reencode.encode_bytes`) runs once, teacher-forced, chunk
+   by chunk into one KV cache -- the pass token-level scoring makes. It gives
+   the distribution after every canonical prefix. The canonical hypothesis is
+   never pruned, so a byte's distribution is never without support.
+2. *Alternative tokenizations.* A hypothesis that leaves the canonical path
+   (the text's first i canonical tokens, then other tokens) needs its own
+   distributions. They run as tree attention over the canonical cache
+   (`brf.models.forward_tree`): each extra token sits at its position and sees
+   the cache's first slots and its own chain only, so hundreds of alternatives
+   share one padded call and no cache is copied.
+3. *Prefetch.* Which alternatives survive pruning is mostly known from the
+   canonical pass alone: an alternative's weight p(T) p(t | T) is known before
+   its pass, and the canonical hypothesis's weight at every byte bounds the
+   prefix mass from below. So before reading the bytes, the alternatives that
+   could pass the threshold are computed in a few large calls (rounds: those
+   branching off the canonical path, then those branching off them). The
+   byte walk then finds its tables ready; anything else it needs (rare) runs
+   on demand, batched per byte.
+
+With ``threshold=0`` and a beam no smaller than the cover, nothing is pruned
+and the distributions are exact (the tests check it against brute force). The
+number of covering sequences grows exponentially with the text's length, so
+exact mode is for short texts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from brf.align.reencode import encode_bytes, make_codec
+from brf.align.union import default_cache_dir
+from brf.bytes.masses import EOT, N_EVENTS, PathTable, device_vocab, path_tables
+from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
+                             initial_state, next_byte, pending)
+from brf.bytes.trie import UnexpressibleByteError, byte_trie
+from brf.models import forward_tree, init_cache, prefill_donated
+from brf.models.cache import grow
+from brf.models.transformer import is_unstacked, unstack_layers
+
+TREE_BUCKETS = (16, 32, 64, 128, 256)  # tokens per tree-attention call (padded up to one of these)
+
+
+class ByteLM:
+    """One member's byte-level view.
+
+    Attributes:
+        name: a label.
+        params: per-layer params (`brf.models.transformer.unstack_layers`).
+        cfg: the ModelConfig.
+        codec: tokenizer + TokenTable (`brf.align.reencode.make_codec`).
+        trie: the vocabulary's ByteTrie.
+        eos_ids: the tokens whose mass is the end-of-text event (``cfg.eos_ids``).
+        dtype: compute dtype of the forward passes.
+    """
+
+    def __init__(self, params, cfg, tokenizer, *, name: str = "", eos_ids=None,
+                 dtype=jnp.float32, cache_dir: str | None = None):
+        self.name = name
+        self.cfg = cfg
+        self.params = params if is_unstacked(params) else unstack_layers(params)
+        self.codec = make_codec(tokenizer)
+        if self.codec.table.size > cfg.vocab_size:
+            raise ValueError(f"{name}: the tokenizer has {self.codec.table.size} tokens, the "
+                             f"model {cfg.vocab_size} logits")
+        self.trie = byte_trie(self.codec.table, cache_dir)
+        self.eos_ids = tuple(int(i) for i in (cfg.eos_ids if eos_ids is None else eos_ids))
+        self.vocab = device_vocab(self.trie, self.eos_ids)
+        self.dtype = jnp.dtype(dtype)
+
+    @classmethod
+    def load(cls, source: str, **kwargs) -> "ByteLM":
+        """A registered model (or model path) as a ByteLM; its trie cached on disk.
+
+        Raises:
+            brf.checkpoints.registry.ModelSourceError: an unknown member (UserError).
+        """
+        from brf.checkpoints import registry
+        model = registry.load(source, progress=False)
+        kwargs.setdefault("cache_dir", default_cache_dir())
+        return cls(model.params, model.cfg, model.tokenizer, name=source, **kwargs)
+
+    def context(self, prefix_ids: Sequence[int] = ()) -> list[int]:
+        """BOS (when the model has one) and the prefix tokens: what every text is read after."""
+        ctx = ([self.cfg.bos_id] if self.cfg.bos_id is not None else []) + [int(i) for i in
+                                                                              prefix_ids]
+        if not ctx:
+            raise ByteInputError(f"{self.name}: the model has no BOS token; give a prefix so "
+                                 "that the first byte has a context")
+        return ctx
+
+    def encode(self, text: bytes) -> list[int]:
+        """The canonical tokens of ``text`` (UnexpressibleByteError for bytes it lacks)."""
+        self.trie.check_text(text)
+        try:
+            return encode_bytes(self.codec, text)
+        except ValueError as e:
+            raise UnexpressibleByteError(f"{self.name}: {e}") from None
+
+
+class _Runner:
+    """Forward passes of one text: the canonical pass into a KV cache, then tree calls
+    whose tokens are written after it, so that every token runs once.
+
+    Slot layout: [0, canon_slots) the context and canonical tokens (slot =
+    position), then the alternative tokenizations' tokens in call order.
+    """
+
+    def __init__(self, lm: ByteLM, ids: Sequence[int], n_ctx: int, chunk: int, pad_to: int):
+        self.lm, self.chunk, self.n_ctx = lm, chunk, n_ctx
+        n = len(ids)
+        if n > lm.cfg.max_seq_len:
+            raise ByteInputError(f"{lm.name}: context + text make {n} tokens, more than the "
+                                 f"model's context {lm.cfg.max_seq_len}; use shorter segments")
+        self.canon_slots = -(-max(n, pad_to) // chunk) * chunk
+        self.slots = 2 * self.canon_slots  # the second half holds alternatives (grows)
+        self.ids = np.zeros(self.canon_slots, np.int32)
+        self.ids[:n] = ids
+        self.n = n
+        self.cache = None
+        self.end = self.canon_slots
+        self.anc: dict[int, np.ndarray] = {}  # seq -> slots of its tokens off the canonical path
+        self.slot: dict[int, int] = {}  # seq -> slot of its last token (off the canonical path)
+        self.tokens = 0       # tokens run (canonical + alternatives, padding excluded)
+        self.padded = 0       # tokens run including padding
+        self.calls = 0        # tree-attention calls
+
+    def canonical(self):
+        """Yields (position of the chunk's first token, logits [C, V]) of the canonical pass."""
+        lm = self.lm
+        cache = init_cache(lm.cfg, 1, self.slots, lm.dtype)
+        valid = np.arange(self.canon_slots) < self.n
+        for p0 in range(0, self.canon_slots, self.chunk):
+            sl = slice(p0, p0 + self.chunk)
+            logits, cache = prefill_donated(lm.params, lm.cfg, jnp.asarray(self.ids[None, sl]),
+                                            jnp.asarray(valid[None, sl]), cache,
+                                            dtype=lm.dtype, logits="all")
+            self.cache = cache
+            if p0 < self.n:
+                yield p0, logits[0]
+        self.tokens += self.n
+        self.padded += self.canon_slots
+
+    def compute(self, seqs: SeqTree, wanted: Sequence[int]) -> list[jax.Array]:
+        """Logits after the wanted sequences, one token per sequence: per call,
+        [T, V] whose first rows are its sequences' (calls take at most the
+        largest tree bucket of ``wanted``, in order).
+
+        A sequence's parent must be a canonical prefix, computed before, or
+        earlier in ``wanted``.
+        """
+        cap = TREE_BUCKETS[-1]
+        return [self._call(seqs, wanted[i:i + cap]) for i in range(0, len(wanted), cap)]
+
+    def _call(self, seqs: SeqTree, wanted: Sequence[int]) -> jax.Array:
+        T = next(b for b in TREE_BUCKETS if b >= len(wanted))
+        if self.end + T > self.slots:
+            self.slots = max(2 * self.slots, self.end + T)
+            self.cache = grow(self.cache, self.slots)
+        tokens = np.zeros(T, np.int32)
+        pos = np.full(T, -1, np.int32)
+        cache_allow = np.zeros((T, self.slots), bool)
+        tree_allow = np.eye(T, dtype=bool)  # padding sees itself: no empty softmax
+        for t, s in enumerate(wanted):
+            p = seqs.parent[s]
+            anc = self.anc.get(p, _NO_SLOTS) if not seqs.is_protected(p) else _NO_SLOTS
+            if not seqs.is_protected(p):
+                anc = np.append(anc, self.slot[p])
+            self.anc[s] = anc
+            tokens[t] = seqs.token[s]
+            base = self.n_ctx + seqs.base[s]
+            pos[t] = base + len(seqs.ext[s]) - 1
+            cache_allow[t, :base] = True
+            old = anc[anc < self.end]
+            cache_allow[t, old] = True
+            tree_allow[t, anc[anc >= self.end] - self.end] = True
+            self.slot[s] = self.end + t
+        logits, self.cache = forward_tree(self.lm.params, self.lm.cfg, self.cache, tokens[None],
+                                          pos[None], cache_allow[None], tree_allow[None],
+                                          dtype=self.lm.dtype, donate=True)
+        self.end += T
+        self.tokens += len(wanted)
+        self.padded += T
+        self.calls += 1
+        return logits[0]
+
+
+_NO_SLOTS = np.zeros(0, np.int64)
+
+
+class TextScores(NamedTuple):
+    """A member's byte-level scores of one text (every array has one row per byte).
+
+    Row k is the distribution of byte k given the context and bytes [0, k).
+
+    Attributes:
+        logp: float64 [N, 257] log-probs over the 256 bytes and end-of-text.
+        gap: float64 [N] top-1 minus top-2 log-prob of that distribution.
+        pruned: float32 [N] fraction of the prefix mass dropped by pruning while
+            reading byte k.
+        n_hyp: int32 [N] hypotheses the distribution of byte k was read from.
+        stats: counts and log-likelihoods of the text (see `score_text`).
+    """
+    logp: np.ndarray
+    gap: np.ndarray
+    pruned: np.ndarray
+    n_hyp: np.ndarray
+    stats: dict
+
+
+def top2_gap(logp_NxE: np.ndarray) -> np.ndarray:
+    """Top-1 minus top-2 value along the last axis (0 with fewer than two finite values)."""
+    part = -np.partition(-logp_NxE, 1, axis=-1)[..., :2]
+    gap = part[..., 0] - part[..., 1]
+    return np.where(np.isfinite(gap), gap, 0.0)
+
+
+def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (), beam: int = 16,
+               threshold: float = 1e-3, chunk: int = 256, pad_to: int = 0,
+               window: int = 512, max_speculation: int = 64) -> TextScores:
+    """The member's next-byte distribution at every byte of ``text``.
+
+    Args:
+        lm: the member.
+        text: the bytes to score (read after BOS and the prefix tokens).
+        prefix_ids: tokens read before the text (e.g. an instruction).
+        beam: at most this many hypotheses are kept after each byte.
+        threshold: hypotheses below this fraction of the prefix mass are dropped
+            (0: none). A new hypothesis is weighed before its forward pass.
+        chunk: tokens per canonical forward pass (and the KV cache's granule).
+        pad_to: pad the canonical sequence to at least this many tokens, so
+            texts of different lengths share compiled shapes.
+        window: bytes a look-ahead walk reads to collect the forward passes of
+            one batched call (module docstring).
+        max_speculation: at most this many tokens of a surviving alternative's
+            canonical continuation are computed ahead in one go.
+
+    Returns:
+        TextScores. ``stats`` holds: ``bytes``; ``byte_ll`` (sum of the gold
+        bytes' log-probs, nats); ``canonical_ll`` (log-prob of the canonical
+        tokenization, conditioned on text + EOS tokens like the byte view) and
+        ``canonical_ll_raw`` (the model's own, as token-level scoring reports
+        it); ``lost`` (-sum log(1 - pruned): a bound on the log-mass pruning
+        took); ``canonical_tokens``, ``context_tokens``, ``extra_tokens`` (tokens
+        of alternative tokenizations run), ``padded_tokens`` (every token a call
+        ran, padding included), ``tree_calls``, ``lookaheads`` (look-ahead walks,
+        one batch of forward passes each), ``tables`` (distributions computed),
+        ``used_tables`` (distinct sequences the walk read), ``max_hyp``.
+
+    Raises:
+        ByteInputError: bad beam / threshold, a text too long for the model.
+        UnexpressibleByteError: a byte the vocabulary cannot produce (named).
+    """
+    check_bounds(beam, threshold)
+    ctx = lm.context(prefix_ids)
+    canon = lm.encode(text)
+    tx = _Text(lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation)
+    n, N = len(canon), len(text)
+    logp = np.zeros((N, N_EVENTS))
+    pruned = np.zeros(N, np.float32)
+    n_hyp = np.zeros(N, np.int32)
+    byte_ll, lookaheads, used = 0.0, 0, set()
+    state = initial_state()
+    for k in range(N):
+        while pending(state, tx.tables):
+            tx.fetch(tx.lookahead(state, window))
+            lookaheads += 1
+        used.update(h.seq for h in state.hyps)
+        lp, _ = next_byte(state, tx.tables)
+        logp[k] = lp
+        n_hyp[k] = len(state.hyps)
+        byte_ll += lp[text[k]]
+        state, step = advance(state, text[k], tx.tables, lm.trie, tx.seqs, beam=beam,
+                              threshold=threshold)
+        pruned[k] = step.pruned
+    r = tx.runner
+    stats = dict(bytes=N, byte_ll=float(byte_ll), canonical_ll=float(tx.canon_lp[n]),
+                 canonical_ll_raw=tx.canon_raw,
+                 lost=float(-np.log1p(-np.minimum(pruned.astype(np.float64), 1.0 - 1e-16)).sum()),
+                 canonical_tokens=n, context_tokens=len(ctx), extra_tokens=r.tokens - r.n,
+                 padded_tokens=r.padded, tree_calls=r.calls, lookaheads=lookaheads,
+                 speculated=tx.speculated,
+                 tables=len(tx.tables), used_tables=len(used), max_hyp=int(n_hyp.max(initial=0)))
+    return TextScores(logp, top2_gap(logp), pruned, n_hyp, stats)
+
+
+class _Text:
+    """One text's sequences, tables and forward passes (see the module docstring)."""
+
+    def __init__(self, lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation):
+        self.lm, self.text, self.canon = lm, text, canon
+        self.beam, self.threshold, self.max_spec = beam, threshold, max_speculation
+        self.speculated = 0  # sequences computed ahead as canonical continuations
+        self.lens = [len(lm.codec.table.token_bytes[t]) for t in canon]
+        ends = np.cumsum(self.lens).tolist()
+        n, N = len(canon), len(text)
+        self.seqs = SeqTree(canon, ends)
+        self.boundary = {e: i for i, e in enumerate([0] + ends)}  # offset -> canonical prefix
+        self.runner = _Runner(lm, ctx + canon, len(ctx), chunk, pad_to)
+        self.tables: dict[int, PathTable] = {}
+        starts = [0] + ends
+        c0 = len(ctx)
+        for p0, logits in self.runner.canonical():
+            # row r follows position p0 + r, i.e. canonical prefix p0 + r - (c0 - 1);
+            # prefixes ending before the text's end have a next byte to predict
+            i0 = max(0, p0 - (c0 - 1))
+            i1 = min(n, N, p0 + logits.shape[0] - (c0 - 1))
+            if i1 > i0:
+                self.tables.update(zip(range(i0, i1), path_tables(
+                    lm.vocab, lm.trie, logits, text, starts[i0:i1],
+                    rows=np.arange(i0, i1) + c0 - 1 - p0)))
+        self.canon_lp = np.zeros(n + 1)
+        self.canon_raw = 0.0
+        for i in range(n):
+            q = self._logq(i, canon[i])
+            self.canon_lp[i + 1] = self.canon_lp[i] + q
+            self.canon_raw += q + self.tables[i].log_den
+
+    def _logq(self, seq: int, token: int) -> float:
+        """log q(token | seq) from the sequence's table (the token lies on its path)."""
+        ids, lq = self.tables[seq].equal(len(self.lm.codec.table.token_bytes[token]), 0)
+        return float(lq[np.flatnonzero(ids == token)[0]])
+
+    def _chain(self, seq: int) -> list[int]:
+        """``seq`` and, when it ends at a canonical boundary, up to ``age`` (its tokens
+        off the canonical path, at most ``max_speculation``) canonical tokens after it:
+        an alternative that survived so far likely goes on like the canonical one."""
+        out = [seq]
+        i = self.boundary.get(self.seqs.end[seq])
+        if i is None or self.seqs.is_protected(seq):
+            return out
+        steps = min(self.max_spec, len(self.seqs.ext[seq]))
+        N = len(self.text)
+        for j in range(i, min(i + steps, len(self.canon))):
+            end = self.seqs.end[j + 1]
+            if end >= N:
+                break
+            out.append(self.seqs.child(out[-1], self.canon[j], end))
+        return out
+
+    def fetch(self, wanted) -> list[int]:
+        """Computes the tables of ``wanted`` (parents first) and of their speculative
+        canonical continuations; returns the sequences computed."""
+        todo = []
+        for s in wanted:
+            for j, c in enumerate(self._chain(s)):
+                if c not in self.tables and c not in todo:
+                    todo.append(c)
+                    self.speculated += j > 0
+        if not todo:
+            return []
+        cap = TREE_BUCKETS[-1]
+        for j, logits in enumerate(self.runner.compute(self.seqs, todo)):
+            part = todo[j * cap:(j + 1) * cap]
+            self.tables.update(zip(part, path_tables(self.lm.vocab, self.lm.trie, logits,
+                                                     self.text, [self.seqs.end[s] for s in part])))
+        return todo
+
+    def lookahead(self, state: ByteState, window: int) -> list[int]:
+        """The sequences a walk from ``state`` over the next ``window`` bytes needs.
+
+        An approximate walk: a hypothesis without a table is recorded and left
+        out (its forward pass is the next batch's), the others advance and prune
+        as in the real walk. The first miss is exact (everything before it is);
+        later ones may include a few the real walk prunes and miss a few it
+        keeps (found by the next look-ahead).
+        """
+        needs, seen = [], set()
+        k0, N = state.offset, len(self.text)
+        for k in range(k0, min(N, k0 + window)):
+            miss = [h for h in state.hyps if h.seq not in self.tables]
+            if miss:
+                for h in miss:
+                    if h.seq not in seen:
+                        seen.add(h.seq)
+                        needs.append(h.seq)
+                state = ByteState(k, tuple(h for h in state.hyps if h.seq in self.tables))
+            state, _ = advance(state, self.text[k], self.tables, self.lm.trie, self.seqs,
+                               beam=self.beam, threshold=self.threshold)
+        return needs
+
+
+__all__ = ["ByteLM", "TREE_BUCKETS", "TextScores", "score_text", "top2_gap"]

@@ -1,0 +1,217 @@
+"""Hypotheses over token sequences: the incremental state of a byte-level view.
+
+A token-level model defines a model over bytes. After reading bytes x[:k] its
+*cover* is every token sequence t_1..t_m whose first m - 1 tokens decode to a
+proper prefix x[:j] (j < k) and whose last token starts with the rest, x[j:k]
+(it may run past k). The prefix probability P(x[:k]) is the total probability
+of the cover; P(b | x[:k]) = P(x[:k] b) / P(x[:k]); and end-of-text is the
+mass of the sequences that decode to exactly x[:k] and then emit EOS.
+
+The state keeps the cover as *hypotheses*: a committed token sequence T (a
+node of a `SeqTree`, with log p(T)) whose tokens decode to x[:start], and the
+trie node of x[start:k], the part of its next token read so far (the root
+when start == k: T has just completed a token and needs its next-token
+distribution, i.e. a forward pass). Each hypothesis's next-token distribution
+is a *table* (`brf.bytes.masses.PathTable` when the text is known) that gives
+the next-byte masses at any depth of its partial token, so a distribution
+serves every byte inside the token it predicts.
+
+One step (`advance`) reads byte b. A hypothesis whose partial token can go on
+with b keeps the tokens strictly longer than its new partial bytes (weight
+p(T) * their mass); each token *equal* to the new partial bytes spawns a new
+hypothesis T + t at the root (weight p(T) p(t | T)), which needs a forward pass
+before the next byte. Without pruning the weights sum to exactly P(x[:k+1]).
+
+Pruning bounds the work: hypotheses whose weight is below ``threshold`` times
+the total are dropped, then all but the ``beam`` heaviest; a *kept* hypothesis
+(the canonical tokenization's, in scoring) is never dropped. A spawned
+hypothesis is weighed before its forward pass, so a pruned one costs nothing.
+Every step reports the fraction of the mass it dropped. The state is
+immutable; tables live in a mapping the driver fills (`pending` says which
+hypotheses still need one).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+from brf.bytes.masses import EOT, logsumexp_rows
+from brf.bytes.trie import ROOT, ByteTrie, UnexpressibleByteError
+from brf.errors import UserError
+
+
+class ByteInputError(UserError):
+    """A bad byte-level setting (beam size, prune threshold, member)."""
+
+
+def check_bounds(beam: int, threshold: float) -> None:
+    """Raises ByteInputError unless beam >= 1 and 0 <= threshold < 1."""
+    if isinstance(beam, bool) or not isinstance(beam, (int, np.integer)) or beam < 1:
+        raise ByteInputError(f"beam size must be an integer >= 1; got {beam!r}")
+    if not (isinstance(threshold, (int, float, np.floating)) and 0.0 <= threshold < 1.0):
+        raise ByteInputError(f"prune threshold must lie in [0, 1); got {threshold!r}")
+
+
+class Table(Protocol):
+    """A hypothesis's next-token distribution as next-byte masses (log, conditioned)."""
+
+    def row(self, depth: int, node: int) -> np.ndarray: ...        # [257]
+    def total(self, depth: int, node: int) -> float: ...            # log mass below, strictly longer
+    def equal(self, depth: int, node: int) -> tuple[np.ndarray, np.ndarray]: ...  # ids, log-probs
+
+
+class SeqTree:
+    """Committed token sequences as a tree hanging off the context.
+
+    Sequences 0..n are the prefixes of a protected tokenization c_1..c_n of
+    the text (the canonical one, in scoring): sequence i is c_1..c_i and ends
+    at byte ``ends[i - 1]``. Other sequences are added as hypotheses spawn
+    them; each is a protected prefix (its *base*) followed by extra tokens.
+    """
+
+    def __init__(self, protected: Sequence[int] = (), ends: Sequence[int] = ()):
+        n = len(protected)
+        self.n_protected = n
+        self.token = [-1] + [int(t) for t in protected]
+        self.parent = list(range(-1, n))
+        self.end = [0] + [int(e) for e in ends]
+        self.base = list(range(n + 1))
+        self.ext: list[tuple[int, ...]] = [()] * (n + 1)
+        self._kids = {(i, self.token[i + 1]): i + 1 for i in range(n)}
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def child(self, seq: int, token: int, end: int) -> int:
+        """The sequence ``seq`` + ``token`` (created on first use), ending at byte ``end``."""
+        key = (seq, int(token))
+        got = self._kids.get(key)
+        if got is None:
+            got = len(self.token)
+            self._kids[key] = got
+            self.token.append(int(token))
+            self.parent.append(seq)
+            self.end.append(int(end))
+            self.base.append(self.base[seq])
+            self.ext.append(self.ext[seq] + (int(token),))
+        return got
+
+    def is_protected(self, seq: int) -> bool:
+        return seq <= self.n_protected
+
+    def protected_end(self, seq: int) -> int:
+        """Where the protected next token of a protected sequence ends (-1: none)."""
+        return self.end[seq + 1] if seq < self.n_protected else -1
+
+
+class Hyp(NamedTuple):
+    """One hypothesis (see the module docstring).
+
+    Attributes:
+        seq: its committed tokens (a SeqTree id).
+        start: the byte offset where they end.
+        logp: log p(committed tokens | context), conditioned as in `brf.bytes.masses`.
+        node: trie node of the partial token read since ``start``.
+        keep: never pruned.
+    """
+    seq: int
+    start: int
+    logp: float
+    node: int
+    keep: bool
+
+
+class ByteState(NamedTuple):
+    """The hypotheses after reading ``offset`` bytes."""
+    offset: int
+    hyps: tuple[Hyp, ...]
+
+
+class Step(NamedTuple):
+    """What `advance` did.
+
+    Attributes:
+        pruned: fraction of the new prefix's mass dropped by pruning.
+        log_mass: log of the new prefix's mass before pruning (the units of
+            the hypotheses' logp: the old state's mass times P(byte | old state)).
+        kept: hypotheses kept.
+        dropped: hypotheses dropped by pruning.
+    """
+    pruned: float
+    log_mass: float
+    kept: int
+    dropped: int
+
+
+def initial_state() -> ByteState:
+    """Nothing read yet: the context alone (sequence 0), to be kept."""
+    return ByteState(0, (Hyp(0, 0, 0.0, ROOT, True),))
+
+
+def pending(state: ByteState, tables: Mapping[int, Table]) -> list[int]:
+    """Sequences of the state's hypotheses that still need a table (a forward pass)."""
+    return [h.seq for h in state.hyps if h.seq not in tables]
+
+
+def next_byte(state: ByteState, tables: Mapping[int, Table]) -> tuple[np.ndarray, float]:
+    """The next-byte distribution over 257 events (256 bytes, then end-of-text).
+
+    Returns:
+        (log-probs float64 [257], log of the hypotheses' total mass).
+    """
+    k = state.offset
+    rows = np.stack([tables[h.seq].row(k - h.start, h.node) + h.logp for h in state.hyps])
+    joint = logsumexp_rows(rows.T)
+    total = float(logsumexp_rows(joint[None])[0])
+    return joint - total, total
+
+
+def advance(state: ByteState, byte: int, tables: Mapping[int, Table], trie: ByteTrie,
+            seqs: SeqTree, *, beam: int, threshold: float) -> tuple[ByteState, Step]:
+    """Reads one byte (see the module docstring).
+
+    Raises:
+        UnexpressibleByteError: no hypothesis can produce the byte.
+    """
+    k = state.offset
+    weights, hyps = [], []
+    for h in state.hyps:
+        t = tables[h.seq]
+        d = k - h.start
+        if t.row(d, h.node)[byte] == -math.inf:
+            continue
+        node = trie.child(h.node, byte)
+        tot = t.total(d + 1, node)
+        if tot > -math.inf:  # the tokens strictly longer than the partial bytes
+            keep = h.keep and k + 1 < seqs.protected_end(h.seq)
+            weights.append(h.logp + tot)
+            hyps.append(Hyp(h.seq, h.start, h.logp, node, keep))
+        ids, logq = t.equal(d + 1, node)
+        for tok, lq in zip(ids.tolist(), logq.tolist()):
+            if lq == -math.inf:
+                continue
+            seq = seqs.child(h.seq, tok, k + 1)
+            weights.append(h.logp + lq)
+            hyps.append(Hyp(seq, k + 1, h.logp + lq, ROOT, h.keep and seqs.is_protected(seq)))
+    if not hyps:
+        raise UnexpressibleByteError(f"byte {byte:#04x} at offset {k}: no token sequence "
+                                     "covering the text so far can continue with it")
+    w = np.asarray(weights)
+    log_mass = float(logsumexp_rows(w[None])[0])
+    keep = np.asarray([h.keep for h in hyps])
+    ok = keep | (w >= log_mass + math.log(threshold)) if threshold > 0 else np.ones(w.size, bool)
+    if ok.sum() > beam:
+        order = np.argsort(-np.where(keep, np.inf, w), kind="stable")
+        ok = np.zeros(w.size, bool)
+        ok[order[:max(beam, int(keep.sum()))]] = True
+    dropped = ~ok
+    pruned = float(np.exp(logsumexp_rows(w[dropped][None])[0] - log_mass)) if dropped.any() else 0.0
+    kept = tuple(h for h, o in zip(hyps, ok) if o)
+    return ByteState(k + 1, kept), Step(pruned, log_mass, len(kept), int(dropped.sum()))
+
+
+__all__ = ["ByteInputError", "ByteState", "Hyp", "SeqTree", "Step", "Table", "advance",
+           "check_bounds", "initial_state", "next_byte", "pending"]

@@ -1,0 +1,201 @@
+"""brf.bytes: a member's byte-level view against brute force (tests/byte_reference.py).
+
+Tiny random-weight Llamas over two constructed vocabularies (byte-level BPE with
+a non-greedy canonical tokenization and tokens ending inside a UTF-8 character;
+SentencePiece-style with '▁' and <0xNN> byte fallback), in float64: the
+probability of every prefix of each string, read off the byte-level
+distributions, equals the sum over all covering token sequences to 1e-6
+relative; every distribution (257 events) sums to 1 and its end-of-text event
+matches the brute-force mass of sequences that stop there.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from brf.bytes.lm import ByteLM, score_text, top2_gap
+from brf.bytes.masses import EOT, N_EVENTS
+from brf.bytes.scoring import byte_event_table, score_segments
+from brf.bytes.state import ByteInputError
+from brf.bytes.trie import UnexpressibleByteError, build_trie
+from brf.models import forward, forward_tree, init_cache, prefill
+from tests.byte_reference import (BruteForce, _backend, byte_level_tokenizer,
+                                  sentencepiece_tokenizer, tiny_model)
+
+EXACT = dict(beam=10**6, threshold=0.0, pad_to=16)
+
+CASES = {
+    # 'abc': canonical 'a' 'bc', greedy 'ab' 'c', and the token 'abc';
+    # 'é€': 'é' is one token or two byte tokens, '€' starts with a token ending inside it.
+    "byte_level": (byte_level_tokenizer, [b"abc", " the\n\n".encode(), "é€".encode(), b"ab c"]),
+    # ' the' reads '▁the'; '€' only as three <0xNN> tokens; 'a' is a piece and <0x61>.
+    "sentencepiece": (sentencepiece_tokenizer, [b" the", "€a".encode(), b"abc", b"  ab"]),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def member(request, x64):
+    make, texts = CASES[request.param]
+    tok = make()
+    cfg, params = tiny_model(len(tok), seed=len(request.param), dtype=jnp.float64)
+    lm = ByteLM(params, cfg, tok, name=request.param, dtype=jnp.float64)
+    bf = BruteForce(params, cfg, lm.codec.table, lm.context(), dtype=jnp.float64)
+    return lm, bf, texts
+
+
+def test_byte_probabilities_equal_brute_force(member):
+    lm, bf, texts = member
+    for text in texts:
+        r = score_text(lm, text, **EXACT)
+        assert r.logp.shape == (len(text), N_EVENTS)
+        np.testing.assert_allclose(np.exp(r.logp).sum(axis=1), 1.0, rtol=1e-9)
+        assert not r.pruned.any()
+        gold = r.logp[np.arange(len(text)), np.frombuffer(text, np.uint8)]
+        cum = np.concatenate([[0.0], np.cumsum(gold)])
+        for k in range(1, len(text) + 1):
+            P, eot = bf.prefix_prob(text[:k])
+            np.testing.assert_allclose(np.exp(cum[k]), P, rtol=1e-6, err_msg=f"{text[:k]!r}")
+            if k < len(text):  # end-of-text right after text[:k]
+                np.testing.assert_allclose(np.exp(cum[k] + r.logp[k, EOT]), eot, rtol=1e-6,
+                                           atol=1e-300, err_msg=f"{text[:k]!r} + EOT")
+        # every tokenization counts: at least the canonical one's probability
+        assert r.stats["byte_ll"] >= r.stats["canonical_ll"] - 1e-9
+        np.testing.assert_allclose(r.gap, top2_gap(r.logp))
+
+
+def test_whole_next_byte_row_equals_brute_force(member):
+    """Other events after a one-byte prefix than the gold byte (and end-of-text)."""
+    lm, bf, texts = member
+    text = texts[0][:2]
+    r = score_text(lm, text, **EXACT)
+    P1, eot = bf.prefix_prob(text[:1])
+    events = sorted(set(range(0, 256, 37)) | set(text))  # a spread of bytes (brute force is slow)
+    ref = np.asarray([bf.prefix_prob(text[:1] + bytes((b,)))[0] for b in events] + [eot])
+    np.testing.assert_allclose(np.exp(r.logp[1, events + [EOT]]), ref / P1, rtol=1e-6,
+                               atol=1e-12)
+
+
+def test_pruning_reports_its_mass(member):
+    lm, _, texts = member
+    text = texts[-1]
+    exact = score_text(lm, text, **EXACT)
+    pruned = score_text(lm, text, beam=1, threshold=0.0, pad_to=16)
+    np.testing.assert_allclose(np.exp(pruned.logp).sum(axis=1), 1.0, rtol=1e-9)
+    assert pruned.n_hyp.max() == 1
+    assert pruned.pruned.max() > 0
+    # the kept mass is a lower bound of the exact prefix mass
+    assert pruned.stats["byte_ll"] - pruned.stats["lost"] <= exact.stats["byte_ll"] + 1e-9
+
+
+def test_forward_tree_equals_plain_forward():
+    with jax.enable_x64(True):
+        cfg, params = tiny_model(40, seed=3, dtype=jnp.float64)
+        ctx = [1, 5, 6, 7]
+        cache = init_cache(cfg, 1, 32, jnp.float64)
+        _, cache = prefill(params, cfg, jnp.asarray([ctx]), None, cache, dtype=jnp.float64,
+                           logits="none")
+        # three continuations of ctx[:2], ctx[:3] and ctx: [9], [10, 11] (a chain), [12]
+        seqs = [ctx[:2] + [9], ctx[:3] + [10], ctx[:3] + [10, 11], ctx + [12]]
+        tokens = np.asarray([[9, 10, 11, 12]])
+        pos = np.asarray([[2, 3, 4, 4]])
+        cache_allow = np.zeros((1, 4, 32), bool)
+        for t, base in enumerate([2, 3, 3, 4]):
+            cache_allow[0, t, :base] = True
+        tree_allow = np.eye(4, dtype=bool)[None]
+        tree_allow[0, 2, 1] = True
+        logits, cache = forward_tree(params, cfg, cache, tokens, pos, cache_allow, tree_allow,
+                                     dtype=jnp.float64)
+        for t, s in enumerate(seqs):
+            ref, _ = forward(params, cfg, jnp.asarray([s]), dtype=jnp.float64)
+            np.testing.assert_allclose(np.asarray(logits[0, t]), np.asarray(ref[0, -1]),
+                                       rtol=1e-9, atol=1e-9)
+        assert int(cache["end"]) == len(ctx) + 4
+
+
+def test_unexpressible_byte_is_named():
+    raw = Tokenizer(models.BPE({"<pad>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}, []))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    tok = _backend(raw)
+    cfg, params = tiny_model(len(tok))
+    lm = ByteLM(params, cfg, tok, name="ab")
+    with pytest.raises(UnexpressibleByteError, match="0x04 at offset 2"):
+        score_text(lm, b"ab\x04a")
+    assert build_trie(lm.codec.table).first_bytes() == {ord("a"), ord("b")}
+
+
+@pytest.mark.parametrize("bounds", [dict(beam=0), dict(beam=-1), dict(beam=2.0),
+                                    dict(threshold=1.0), dict(threshold=-0.1),
+                                    dict(threshold=float("nan"))])
+def test_bad_bounds_rejected(bounds):
+    tok = sentencepiece_tokenizer()
+    cfg, params = tiny_model(len(tok))
+    lm = ByteLM(params, cfg, tok)
+    with pytest.raises(ByteInputError, match="beam size|prune threshold"):
+        score_text(lm, b"ab", **bounds)
+
+
+def test_every_method_fuses_byte_distributions(tmp_path):
+    """Two members with different tokenizers, every byte, every registered method that
+    needs no token-level unembedding: valid 257-event distributions."""
+    from brf.eval.fitting import fused_logq
+    from brf.fusion import METHODS, PHASE_MAPS
+    from brf.fusion.phase import position_gap
+
+    texts = [b"ab the", " é€".encode()]
+    scores = []
+    for seed, make in enumerate((byte_level_tokenizer, sentencepiece_tokenizer)):
+        tok = make()
+        cfg, params = tiny_model(len(tok), seed=seed)
+        lm = ByteLM(params, cfg, tok, name=make.__name__)
+        scores.append(score_segments(lm, texts, beam=8, threshold=1e-4,
+                                     store_path=str(tmp_path / f"{seed}.npz"), chunk=16))
+    table = byte_event_table(scores)
+    P = sum(map(len, texts))
+    assert table.logp.shape == (P, 2, N_EVENTS)
+    np.testing.assert_array_equal(table.gold, np.frombuffer(b"".join(texts), np.uint8))
+    # the byte-level gap is what per-position phase maps read from the byte log-probs
+    np.testing.assert_allclose(np.asarray(position_gap(jnp.asarray(table.logp))[1]), table.gap,
+                               rtol=1e-5, atol=1e-5)
+    logp = jnp.asarray(table.logp, jnp.float32)
+    runs = [(m, None) for m in METHODS.names() if not m.startswith("bottleneck")]
+    runs += [("born", name) for name in PHASE_MAPS.names()]
+    for method, phase in runs:
+        lq = np.asarray(fused_logq(method, {}, None, logp, phase), np.float64)
+        assert lq.shape == (P, N_EVENTS), method
+        assert not np.isnan(lq).any() and (lq < 1e-6).all(), (method, phase)
+        np.testing.assert_allclose(np.exp(lq).sum(axis=1), 1.0, rtol=1e-4,
+                                   err_msg=f"{method} {phase}")
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_real_models_equal_brute_force(name):
+    """The real members, short strings (<= 8 bytes), float64: byte-level prefix
+    probabilities = brute-force sums over every covering token sequence."""
+    from brf.checkpoints import registry
+    from brf.models import cast_params
+    with jax.enable_x64(True):
+        try:
+            model = registry.load(name, progress=False)
+        except Exception as e:  # not converted on this machine
+            pytest.skip(f"{name}: {e}")
+        params = cast_params(model.params, jnp.float64)
+        lm = ByteLM(params, model.cfg, model.tokenizer, name=name, dtype=jnp.float64)
+        bf = BruteForce(params, model.cfg, lm.codec.table, lm.context(), dtype=jnp.float64)
+        for text in [" 2024", "é x"]:
+            data = text.encode()
+            r = score_text(lm, data, **EXACT)
+            gold = r.logp[np.arange(len(data)), np.frombuffer(data, np.uint8)]
+            P, _ = bf.prefix_prob(data)
+            np.testing.assert_allclose(gold.sum(), np.log(P), rtol=1e-6, err_msg=text)
+            assert r.stats["byte_ll"] >= r.stats["canonical_ll"] - 1e-9
