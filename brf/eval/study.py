@@ -99,7 +99,10 @@ def run_analysis(plan: Plan, analysis: Analysis, segments: list[str], run_dir: s
     name = f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:8]}-k{k}"
     result = analyse(plan, table, len(segments), variants=analysis.variants,
                      cache_path=os.path.join(run_dir, f"fits-{name}.json"),
-                     with_sweep=analysis.sweep)
+                     with_sweep=analysis.sweep,
+                     # the event-space check reruns the corpus's analysis on more events;
+                     # its controls would repeat the corpus's at several times the cost
+                     with_controls=analysis.kind != "topk")
     rep = {"analysis": analysis.label, "members": [i.as_dict() for i in infos],
            "top_k": k, "coverage": cov.as_dict(), **result.section()}
     rep["verdict"] = report_lib.verdicts(rep)
