@@ -27,6 +27,7 @@ from brf.eval.caches import FitCache
 from brf.eval.fitting import (EventTable, FitSettings, Fitted, MethodSpec, evaluate,
                               fit_method)
 from brf.eval.plan import Plan, SweepCurve, split
+from brf.fusion import PHASE_MAPS, phase_map
 
 
 @dataclasses.dataclass
@@ -81,8 +82,7 @@ class AnalysisResult:
 
     def best(self, variant: str, roles: Sequence[str]) -> MethodResult | None:
         """The row of ``variant`` with one of ``roles`` and the lowest calibration NLL."""
-        rows = self.rows(variant, roles)
-        return min(rows, key=lambda m: m.calib_nll) if rows else None
+        return _best(self.rows(variant, roles))
 
     def by_label(self, label: str) -> MethodResult:
         return next(m for m in self.methods if m.label == label)
@@ -102,6 +102,12 @@ class AnalysisResult:
             "forking": self.forking,
             "sweep": self.sweep,
         }
+
+
+def _best(rows: Sequence[Any]) -> Any:
+    """The row (a MethodResult or a Fitted) with the lowest calibration NLL; None for
+    no rows."""
+    return min(rows, key=lambda m: m.calib_nll) if rows else None
 
 
 def metrics(ev: dict, gold_bytes: np.ndarray, *, n_boot: int, seed: int) -> dict:
@@ -181,16 +187,15 @@ def _second_round(specs: Sequence[MethodSpec], fits: list[Fitted], calibrated: l
     """
     if not calibrated:
         return fits
-    best = min(calibrated, key=lambda g: g.calib_nll)
+    best = _best(calibrated)
     out = list(fits)
     todo = [i for i, s in enumerate(specs) if s.variant != "proposed" and s.role != "member"
             and fits[i].info.get("second_round") != _SECOND_ROUND]
     for i in tqdm(todo, desc="second round", unit="method", dynamic_ncols=True,
                   disable=not todo):
         f = fits[i]
-        kin = [g for g in calibrated if g.method == f.method and g is not f]
-        starts = [g for g in (best, min(kin, key=lambda g: g.calib_nll) if kin else None)
-                  if g is not None and g is not f]
+        kin = _best([g for g in calibrated if g.method == f.method and g is not f])
+        starts = [g for g in (best, kin) if g is not None and g is not f]
         g = fit_spec(specs[i], calib, settings, warm=f, starts=starts) if starts else f
         keep = g if g.calib_nll < f.calib_nll else f
         out[i] = dataclasses.replace(keep, info={**dict(keep.info),
@@ -226,8 +231,7 @@ def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[Method
         base = [m for m in rows if m.role == "baseline"]
         if not born or not base:
             continue
-        b = min(born, key=lambda m: m.calib_nll)
-        a = min(base, key=lambda m: m.calib_nll)
+        b, a = _best(born), _best(base)
         out[v] = {"brf": b.label, "baseline": a.label,
                   **hypotheses.nll_difference(b.test_nll, a.test_nll, n_boot=plan.stats.n_boot,
                                               seed=plan.stats.seed)}
@@ -247,12 +251,7 @@ def control_specs(methods: Sequence[MethodResult], n: int, variants: Sequence[st
 
 
 def _per_token(m: MethodResult) -> bool:
-    from brf.fusion import PHASE_MAPS
     return m.role == "brf" and bool(m.spec.phase) and PHASE_MAPS.get(m.spec.phase).kind == "token"
-
-
-def _best(rows: Sequence[MethodResult]) -> MethodResult | None:
-    return min(rows, key=lambda m: m.calib_nll) if rows else None
 
 
 def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodResult],
@@ -307,7 +306,7 @@ def forking_tokens(plan: Plan, variants: Sequence[str], result_methods: list[Met
         singles = [m for m in rows if m.role == "member"]
         if not singles:
             continue
-        ref = min(singles, key=lambda m: m.calib_nll)
+        ref = _best(singles)
         primary = int(np.argmax(ref.fitted.weights))
         primary_nll = next(m.test_nll for m in singles
                            if int(np.argmax(m.fitted.weights)) == primary)
@@ -320,7 +319,7 @@ def forking_tokens(plan: Plan, variants: Sequence[str], result_methods: list[Met
         for kind, roles in (("brf", ("brf",)), ("baseline", ("baseline",))):
             cands = [m for m in rows if m.role in roles]
             if cands:
-                best = min(cands, key=lambda m: m.calib_nll)
+                best = _best(cands)
                 gated[kind] = {"method": best.label, **forking.gated_fusion(
                     best.test_nll, primary_nll, ref.test_nll, ent_test[:, primary], thr, n)}
         out[v] = {"reference": ref.label, "primary_member": primary, "top_fraction": top,
@@ -364,7 +363,6 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
       with_sweep: compute the sweep curves.
       with_controls: fit the controls (when the plan asks for them).
     """
-    from brf.fusion import phase_map
     calib, test = split(plan.scoring, table, n_segments)
     n = table.logp.shape[1]
     methods = fit_all(plan, plan.method_specs(n, variants), calib, test, cache_path=cache_path)
