@@ -99,11 +99,7 @@ def run_analysis(plan: Plan, analysis: Analysis, segments: list[str], run_dir: s
     name = f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:8]}-k{k}"
     result = analyse(plan, table, len(segments), variants=analysis.variants,
                      cache_path=os.path.join(run_dir, f"fits-{name}.json"),
-                     with_sweep=analysis.sweep,
-                     # the event-space check reruns the corpus's analysis on more events
-                     # (its controls would repeat the corpus's at several times the cost);
-                     # the swarm's four-member controls take minutes each on this CPU
-                     with_controls=analysis.kind not in ("topk", "swarm"))
+                     with_sweep=analysis.sweep, with_controls=analysis.controls)
     rep = {"analysis": analysis.label, "members": [i.as_dict() for i in infos],
            "top_k": k, "coverage": cov.as_dict(), **result.section()}
     rep["verdict"] = report_lib.verdicts(rep)
