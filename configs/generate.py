@@ -15,13 +15,19 @@ Members, method and weighting from flags (spec strings; PackLLM weights per prom
       --config.members='smollm2-135m-instruct(chat=True), gemma3-270m' \
       --config.method='loglinear(temperature=0.8)' --config.phase='' \
       --config.weighting='perplexity(temperature=1.0)'
+Generation on bytes: every member reads the text byte by byte and keeps all the
+tokenizations of what was generated (brf/bytes/generate.py); any method, any
+sampler, mode 'me' too, for members with any tokenizers:
+  python experiments/generate.py --config=configs/generate.py:bytes \
+      --config.beam=16 --config.threshold=1e-3 --config.max_new_bytes=200
 Top-k union vocabulary instead of the full union:
   python experiments/generate.py --config=configs/generate.py \
       --config.aligner=topk_union --config.aligner_params.k=16
 
 The argument is a comma-separated list of: 'prompts' (one-model prompt
 ensemble), 'me' (mode mixture_exact), 'tiny' (tiny random members with the
-SmolLM2 tokenizer, 8 tokens).
+SmolLM2 tokenizer, 8 tokens), 'bytes' (level='bytes': sample the fused
+next-byte distribution).
 """
 
 import ml_collections
@@ -41,10 +47,10 @@ GEMMA_TURN = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n
 
 def get_config(arg=None):
     flags = {a.strip() for a in (arg or "").split(",") if a.strip()}
-    unknown = flags - {"prompts", "me", "tiny"}
+    unknown = flags - {"prompts", "me", "tiny", "bytes"}
     if unknown:
         raise ConfigArgError(f"unknown config argument(s) {sorted(unknown)}; "
-                         "use prompts, me, tiny")
+                         "use prompts, me, tiny, bytes")
     c = ml_collections.ConfigDict()
     # Members are one spec string (brf.specs), so a flag can set them:
     #   --config.members='smollm2-135m-instruct(chat=True), gemma3-270m(template="...")'
@@ -84,11 +90,24 @@ def get_config(arg=None):
     # Devices (brf/sharding.py): each member's weights split over 'model', the
     # prompts over 'data'; placement="apart" gives each member its own devices
     # (members run at the same time; data/model then size each member's mesh).
+    # 'tokens': fuse next-token distributions (aligned by config.aligner);
+    # 'bytes': fuse the members' next-byte distributions (257 events), every
+    # member keeping its tokenizations of the text (brf/bytes/generate.py). On
+    # bytes: beam and threshold bound each member's hypotheses (beam >= 1,
+    # 0 <= threshold < 1; threshold=0 with a large beam is exact),
+    # max_new_bytes bounds the text, utf8 keeps it valid UTF-8; the aligner,
+    # max_new_tokens, weighting and mesh are not used.
+    c.level = "bytes" if "bytes" in flags else "tokens"
+    c.beam = 16
+    c.threshold = 1e-3
+    c.max_new_bytes = 192
+    c.utf8 = True
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, placement="shared"))
     if "tiny" in flags:
         c.members = ", ".join(
             format_spec(f"random:{DEFAULT_PAIR[0]}:{i}", dict(chat=True, weight=0.5, prefix=p))
             for i, p in enumerate(("Be brief.", "Be poetic.")))
         c.max_new_tokens = 8
+        c.max_new_bytes = 16
         c.stream = False
     return c

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from brf import sharding
 from brf.ensemble.decode import Generation, Piece, generate
@@ -212,6 +213,11 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     ``placement='apart'`` each member gets its own devices and the members run
     at the same time (see :mod:`brf.sharding`).
     """
+    level = c.get("level", "tokens")
+    if level == "bytes":
+        return run_bytes(c, on_piece)
+    if level != "tokens":
+        raise EnsembleInputError(f"unknown level {level!r}; use 'tokens' or 'bytes'")
     specs = member_specs(c.members)
     method, method_params = method_spec(c.method, c.get("method_params", {}),
                                         c.get("phase", ""))
@@ -263,6 +269,67 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
             row["weighting"] = c.weighting
             row["prompt_nll"] = [round(float(x), 4) for x in nll[b]]
         rows.append(row)
+    return rows
+
+
+def run_bytes(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
+    """``run`` for ``c.level = 'bytes'``: the members' next-byte distributions fused and
+    sampled byte by byte (:mod:`brf.bytes.generate`), one prompt at a time.
+
+    Each member conditions on its own prompt tokens (prefix, chat template);
+    the generated text is read by every member as bytes. Settings are checked
+    before any model loads.
+    """
+    from brf.bytes.generate import check_request, generate_bytes
+    from brf.bytes.lm import ByteLM
+    from brf.align.union import default_cache_dir
+    from brf.fusion import Sampler
+
+    specs = member_specs(c.members)
+    method, method_params = method_spec(c.method, c.get("method_params", {}),
+                                        c.get("phase", ""))
+    if c.mode != "fuse":
+        method, method_params = "linear", {}
+    sampler = Sampler.parse(c.sampler)
+    check_request(mode=c.mode, method=method, method_params=method_params, sampler=sampler,
+                  beam=c.beam, threshold=c.threshold, max_bytes=c.max_new_bytes)
+    if c.get("weighting", ""):
+        raise EnsembleInputError("config.weighting is token-level only; set it to '' with "
+                                 "level='bytes'")
+    prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
+    members = load_members(specs)
+    views: dict[int, ByteLM] = {}
+    for m in members:
+        if id(m.params) not in views:
+            views[id(m.params)] = ByteLM(m.params, m.cfg, m.tokenizer, name=m.name,
+                                         dtype=jnp.dtype(c.get("dtype", "float32")),
+                                         cache_dir=default_cache_dir())
+    lms = [views[id(m.params)] for m in members]
+    weights = [m.weight for m in members]
+    weights = None if all(w is None for w in weights) else weights
+    rows = []
+    for b, prompt in enumerate(prompts):
+        relay = None if on_piece is None else (
+            lambda piece, b=b: on_piece(Piece(b, piece.text, piece.finished)))
+        t0 = time.perf_counter()
+        g = generate_bytes(lms, [m.prompt_ids(prompt) for m in members], weights=weights,
+                           mode=c.mode, method=method, method_params=method_params,
+                           sampler=sampler, max_bytes=c.max_new_bytes, stop=tuple(c.stop),
+                           seed=c.seed, beam=c.beam, threshold=c.threshold, utf8=c.utf8,
+                           eos_ids=[sorted(m.eos_ids()) for m in members], on_piece=relay)
+        seconds = time.perf_counter() - t0
+        rows.append(dict(prompt=prompt, text=g.text, finish_reason=g.finish_reason,
+                         n_bytes=len(g.data), members=[m.name for m in members],
+                         level="bytes", mode=c.mode,
+                         method=method if c.mode == "fuse" else None,
+                         method_params={k: str(v) for k, v in method_params.items()}
+                         if c.mode == "fuse" else {},
+                         weights=weights, sampler=c.sampler, seed=c.seed, beam=c.beam,
+                         threshold=c.threshold, tokens_run=g.tokens,
+                         max_hypotheses=[max(h, default=0) for h in g.n_hyp],
+                         lost=[round(float(-np.log1p(-np.minimum(p, 1 - 1e-16)).sum()), 6)
+                               for p in map(np.asarray, g.pruned)],
+                         seconds=round(seconds, 3)))
     return rows
 
 
