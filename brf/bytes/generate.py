@@ -339,7 +339,8 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
         mode: 'fuse' | 'mixture_exact' | 'mixture_per_member'.
         method, method_params: the fusion method (``brf.fusion.METHODS``) of mode 'fuse'.
         sampler: a `brf.fusion.Sampler` or its spec ('greedy', 'temperature=0.7,top_p=0.9').
-        max_bytes: at most this many bytes are drawn.
+        max_bytes: at most this many bytes are drawn (with ``utf8``, up to 3 more
+            that complete the last character).
         stop: stop strings (the text is cut before the first).
         seed: PRNG seed.
         beam: at most this many hypotheses per member after each byte.
@@ -371,6 +372,8 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
             not math.isclose(w.sum(), 1.0, abs_tol=1e-6):
         raise ByteInputError(f"weights must be {n} finite numbers >= 0 summing to 1; got "
                              f"{np.asarray(weights).tolist()}")
+    if utf8 and not _valid_prefix(prompt):
+        raise ByteInputError("the prompt is not valid UTF-8 (utf8=True continues valid text only)")
     eos_ids = list(eos_ids) if eos_ids is not None else [None] * n
     readers = [_reader(lm, ctx, e) for lm, ctx, e in zip(members, contexts, eos_ids)]
     out = ByteGeneration(pruned=[[] for _ in range(n)], n_hyp=[[] for _ in range(n)])
@@ -382,14 +385,17 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
                 raise UnexpressibleByteError(f"{lm.name}: prompt {e}") from None
             if got is None:
                 raise ByteInputError(f"{lm.name}: the prompt does not fit in its context")
-    if utf8 and not _valid_prefix(prompt):
-        raise ByteInputError("the prompt is not valid UTF-8 (utf8=True continues valid text only)")
     base = jax.random.PRNGKey(seed)
     w_dev = jnp.asarray(w, jnp.float32)
     text = TextStream(stop)
     data = bytearray()
     finish = "length"
-    for k in range(max_bytes):
+    k = -1
+    while True:
+        k += 1
+        # max_bytes, or with utf8 up to 3 more bytes that complete the last character
+        if k >= max_bytes and not (utf8 and not _valid_text(bytes(data))):
+            break
         logp_nxE = np.stack([r.dist() for r in readers])
         for j, r in enumerate(readers):
             out.n_hyp[j].append(len(r.state.hyps))
@@ -432,6 +438,15 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
     out.tokens = [r.tree.tokens for r in readers]
     out.calls = [r.tree.calls for r in readers]
     return out
+
+
+def _valid_text(data: bytes) -> bool:
+    """Whether ``data`` is valid UTF-8 (whole characters)."""
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _valid_prefix(data: bytes) -> bool:
