@@ -143,6 +143,27 @@ def test_mixture_exact_draws_from_the_chosen_member(lms):
         assert np.isfinite(t["logq"][t["event"]])
 
 
+def test_draws_stay_in_every_members_support(lms):
+    """A member whose vocabulary only writes 'a' and 'b' beside one that writes every
+    byte: each drawn byte is one both can read (the pool renormalised over them)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tests.byte_reference import _backend
+    raw = Tokenizer(models.BPE({"<pad>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4, "ab": 5},
+                               [("a", "b")]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    tok = _backend(raw)
+    cfg, params = tiny_model(len(tok), seed=5, dtype=jnp.float64)
+    ab = ByteLM(params, cfg, tok, name="ab", dtype=jnp.float64)
+    members = [lms["byte_level"], ab]
+    for seed in range(3):
+        g = generate_bytes(members, [m.context() for m in members], sampler="temperature=3",
+                           seed=seed, max_bytes=6, utf8=False, trace=True, **EXACT)
+        assert set(g.data) <= set(b"ab"), g.data
+        for t in g.trace:
+            assert np.isfinite(t["member_logp"][:, t["event"]]).all()
+
+
 def test_pruning_keeps_distributions_normalised(lms):
     lm = lms["sentencepiece"]
     g = generate_bytes([lm], [lm.context()], prompt=b"ab", sampler="temperature=2", seed=3,
