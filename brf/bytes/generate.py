@@ -79,7 +79,7 @@ from brf.models import forward_tree, init_cache, prefill_donated
 from brf.models.cache import grow
 
 MODES = ("fuse", "mixture_exact", "mixture_per_member")
-TREE_BUCKETS = (4, 16, 64, 256)  # tokens per tree-attention call (padded up to one of these)
+TREE_BUCKETS = (1, 2, 4, 8, 16, 64, 256)  # tokens per tree-attention call (padded up to one of these)
 
 
 class NextTokens:
