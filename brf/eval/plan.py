@@ -125,9 +125,7 @@ class Analysis:
       variants: method variants fitted.
       sweep: draw the sweep curves and per-analysis plots.
       controls: fit the controls of the best per-token BRF row (when the plan asks
-        for them). Off for the event-space check, which reruns the corpus's
-        analysis on more events (its controls took 15 minutes here), and for the
-        four-member swarm (about 4 minutes a control).
+        for them); every analysis of the study does.
     """
     kind: str
     label: str
@@ -207,7 +205,7 @@ class Plan:
                         self.variants, sweep=True)]
         if k2:
             out.append(Analysis("topk", f"{c.label} (top-{k2})", self.members, k2, k2,
-                                self.variants, controls=False))
+                                self.variants))
         if c.prefix and self.prompts.enabled:
             aux = self.prompts.variants
             out.append(Analysis("prefix", f"{c.label} + prefix",
@@ -222,7 +220,7 @@ class Plan:
             if self.prompts.swarm:
                 swarm = tuple(x for m in self.members for x in (m, m.with_prefix(c.prefix)))
                 out.append(Analysis("swarm", f"{c.label} swarm", swarm, self.scoring.top_k,
-                                    store_k, aux, controls=False))
+                                    store_k, aux))
         return out
 
 
