@@ -125,7 +125,10 @@ class Analysis:
       variants: method variants fitted.
       sweep: draw the sweep curves and per-analysis plots.
       controls: fit the controls of the best per-token BRF row (when the plan asks
-        for them); every analysis of the study does.
+        for them). Off for the event-space check, which reruns the first corpus's
+        analysis on 256 events instead of 64 to see whether a verdict moves (its
+        eight controls cost about 15 minutes on this machine, more than the rest
+        of its fits; the same corpus on 64 events carries them).
     """
     kind: str
     label: str
@@ -205,7 +208,7 @@ class Plan:
                         self.variants, sweep=True)]
         if k2:
             out.append(Analysis("topk", f"{c.label} (top-{k2})", self.members, k2, k2,
-                                self.variants))
+                                self.variants, controls=False))
         if c.prefix and self.prompts.enabled:
             aux = self.prompts.variants
             out.append(Analysis("prefix", f"{c.label} + prefix",
