@@ -172,6 +172,33 @@ def test_round_trip_reproduces_model_log_probs(smollm, dumps):
     assert np.abs(a.top_logp()[:, 0] - b.top_logp()[:, 0]).mean() > 1e-3
 
 
+def _linear_nll_by_the_rules(runs, sizes) -> float:
+    """Mean NLL of the equal-weight linear pool of same-tokenizer runs over the event
+    table's events (brf.eval.events), in float64: a member's top-k tokens exact, another
+    member's listed token an equal share of its tail, the rest OTHER; a gold nobody
+    lists scores OTHER times its mean share of the members' tails."""
+    out = []
+    for q in range(runs[0].n_rows):
+        tops = [dict(zip(r.top_ids[q].tolist(),
+                         np.exp(r.top_logits[q].astype(np.float64) - r.lse[q]))) for r in runs]
+        listed = set().union(*tops)
+        gold = int(runs[0].token_id[q])
+        probs = []
+        for top, v in zip(tops, sizes):
+            tail = 1.0 - sum(top.values())
+            share = tail / (v - len(top))
+            if gold in listed:
+                probs.append(top.get(gold, share))
+            else:
+                probs.append(tail - share * len(listed - set(top)))
+        q_gold = np.mean(probs)
+        if gold not in listed:
+            q_gold *= np.mean([np.exp(r.token_logit[q] - r.lse[q]) / (1.0 - sum(t.values()))
+                               for r, t in zip(runs, tops)])
+        out.append(-np.log(q_gold))
+    return float(np.mean(out))
+
+
 def test_phase_analysis_matches_hypotheses_on_same_positions(dumps):
     """Same tokenizer, with and without a system prompt: the analysis is
     brf.eval.hypotheses on the validation's event table of these positions,
@@ -192,10 +219,10 @@ def test_phase_analysis_matches_hypotheses_on_same_positions(dumps):
     # Per-token maps read the event table as the validation does (x = max event
     # log-prob minus the gold's; OTHER counts as an event there): checked against
     # the validation's own route in the cross-tokenizer test below.
-    # Linear pool NLL from the CSVs by hand.
+    # Linear pool NLL from the CSVs by hand, by the event table's rules.
     lin = [f for f in rep["fusion"] if f["label"] == "linear"][0]
-    p = np.mean([np.exp(r.token_logit.astype(np.float64) - r.lse) for r in runs], 0)
-    assert lin["nll"] == pytest.approx(-np.log(p).mean(), rel=1e-5)
+    assert lin["nll"] == pytest.approx(_linear_nll_by_the_rules(
+        runs, [r.meta["vocab_size"] for r in runs]), rel=1e-5)
 
 
 def test_phase_analysis_matches_validation_pipeline_across_tokenizers(smollm, tmp_path):
@@ -375,10 +402,10 @@ def test_hand_written_csv_is_read_and_analysed(tmp_path):
     rbar = abs(np.mean(np.exp(1j * (phi[0] - phi[1]))))
     row = [r for r in rep["phase_coherence"] if r["phase_map"] == "tanh"][0]
     assert row["mean_resultant_length"] == pytest.approx(rbar, rel=1e-5)
-    # Linear pool: each member's exact gold probability (gold kept exactly).
-    p = np.mean([np.exp(m[5] - m[3]) for m in members], 0)
+    # Linear pool, by the event table's rules in float64.
     lin = [f for f in rep["fusion"] if f["label"] == "linear"][0]
-    assert lin["nll"] == pytest.approx(-np.log(p).mean(), rel=1e-5)
+    assert lin["nll"] == pytest.approx(
+        _linear_nll_by_the_rules([lc.read_csv(p) for p in paths], [50, 50]), rel=1e-5)
     # The tail rule: mass outside a member's listed tokens is shared over V - listed.
     table = csv_analysis.load_table(paths, vocab_sizes=[50, 50])[2]
     np.testing.assert_allclose(np.exp(table.logp.astype(np.float64)).sum(-1), 1.0, atol=1e-5)

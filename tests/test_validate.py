@@ -170,9 +170,11 @@ def test_one_corpus_end_to_end(tmp_path, text, members):
     test = table.take(np.nonzero(table.segment >= n_cal)[0])
     lin = evaluate(Fitted("l", "linear", {}, np.asarray(born_lin["weights"]), 0.0), test)
     np.testing.assert_allclose(born_lin["test"]["nll"], lin["nll"].mean(), rtol=1e-4)
-    # A single member's test NLL is its own mean gold log-loss there.
+    # A single member's test NLL is its mean log-loss of the gold event there, plus the
+    # gold's offset where no member lists it.
+    gold_lp = test.logp[np.arange(test.n_positions), 0, test.gold].astype(np.float64)
     assert by["member 0 alone"]["test"]["nll"] == pytest.approx(
-        -np.mean(test.logp[:, 0, 0]), rel=1e-5)
+        -np.mean(gold_lp + test.offset), rel=1e-5)
     # Resuming reuses the stored scores (no model is loaded again) and the fits.
     with _forbid_fitting():
         _run(cfg, _forbid_scoring(members))

@@ -92,7 +92,8 @@ class AnalysisResult:
         return {
             "phase_maps_left_out": self.left_out,
             "split": {"calibration_positions": int(self.calib.n_positions),
-                      "test_positions": int(self.test.n_positions)},
+                      "test_positions": int(self.test.n_positions),
+                      "test_gold_in_other": int(np.sum(~self.test.gold_listed))},
             "methods": [m.row() for m in self.methods],
             "phase_coherence": [{k: v for k, v in r.items() if k != "diffs"}
                                 for r in self.coherence],

@@ -91,10 +91,10 @@ def read_json(path: str, *, what: str = "cache") -> Any | None:
 
 def source_hash(modules: Iterable[Any], *parts: Any) -> str:
     """A short key from the source files of ``modules`` (packages: every .py in
-    them) and the reprs of ``parts``."""
+    them; a path: that file) and the reprs of ``parts``."""
     h = hashlib.sha256()
     for mod in modules:
-        path = pathlib.Path(mod.__file__)
+        path = pathlib.Path(mod) if isinstance(mod, (str, os.PathLike)) else pathlib.Path(mod.__file__)
         files = sorted(path.parent.glob("*.py")) if path.name == "__init__.py" else [path]
         for f in files:
             h.update(f.read_bytes())
@@ -113,21 +113,35 @@ def cached_json(path: str, compute: Callable[[], Any], *, what: str) -> Any:
     return out
 
 
+# brf.fusion modules that no fitted method reads (their changes keep fits valid).
+_NOT_FITTED = ("bottleneck.py", "sampling.py", "mixture.py")
+
+
+def _fit_sources() -> list[pathlib.Path]:
+    import brf.eval.fitting
+    import brf.eval.lbfgs
+    import brf.fusion
+    fusion = sorted(p for p in pathlib.Path(brf.fusion.__file__).parent.glob("*.py")
+                    if p.name not in _NOT_FITTED)
+    return fusion + [pathlib.Path(brf.eval.fitting.__file__),
+                     pathlib.Path(brf.eval.lbfgs.__file__)]
+
+
 class FitCache:
     """Fitted parameters of one event table, stored in the run directory.
 
     The key covers the calibration table's bytes, the fit settings and the source
-    of brf.fusion and brf.eval.fitting: fits made by other code, on other data or
-    with another optimiser budget are not reused.
+    of what a fit runs (brf.eval.fitting, brf.eval.lbfgs and brf.fusion but for
+    the modules no fitted method reads: the bottleneck solvers, sampling and
+    mixture sampling): fits made by other code, on other data or with another
+    optimiser budget are not reused.
     """
 
     def __init__(self, path: str, calib: EventTable, settings: FitSettings):
-        import brf.eval.fitting
-        import brf.fusion
         self.path = path
-        self.key = source_hash([brf.fusion, brf.eval.fitting],
+        self.key = source_hash(_fit_sources(),
                                hashlib.sha256(np.ascontiguousarray(calib.logp)).hexdigest(),
-                               calib.gold.tolist(), settings.key())
+                               calib.gold.tolist(), calib.offset.tolist(), settings.key())
         data = read_json(path, what="fit cache")
         shaped = isinstance(data, dict) and isinstance(data.get("entries"), dict)
         if data is not None and not shaped:

@@ -6,19 +6,29 @@ segment where *every* member is at a token boundary and every member's next
 token is the *same byte string* g (so each member assigns g a probability of
 its own, from the same context). At such a position:
 
-* **Event space** — byte strings: the gold string g, every member's top-K
-  next-token strings (special tokens excluded), and one ``OTHER`` event for
-  the rest of the continuation space. Each member's distribution over these
-  events sums to 1.
-* **How members' mass is mapped** — a member's top-K tokens and the gold
-  token carry their exact probabilities (tokens that decode to the same bytes
-  are summed). A listed string outside the member's top-K that the member
-  *can* express as one token gets an equal share of the member's tail mass
-  ``(1 - listed mass) / (V - K)`` (the stored summaries do not keep the tail);
+* **Event space** — byte strings: every member's top-K next-token strings
+  (special tokens excluded) and one ``OTHER`` event for the rest of the
+  continuation space. The gold string does not add an event: which events a
+  position has must not depend on the answer (a method that favours events
+  outside the members' lists would otherwise find the gold among them). Each
+  member's distribution over these events sums to 1.
+* **How members' mass is mapped** — a member's top-K tokens carry their exact
+  probabilities (tokens that decode to the same bytes are summed). A listed
+  string outside the member's top-K that the member *can* express as one token
+  gets an equal share of the member's tail mass ``(1 - top-K mass) / (V - K)``
+  (the stored summaries keep no more of the tail; the gold is no exception);
   a string the member cannot express as one token gets probability 0 from
   that member. Whatever mass is left goes to ``OTHER``.
-* **Gold event** — g, always event 0. NLL is per co-aligned position; bits
-  per byte divide the summed NLL (in bits) by the bytes of the gold strings.
+* **Gold event** — g's column when some member lists it. Otherwise g is one of
+  the strings ``OTHER`` stands for: the gold event is ``OTHER`` and the fused
+  probability of g is ``q(OTHER) * s`` with ``s`` the members' mean share of g
+  in their tails, ``mean_i p_i(g) / (1 - top-K mass of i)`` (at most 1, and
+  summing to at most 1 over the unlisted strings, so the scores stay proper).
+  ``s`` is the same for every method, so it moves no comparison; it is the
+  table's ``gold_offset`` (``log s``, 0 where the gold is listed), added to
+  every NLL so that absolute numbers are per string, and such a position gives
+  no top-1 credit. NLL is per co-aligned position; bits per byte divide the
+  summed NLL (in bits) by the bytes of the gold strings.
 * **Coverage** — the fraction of positions and of text bytes that are
   co-aligned is reported. Positions where the tokenizers disagree (rarer
   words, whitespace runs) are excluded, so scores describe the co-aligned
@@ -35,7 +45,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from brf.eval.fitting import EventTable
+from brf.eval.fitting import NLL_CAP, EventTable
 from brf.eval.scoring import MemberScores
 
 OTHER = b"\x00<OTHER>"
@@ -84,14 +94,13 @@ def fill_member_events(logp_E: np.ndarray, events: dict, mass: dict, vocab_size:
         logp_E: the member's row, -inf where it has no mass; OTHER is column
             ``len(events)``.
         events: event key -> column, in order.
-        mass: the member's listed events (its top-k and the gold) -> exact log-prob.
+        mass: the member's listed events (its top-k) -> exact log-prob.
         vocab_size: V of the member.
         expressible: the keys the member can express as one token (None: all);
             an unlisted key it can express gets an equal share of its tail mass,
             one it cannot gets 0.
     """
-    listed = np.exp(np.array(list(mass.values()), np.float64)).sum()
-    tail = max(0.0, 1.0 - listed)
+    tail = tail_mass(mass)
     missing = [key for key in events if key not in mass
                and (expressible is None or key in expressible)]
     share = tail / max(1, vocab_size - len(mass)) if missing else 0.0
@@ -100,6 +109,44 @@ def fill_member_events(logp_E: np.ndarray, events: dict, mass: dict, vocab_size:
     for key in missing:
         logp_E[events[key]] = np.log(share) if share > 0 else -np.inf
     logp_E[len(events)] = np.log(max(tail - share * len(missing), 1e-30))
+
+
+def tail_mass(mass: dict) -> float:
+    """1 minus the probability of a member's listed events (at least 0)."""
+    return max(0.0, 1.0 - float(np.exp(np.array(list(mass.values()), np.float64)).sum()))
+
+
+def fill_position(logp_NxE: np.ndarray, gold, lists: Sequence[dict],
+                  gold_logp: Sequence[float], vocab_sizes: Sequence[int],
+                  expressible: Sequence | None = None) -> tuple[int, float]:
+    """One position's rows of an event table, in place; the module's rules.
+
+    Args:
+      logp_NxE: the position's [n, E] rows (-inf filled).
+      gold: the gold key (a byte string, or a token id for same-tokenizer tables).
+      lists: each member's top-k keys -> exact log-prob.
+      gold_logp: each member's exact log-prob of the gold (used only when no member
+        lists it, for the gold's share of OTHER).
+      vocab_sizes: each member's V.
+      expressible: each member's one-token keys (None: every key, every member).
+
+    Returns:
+      (the gold event's column, the gold offset: 0 when the gold is listed, else the
+      log of its share ``s`` of OTHER, strictly negative).
+    """
+    events: dict = {}
+    for mass in lists:
+        for key in mass:
+            events.setdefault(key, len(events))
+    for i, mass in enumerate(lists):
+        fill_member_events(logp_NxE[i], events, mass, vocab_sizes[i],
+                           None if expressible is None else expressible[i])
+    if gold in events:
+        return events[gold], 0.0
+    shares = [min(1.0, float(np.exp(lp)) / t) if t > 0 else 0.0
+              for lp, t in zip(gold_logp, (tail_mass(m) for m in lists))]
+    s = float(np.mean(shares))
+    return len(events), min(float(np.log(s)), -1e-12) if s > 0 else -NLL_CAP
 
 
 def build_event_table(scores: Sequence[MemberScores],
@@ -132,30 +179,28 @@ def build_event_table(scores: Sequence[MemberScores],
     if p == 0:
         raise ValueError("no co-aligned positions: the members never predict the same "
                          "next string from the same offset")
-    e_max = 2 + n * k
+    e_max = 1 + n * k
     logp = np.full((p, n, e_max), -np.inf, np.float32)
     gap = np.zeros((p, n), np.float32)
+    gold_col = np.zeros(p, np.int64)
+    offset = np.zeros(p, np.float64)
     for q, (row_ids, g) in enumerate(zip(rows, golds)):
-        events = {g: 0}
         lists = []
-        for i, (sc, tb) in enumerate(zip(scores, token_bytes)):
-            r = row_ids[i]
+        for sc, tb, r in zip(scores, token_bytes, row_ids):
             mass = {}
             for tid, lp in zip(sc.topk_ids[r], sc.topk_logp[r]):
                 b = tb[tid]
                 if b:
                     mass[b] = np.logaddexp(mass.get(b, -np.inf), lp)
-            if g not in mass:
-                mass[g] = sc.gold_logp[r]
             lists.append(mass)
-            for b in mass:
-                events.setdefault(b, len(events))
-        for i, (sc, mass) in enumerate(zip(scores, lists)):
-            fill_member_events(logp[q, i], events, mass, sc.vocab_size, vocab[i])
-            gap[q, i] = sc.gap[row_ids[i]]
+        gold_col[q], offset[q] = fill_position(
+            logp[q], g, lists, [sc.gold_logp[r] for sc, r in zip(scores, row_ids)],
+            [sc.vocab_size for sc in scores], vocab)
+        gap[q] = [sc.gap[r] for sc, r in zip(scores, row_ids)]
     used = int(np.isfinite(logp).any(axis=(0, 1)).nonzero()[0].max()) + 1
-    table = EventTable(logp[:, :, :used], np.zeros(p, np.int64), gap,
-                       np.array([len(g) for g in golds], np.int64), np.array(segs, np.int64))
+    table = EventTable(logp[:, :, :used], gold_col, gap,
+                       np.array([len(g) for g in golds], np.int64), np.array(segs, np.int64),
+                       offset)
     cov = Coverage(p, tuple(int(sc.row_starts[-1]) for sc in scores),
                    int(table.gold_bytes.sum()),
                    sum(len(t.encode("utf-8")) for t in segments))

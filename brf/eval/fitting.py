@@ -53,15 +53,33 @@ class EventTable(NamedTuple):
       gap: [P, n] each member's true top-1 minus top-2 logit gap.
       gold_bytes: [P] UTF-8 bytes of the gold event (for bits per byte).
       segment: [P] corpus segment of each position.
+      gold_offset: [P] float64 log-probability added to the gold event's to score
+        the gold string: 0 where the gold is an event of its own, the log of its
+        share of OTHER where it is one of the strings OTHER stands for
+        (:mod:`brf.eval.events`); None: 0 everywhere. The same for every method,
+        so no fit sees it; such positions give no top-1 credit.
     """
     logp: np.ndarray
     gold: np.ndarray
     gap: np.ndarray
     gold_bytes: np.ndarray
     segment: np.ndarray
+    gold_offset: np.ndarray | None = None
 
     def take(self, idx) -> "EventTable":
-        return EventTable(*(np.asarray(a)[idx] for a in self))
+        return EventTable(*(None if a is None else np.asarray(a)[idx] for a in self))
+
+    @property
+    def offset(self) -> np.ndarray:
+        """[P] float64 gold offsets (zeros when the table has none)."""
+        if self.gold_offset is None:
+            return np.zeros(self.n_positions)
+        return np.asarray(self.gold_offset, np.float64)
+
+    @property
+    def gold_listed(self) -> np.ndarray:
+        """[P] bool: the gold is an event of its own (not folded into OTHER)."""
+        return self.offset == 0.0
 
     @property
     def n_positions(self) -> int:
@@ -363,6 +381,9 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     value, i = finite[0]
     point, x, _ = runs[i]
     params, w = problem.result(point, x, table)
+    # The gold offsets are the same for every method: the fit never sees them, the
+    # reported NLL is per string like the test NLL.
+    value = value - float(np.mean(table.offset))
     return Fitted(problem.spec.label, problem.spec.method, params, w, value, info)
 
 
@@ -595,8 +616,9 @@ def evaluate(fitted: Fitted, table: EventTable) -> dict[str, np.ndarray]:
     """Per-position results of a fitted method on ``table``.
 
     Returns:
-      {"nll": [P] gold NLL (nats, floored at NLL_CAP), "top1_credit": [P]
-      :func:`top1_credit` (its mean is the top-1 accuracy, ties shared),
+      {"nll": [P] gold NLL (nats, the gold event's floored at NLL_CAP, plus the
+      table's gold offset), "top1_credit": [P] :func:`top1_credit` (its mean is
+      the top-1 accuracy, ties shared; 0 where the gold is in OTHER),
       "confidence": [P] the top fused probability, "floored": [P] bool}.
     """
     params = {k: v for k, v in fitted.params.items() if k != "phase"}
@@ -609,7 +631,7 @@ def evaluate(fitted: Fitted, table: EventTable) -> dict[str, np.ndarray]:
     # Methods that truncate (contrastive, min pool) can give gold probability
     # 0; its log-loss is floored at -log(PROB_FLOOR) and the count reported.
     floored = ~(nll <= NLL_CAP)
-    nll = np.where(floored, NLL_CAP, nll)
+    nll = np.where(floored, NLL_CAP, nll) - table.offset
     conf = np.exp(np.asarray(jnp.max(lq, axis=-1), np.float64))
-    return {"nll": nll, "top1_credit": top1_credit(lq, table.gold), "confidence": conf,
-            "floored": floored}
+    credit = np.where(table.gold_listed, top1_credit(lq, table.gold), 0.0)
+    return {"nll": nll, "top1_credit": credit, "confidence": conf, "floored": floored}

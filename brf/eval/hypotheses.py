@@ -5,11 +5,13 @@
   p-value, and a permutation null (positions of one member shuffled), which
   matters because a map onto half the circle rejects uniformity trivially.
   Per-position maps read each member's top-1 minus top-2 gap; per-token maps
-  are evaluated at the gold token.
+  are evaluated at the gold token, at the positions where the gold is an
+  event of its own (not one of the strings OTHER stands for).
 * **Cross-Term Discrimination Test** — with a fitted BRF setting, the
   interference term ``cross(t) = 2 sum_{i<j} sqrt(w_i w_j p_i p_j)
   cos(phi_i - phi_j)`` of the gold event against that of every competitor
-  event: AUROC with a bootstrap CI, for the raw term and for the relative
+  event (at the positions where the gold is an event of its own): AUROC with
+  a bootstrap CI, for the raw term and for the relative
   term ``cross / linear`` (the fraction by which interference moves an event
   away from the linear pool), next to the same AUROC with equal phases (a
   control: with equal phases the cross-term is pure member agreement
@@ -64,7 +66,8 @@ def phase_coherence(table: EventTable, phase_specs: Mapping[str, Any], *,
     out = []
     for label, spec in phase_specs.items():
         pm = phase_map(spec)
-        phi = member_phases(table, pm)
+        phi = member_phases(table.take(table.gold_listed) if pm.kind == "token" else table,
+                            pm)
         for i, j in itertools.combinations(range(n), 2):
             diff = np.mod(phi[:, i] - phi[:, j] + np.pi, 2 * np.pi) - np.pi
             ray = stats.rayleigh_test(diff)
@@ -105,7 +108,9 @@ def cross_term_scores(table: EventTable, fitted: Fitted) -> dict[str, np.ndarray
 
 def cross_term_test(table: EventTable, fitted: Fitted, *, n_boot: int = 1000,
                     seed: int = 0, max_competitors: int = 200_000) -> dict:
-    """AUROC (gold vs competitors) of the interference term, with bootstrap CIs."""
+    """AUROC (gold vs competitors) of the interference term, with bootstrap CIs,
+    over the positions whose gold is an event of its own."""
+    table = table.take(table.gold_listed)
     s = cross_term_scores(table, fitted)
     # Control: the same weights with equal phases. Its cross-term is the pure
     # agreement term sqrt(p_i p_j); what the phase map adds is the difference.

@@ -627,13 +627,14 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
                 vocab_sizes: Sequence[int | None] | None = None):
     """The validation experiment's event table (:class:`brf.eval.fitting.EventTable`).
 
-    Per aligned position: events are the gold token (event 0), every run's
-    top-k tokens (keyed by id, or by text bytes with ``by="bytes"``; control
-    tokens and empty texts are dropped as in :mod:`brf.eval.events`), and
-    OTHER. Each run's mass: its top-k and gold tokens exactly (``logit - lse``);
-    a listed token outside its top-k an equal share of its tail,
-    ``(1 - listed) / (V - listed count)`` with V its vocabulary size; the rest
-    on OTHER. With ``by="bytes"`` every listed string is taken to be
+    Per aligned position, the rules of :mod:`brf.eval.events`: events are every
+    run's top-k tokens (keyed by id, or by text bytes with ``by="bytes"``;
+    control tokens and empty texts are dropped as there) and OTHER; the gold
+    adds no event (where no run lists it, the gold event is OTHER and the
+    table's gold offset scores the token). Each run's mass: its top-k tokens
+    exactly (``logit - lse``); a listed token outside its top-k an equal share
+    of its tail, ``(1 - top-k mass) / (V - k)`` with V its vocabulary size; the
+    rest on OTHER. With ``by="bytes"`` every listed string is taken to be
     expressible by every run (a CSV does not carry the vocabulary), the one
     difference from :mod:`brf.eval.events`; with ``by="id"`` the rule is the
     same.
@@ -651,13 +652,16 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
     Raises:
       CsvError: a run lacks token_id/token_logit or its vocabulary size.
     """
+    from brf.eval.events import fill_position
     from brf.eval.fitting import EventTable
     n = len(runs)
     sizes = _vocab_sizes(runs, vocab_sizes)
     p = rows_PxN.shape[0]
     k = max(r.k for r in runs)
-    logp = np.full((p, n, 2 + n * k), -np.inf, np.float32)
+    logp = np.full((p, n, 1 + n * k), -np.inf, np.float32)
     gap = np.zeros((p, n), np.float32)
+    gold_col = np.zeros(p, np.int64)
+    offset = np.zeros(p, np.float64)
     texts = [None] * n
     top_b = [None] * n
     if by == "bytes":
@@ -670,23 +674,24 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
     gold_lp = [(r.token_logit - r.lse).astype(np.float32) for r in runs]
     gold_bytes = np.ones(p, np.int64)
     for q in range(p):
+        rows = rows_PxN[q]
         if by == "bytes":
-            g = texts[0][rows_PxN[q, 0]]
+            g = texts[0][rows[0]]
             gold_bytes[q] = len(g)
         else:
-            g = int(runs[0].token_id[rows_PxN[q, 0]])
+            g = int(runs[0].token_id[rows[0]])
             tt = runs[0].token_text
             if tt is not None:
-                gold_bytes[q] = max(1, len(unescape(tt[rows_PxN[q, 0]])[0]))
-        lists = [_listed_mass(top_b[i][rows_PxN[q, i]] if by == "bytes"
-                              else run.top_ids[rows_PxN[q, i]].tolist(),
-                              top_lp[i][rows_PxN[q, i]], g, gold_lp[i][rows_PxN[q, i]],
-                              skip_empty=by == "bytes")
+                gold_bytes[q] = max(1, len(unescape(tt[rows[0]])[0]))
+        lists = [_listed_mass(top_b[i][rows[i]] if by == "bytes" else run.top_ids[rows[i]].tolist(),
+                              top_lp[i][rows[i]], skip_empty=by == "bytes")
                  for i, run in enumerate(runs)]
-        _fill_position(logp[q], gap[q], g, lists, runs, rows_PxN[q], sizes)
+        gold_col[q], offset[q] = fill_position(logp[q], g, lists,
+                                               [gold_lp[i][rows[i]] for i in range(n)], sizes)
+        gap[q] = [run.gap[rows[i]] for i, run in enumerate(runs)]
     used = int(np.isfinite(logp).any(axis=(0, 1)).nonzero()[0].max()) + 1
-    return EventTable(logp[:, :, :used], np.zeros(p, np.int64), gap, gold_bytes,
-                      np.asarray(runs[0].seq[rows_PxN[:, 0]], np.int64))
+    return EventTable(logp[:, :, :used], gold_col, gap, gold_bytes,
+                      np.asarray(runs[0].seq[rows_PxN[:, 0]], np.int64), offset)
 
 
 def _vocab_sizes(runs: Sequence[LogitRun], given: Sequence[int | None] | None) -> list[int]:
@@ -704,29 +709,15 @@ def _vocab_sizes(runs: Sequence[LogitRun], given: Sequence[int | None] | None) -
     return sizes
 
 
-def _listed_mass(keys, top_lp, gold, gold_lp, *, skip_empty: bool) -> dict:
+def _listed_mass(keys, top_lp, *, skip_empty: bool) -> dict:
     """One run's listed events at a position: its top-k keys (summed when they repeat)
-    and the gold -> log-prob."""
+    -> log-prob."""
     mass = {}
     for key, lp in zip(keys, top_lp):
         if skip_empty and not key:
             continue
         mass[key] = np.logaddexp(mass[key], lp) if key in mass else lp
-    if gold not in mass:
-        mass[gold] = gold_lp
     return mass
-
-
-def _fill_position(logp_NxE, gap_N, gold, lists, runs, rows_N, sizes) -> None:
-    """One position's rows of the event table (gold first, then every listed key)."""
-    from brf.eval.events import fill_member_events
-    events = {gold: 0}
-    for mass in lists:
-        for key in mass:
-            events.setdefault(key, len(events))
-    for i, (run, mass) in enumerate(zip(runs, lists)):
-        fill_member_events(logp_NxE[i], events, mass, sizes[i])
-        gap_N[i] = run.gap[rows_N[i]]
 
 
 __all__ = ["CsvError", "CsvWriter", "FIXED_COLUMNS", "FORMAT", "LogitRun", "MAGIC",

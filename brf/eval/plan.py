@@ -125,9 +125,10 @@ class Analysis:
       variants: method variants fitted.
       sweep: draw the sweep curves and per-analysis plots.
       controls: fit the controls of the best per-token BRF row (when the plan asks
-        for them). Off for the event-space check, which reruns the corpus's
-        analysis on more events (its controls took 15 minutes here), and for the
-        four-member swarm (about 4 minutes a control).
+        for them). Off for the event-space check, which reruns the first corpus's
+        analysis on 256 events instead of 64 to see whether a verdict moves (its
+        eight controls cost about 15 minutes on this machine, more than the rest
+        of its fits; the same corpus on 64 events carries them).
     """
     kind: str
     label: str
@@ -222,7 +223,7 @@ class Plan:
             if self.prompts.swarm:
                 swarm = tuple(x for m in self.members for x in (m, m.with_prefix(c.prefix)))
                 out.append(Analysis("swarm", f"{c.label} swarm", swarm, self.scoring.top_k,
-                                    store_k, aux, controls=False))
+                                    store_k, aux))
         return out
 
 

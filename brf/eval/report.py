@@ -216,6 +216,10 @@ def markdown(report: dict) -> str:
         f"{report['split']['calibration_positions']} / {report['split']['test_positions']} "
         f"positions. Every method's continuous parameters (weights, temperature, "
         f"power order, phase-map parameters, gates) were fitted on calibration.",
+        f"- Events: every member's top-{report.get('top_k', 'k')} next strings and OTHER; the "
+        f"gold adds none. At {report['split'].get('test_gold_in_other', 0)} test positions "
+        f"no member lists the gold: it is scored as OTHER times its share of the members' "
+        f"tails (the same for every method), with no top-1 credit.",
         "", "## Verdicts", "",
     ]
     for k, v in report["verdict"].items():
