@@ -3,6 +3,7 @@
   python experiments/generate.py --config=configs/generate.py
   python experiments/generate.py --config=configs/generate.py:prompts,me
   python experiments/generate.py --config=configs/generate.py:tiny --config.output=/tmp/g.jsonl
+  python experiments/generate.py --config=configs/generate.py:bytes   # fused next-byte distributions
 
 See configs/generate.py for every field.
 """

@@ -174,6 +174,24 @@ def test_pruning_keeps_distributions_normalised(lms):
     assert all(0 <= p < 1 for p in g.pruned[0])
 
 
+def test_stop_string_and_full_context(lms):
+    lm = lms["byte_level"]
+    free = generate_bytes([lm], [lm.context()], prompt=b"a", sampler="greedy", max_bytes=8,
+                          beam=4, threshold=1e-4)
+    stop = free.text[3:5]
+    pieces = []
+    g = generate_bytes([lm], [lm.context()], prompt=b"a", sampler="greedy", max_bytes=8,
+                       beam=4, threshold=1e-4, stop=(stop,), on_piece=pieces.append)
+    assert g.finish_reason == "stop" and g.text == free.text[:free.text.find(stop)]
+    assert "".join(p.text for p in pieces) == g.text
+    # a model whose context holds 4 tokens: generation ends when a hypothesis needs a fifth
+    cfg, params = tiny_model(lm.cfg.vocab_size, seed=1, dtype=jnp.float64, max_seq_len=4)
+    short = ByteLM(params, cfg, lm.codec.tokenizer, name="short", dtype=jnp.float64)
+    g = generate_bytes([short], [short.context()], sampler="greedy", max_bytes=20, beam=4,
+                       threshold=1e-4)
+    assert g.finish_reason == "context" and 1 <= len(g.data) < 20
+
+
 def _valid_prefix(data: bytes) -> bool:
     try:
         data.decode("utf-8")
