@@ -20,7 +20,7 @@ import pytest
 
 from brf.bytes.generate import generate_bytes, utf8_allowed
 from brf.bytes.lm import ByteLM, score_text
-from brf.bytes.masses import EOT, N_EVENTS
+from brf.bytes.masses import EOT
 from brf.bytes.state import ByteInputError
 from brf.fusion import FusionInputError, fuse
 from tests.byte_reference import (BruteForce, byte_level_tokenizer, sentencepiece_tokenizer,

@@ -79,7 +79,8 @@ from brf.models import forward_tree, init_cache, prefill_donated
 from brf.models.cache import grow
 
 MODES = ("fuse", "mixture_exact", "mixture_per_member")
-TREE_BUCKETS = (1, 2, 4, 8, 16, 64, 256)  # tokens per tree-attention call (padded up to one of these)
+# tokens per tree-attention call, padded up to one of these (most bytes need 0 or 1)
+TREE_BUCKETS = (1, 2, 4, 8, 16, 64, 256)
 
 
 class NextTokens:
