@@ -258,7 +258,7 @@ def test_stream_without_utf8_mask_holds_partial_characters(lms):
     (dict(mode="mixture_exact", sampler="greedy"), "mixture_exact"),
     (dict(method="bottleneck_lsq"), "token-level"),
     (dict(weights=[0.5, 0.6]), "weights"),
-    (dict(prompt=b"\xff"), "not valid UTF-8"),
+    (dict(prompt=b"\xff"), "not valid UTF-8"), (dict(prompt=b"a\xe2\x82"), "not valid UTF-8"),
 ])
 def test_bad_settings_are_user_errors(lms, bad, needle):
     lm = lms["byte_level"]

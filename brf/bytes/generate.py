@@ -58,6 +58,7 @@ member-choice key and a byte key (as `brf.ensemble.decode` does per token).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -343,7 +344,8 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
         contexts: per member, the token ids it conditions on (BOS, chat template
             and prompt included), read before any byte.
         prompt: bytes every member reads through its byte view before the first
-            drawn byte (a text to continue; not part of the output).
+            drawn byte (a text to continue; not part of the output; whole UTF-8
+            characters when ``utf8``).
         weights: member weights on the simplex (default uniform).
         mode: 'fuse' | 'mixture_exact' | 'mixture_per_member'.
         method, method_params: the fusion method (``brf.fusion.METHODS``) of mode 'fuse'.
@@ -381,8 +383,9 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
             not math.isclose(w.sum(), 1.0, abs_tol=1e-6):
         raise ByteInputError(f"weights must be {n} finite numbers >= 0 summing to 1; got "
                              f"{np.asarray(weights).tolist()}")
-    if utf8 and not _valid_prefix(prompt):
-        raise ByteInputError("the prompt is not valid UTF-8 (utf8=True continues valid text only)")
+    if utf8 and not _valid_text(prompt):
+        raise ByteInputError("the prompt is not valid UTF-8 text (whole characters); utf8=True "
+                             "continues valid text only")
     eos_ids = list(eos_ids) if eos_ids is not None else [None] * n
     readers = [_reader(lm, ctx, e) for lm, ctx, e in zip(members, contexts, eos_ids)]
     out = ByteGeneration(pruned=[[] for _ in range(n)], n_hyp=[[] for _ in range(n)])
@@ -399,12 +402,7 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
     text = TextStream(stop)
     data = bytearray()
     finish = "length"
-    k = -1
-    while True:
-        k += 1
-        # max_bytes, or with utf8 up to 3 more bytes that complete the last character
-        if k >= max_bytes and not (utf8 and not _valid_text(bytes(data))):
-            break
+    for k in itertools.count():
         logp_nxE = np.stack([r.dist() for r in readers])
         for j, r in enumerate(readers):
             out.n_hyp[j].append(len(r.state.hyps))
@@ -436,6 +434,9 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
         if text.stopped:
             finish = "stop"
             break
+        # max_bytes, or with utf8 up to 3 more bytes that complete the last character
+        if len(data) >= max_bytes and (not utf8 or _valid_text(bytes(data))):
+            break
         full = False
         for j, r in enumerate(readers):
             got = r.read(event, beam, threshold)
@@ -462,15 +463,6 @@ def _valid_text(data: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
-
-
-def _valid_prefix(data: bytes) -> bool:
-    """Whether ``data`` is a prefix of valid UTF-8."""
-    try:
-        data.decode("utf-8")
-        return True
-    except UnicodeDecodeError as e:
-        return e.reason == "unexpected end of data" and e.start >= len(data) - 3
 
 
 def _fused(method: str, params: Mapping[str, Any], logp_nxE: np.ndarray,
