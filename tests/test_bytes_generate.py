@@ -67,6 +67,8 @@ def test_greedy_one_member_follows_score_text(lms, name):
     got = np.stack([t["logq"] for t in g.trace])
     np.testing.assert_allclose(np.exp(got), np.exp(ref), rtol=1e-9, atol=1e-14)
     assert not any(g.pruned[0])
+    tb = lm.codec.table.token_bytes
+    assert b"".join(tb[t] for t in g.member_ids[0]) == text  # a whole tokenization of it
     # the distribution after the last byte (end-of-text included) against brute force
     g7 = generate_bytes([lm], [lm.context()], prompt=text, sampler="greedy", max_bytes=1,
                         utf8=False, trace=True, **EXACT)
@@ -160,6 +162,8 @@ def test_draws_stay_in_every_members_support(lms):
         g = generate_bytes(members, [m.context() for m in members], sampler="temperature=3",
                            seed=seed, max_bytes=6, utf8=False, trace=True, **EXACT)
         assert set(g.data) <= set(b"ab"), g.data
+        for m, ids in zip(members, g.member_ids):
+            assert b"".join(m.codec.table.token_bytes[t] for t in ids) == g.data
         for t in g.trace:
             assert np.isfinite(t["member_logp"][:, t["event"]]).all()
 

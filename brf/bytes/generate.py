@@ -238,6 +238,18 @@ class _Reader:
         self.state = state
         return step.pruned
 
+    def tokenization(self, text: bytes, beam: int, threshold: float) -> tuple[int, ...] | None:
+        """The heaviest of the member's hypotheses that tokenize all of ``text``
+        (its tokens after the context), None when every hypothesis ends inside a
+        token. The state may lag one byte behind (the last byte drawn is read here,
+        without forward passes)."""
+        state = self.state
+        if state.offset == len(text) - 1:
+            state, _ = advance(state, text[-1], self.tables, self.lm.trie, self.seqs,
+                               beam=beam, threshold=threshold)
+        whole = [h for h in state.hyps if h.node == ROOT]
+        return self.seqs.ext[max(whole, key=lambda h: h.logp).seq] if whole else None
+
 
 def _reader(lm: ByteLM, ctx: Sequence[int], eos_ids: Sequence[int] | None) -> _Reader:
     tree = _Tree(lm, ctx)
@@ -292,6 +304,10 @@ class ByteGeneration:
         n_hyp: per member, per byte drawn, how many hypotheses its distribution summed.
         tokens: per member, tokens run through the model (context included).
         calls: per member, tree-attention calls.
+        member_ids: per member, the tokens (after its context) of its heaviest
+            hypothesis that tokenizes all of prompt + data -- what it would
+            condition on to go on at the token level; None when every kept
+            hypothesis ends inside a token.
         trace: per byte drawn (``trace=True``): 'logq' (float64 [257], the fused
             distribution in mode 'fuse' before the sampler and the UTF-8 mask;
             the chosen member's in the mixture modes), 'member_logp' ([n, 257]),
@@ -304,6 +320,7 @@ class ByteGeneration:
     n_hyp: list[list[int]] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
     calls: list[int] = dataclasses.field(default_factory=list)
+    member_ids: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)
     trace: list[dict] = dataclasses.field(default_factory=list)
 
 
@@ -451,6 +468,7 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
     if on_piece is not None:
         on_piece(BytePiece(piece, finish))
     out.data, out.text, out.finish_reason = bytes(data), text.text, finish
+    out.member_ids = [r.tokenization(bytes(prompt + data), beam, threshold) for r in readers]
     out.tokens = [r.tree.tokens for r in readers]
     out.calls = [r.tree.calls for r in readers]
     return out
