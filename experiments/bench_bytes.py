@@ -1,19 +1,26 @@
-r"""Byte-level scoring (brf.bytes) against token-level scoring of the same text, same run.
+r"""Byte-level scoring and generation (brf.bytes) against token level, side by side.
 
-For each member: the corpus's first --n_bytes bytes, cut into --segment-byte
-segments (at UTF-8 boundaries), are scored twice, each after one warm-up
-segment (compilation excluded): token level (the canonical tokens,
-`brf.models.score_tokens`, one padded shape) and byte level
-(`brf.bytes.scoring.score_segments`, every byte's 257-event distribution with
---beam / --threshold pruning). Reported: forward tokens per byte (the canonical
-pass + the alternative tokenizations' tree-attention tokens), wall time of
-each and their ratio, the trie's memory, the pruned mass and the consistency
-numbers (bits per byte: byte level, canonical tokenization, their gap).
+Scoring (--parts=score), per member: the corpus's first --n_bytes bytes, cut into
+--segment-byte segments (at UTF-8 boundaries), are scored twice, each after a
+warm-up segment (compilation excluded): token level (the canonical tokens,
+`brf.models.score_tokens`, batch 1 in chunks of 256, what the study's scoring
+does per segment) and byte level (`brf.bytes.scoring.score_segments`, every
+byte's 257-event distribution with --beam / --threshold pruning). Reported:
+forward tokens per byte (the canonical pass, and with the alternative
+tokenizations' tree-attention tokens), the wall time of each and their ratio,
+the trie's memory, the pruned mass and the consistency numbers (bits per byte:
+byte level, canonical tokenization, their gap = the non-canonical mass).
+
+Generation (--parts=generate): the default pair (configs/generate.py: SmolLM2 +
+Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte level
+(`max_new_bytes`), each after a warm-up run; generated UTF-8 bytes per second.
 
   python experiments/bench_bytes.py --corpus=hamlet --n_bytes=4096
+  python experiments/bench_bytes.py --parts=score --models=gemma3-270m --threshold=1e-2
 """
 
 import json
+import platform
 import time
 
 from absl import flags
@@ -21,12 +28,17 @@ from absl import flags
 from brf import cli
 
 FLAGS = flags.FLAGS
+flags.DEFINE_list("parts", ["score", "generate"], "score, generate")
 flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "members")
 flags.DEFINE_string("corpus", "hamlet", "a brf.eval.corpus.CORPORA name")
+flags.DEFINE_integer("skip_bytes", 0, "bytes of the corpus skipped first")
 flags.DEFINE_integer("n_bytes", 4096, "bytes of the corpus scored")
-flags.DEFINE_integer("segment", 512, "bytes per segment")
+flags.DEFINE_integer("segment", 1024, "bytes per segment")
 flags.DEFINE_integer("beam", 16, "hypotheses kept per byte")
-flags.DEFINE_float("threshold", 1e-3, "prune threshold (fraction of the prefix mass)")
+flags.DEFINE_float("threshold", None, "prune threshold (default: brf.bytes.DEFAULT_THRESHOLD)")
+flags.DEFINE_integer("new_tokens", 48, "generation: tokens at the token level")
+flags.DEFINE_integer("new_bytes", 192, "generation: bytes at the byte level")
+flags.DEFINE_string("out", "", "write the results as JSON here")
 
 
 def segments_of(data: bytes, size: int) -> list[bytes]:
@@ -41,7 +53,7 @@ def segments_of(data: bytes, size: int) -> list[bytes]:
     return out
 
 
-def bench_member(name: str, segs: list[bytes], beam: int, threshold: float) -> dict:
+def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float) -> dict:
     import numpy as np
     from brf.bytes.lm import ByteLM
     from brf.bytes.scoring import consistency, score_segments
@@ -49,7 +61,7 @@ def bench_member(name: str, segs: list[bytes], beam: int, threshold: float) -> d
 
     lm = ByteLM.load(name)
     ctx = lm.context()
-    rows = [ctx + lm.encode(s) for s in segs]
+    rows = [ctx + lm.encode(s) for s in [warm] + segs]
     width = -(-max(map(len, rows)) // 256) * 256
     toks = np.zeros((len(rows), width), np.int32)
     valid = np.zeros((len(rows), width), bool)
@@ -58,21 +70,27 @@ def bench_member(name: str, segs: list[bytes], beam: int, threshold: float) -> d
 
     score_tokens(lm.params, lm.cfg, toks[:1], valid[:1])  # warm-up (compile)
     t0 = time.perf_counter()
-    for r in range(len(rows)):  # batch 1, like the byte level
+    for r in range(1, len(rows)):  # batch 1, like the byte level
         score_tokens(lm.params, lm.cfg, toks[r:r + 1], valid[r:r + 1])
     token_s = time.perf_counter() - t0
 
-    score_segments(lm, segs[:1], beam=beam, threshold=threshold, desc="warm-up")
+    # The warm-up segment is padded like the others, so it compiles their shapes.
+    score_segments(lm, [warm], beam=beam, threshold=threshold, desc="warm-up", pad_to=width)
     t0 = time.perf_counter()
-    sc = score_segments(lm, segs, beam=beam, threshold=threshold, desc=f"{name} bytes")
+    sc = score_segments(lm, segs, beam=beam, threshold=threshold, desc=f"{name} bytes",
+                        pad_to=width)
     byte_s = time.perf_counter() - t0
     cons = consistency(sc)
     n = sc.n_bytes
-    return dict(member=name, bytes=n, canonical_tokens=int(valid.sum()),
-                token_forward_per_byte=float(valid.sum()) / n,
+    canonical = float(valid[1:].sum())
+    return dict(member=name, bytes=n, canonical_tokens=int(canonical),
+                token_forward_per_byte=canonical / n,
                 byte_forward_per_byte=cons["forward_per_byte"],
+                forward_ratio=cons["forward_per_byte"] * n / canonical,
                 padded_per_byte=float(np.sum(sc["padded_tokens"])) / n,
+                tree_calls=int(np.sum(sc["tree_calls"])),
                 token_seconds=token_s, byte_seconds=byte_s, wall_ratio=byte_s / token_s,
+                token_bytes_per_s=n / token_s, byte_bytes_per_s=n / byte_s,
                 trie_mb=lm.trie.nbytes() / 2**20, trie_nodes=lm.trie.n_nodes,
                 vocab=lm.trie.vocab_size, pruned_mean=cons["pruned_mean"],
                 lost_bits_per_byte=cons["lost"], bpb_byte=cons["byte"],
@@ -80,15 +98,49 @@ def bench_member(name: str, segs: list[bytes], beam: int, threshold: float) -> d
                 hyp_mean=cons["hyp_mean"])
 
 
+def bench_generate(beam: int, threshold: float) -> dict:
+    from configs import generate as gen_config
+    from brf.ensemble.run import run
+
+    out = {}
+    for level in ("tokens", "bytes"):
+        c = gen_config.get_config("bytes" if level == "bytes" else None)
+        c.prompts = ("Write one sentence about the sea.",)
+        c.sampler, c.stream = "greedy", False
+        c.max_new_tokens, c.max_new_bytes = FLAGS.new_tokens, FLAGS.new_bytes
+        c.beam, c.threshold = beam, threshold
+        run(c)  # warm-up (compile)
+        t0 = time.perf_counter()
+        rows = run(c)
+        seconds = time.perf_counter() - t0
+        n = len(rows[0]["text"].encode("utf-8"))
+        out[level] = dict(bytes=n, seconds=seconds, bytes_per_s=n / seconds,
+                          text=rows[0]["text"])
+    out["ratio_bytes_per_s"] = out["bytes"]["bytes_per_s"] / out["tokens"]["bytes_per_s"]
+    return out
+
+
 def main(argv):
     del argv
+    from brf.bytes import DEFAULT_THRESHOLD
     from brf.eval.corpus import CORPORA
-    text = CORPORA.get(FLAGS.corpus)()[0]
-    data = text.encode("utf-8")[:FLAGS.n_bytes]
-    segs = segments_of(data, FLAGS.segment)
-    out = [bench_member(m, segs, FLAGS.beam, FLAGS.threshold) for m in FLAGS.models]
-    print(json.dumps(dict(corpus=FLAGS.corpus, beam=FLAGS.beam, threshold=FLAGS.threshold,
-                          segment=FLAGS.segment, results=out), indent=1))
+    threshold = DEFAULT_THRESHOLD if FLAGS.threshold is None else FLAGS.threshold
+    res = dict(machine=platform.platform(), corpus=FLAGS.corpus, beam=FLAGS.beam,
+               threshold=threshold, segment=FLAGS.segment,
+               started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    if "score" in FLAGS.parts:
+        text = CORPORA.get(FLAGS.corpus)()[0]
+        data = text.encode("utf-8")[FLAGS.skip_bytes:FLAGS.skip_bytes + FLAGS.n_bytes]
+        warm = text.encode("utf-8")[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
+        segs = segments_of(data, FLAGS.segment)
+        res["score"] = [bench_member(m, segs, warm, FLAGS.beam, threshold)
+                        for m in FLAGS.models]
+    if "generate" in FLAGS.parts:
+        res["generate"] = bench_generate(FLAGS.beam, threshold)
+    print(json.dumps(res, indent=1))
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

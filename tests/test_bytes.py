@@ -95,6 +95,45 @@ def test_pruning_reports_its_mass(member):
     assert pruned.stats["byte_ll"] - pruned.stats["lost"] <= exact.stats["byte_ll"] + 1e-9
 
 
+def test_compacting_the_alternatives_region_changes_nothing(member, monkeypatch):
+    """A small region for the alternatives' KV (compacted many times) gives the
+    distributions a large one gives."""
+    import brf.bytes.lm as lm_mod
+    lm, _, texts = member
+    text = texts[1] + texts[0]
+    monkeypatch.setattr(lm_mod, "ALT_SLOTS", 1 << 14)
+    wide = score_text(lm, text, **EXACT)
+    monkeypatch.setattr(lm_mod, "ALT_SLOTS", 40)
+    narrow = score_text(lm, text, **EXACT)
+    assert wide.stats["compactions"] == 0 and narrow.stats["compactions"] > 0
+    np.testing.assert_allclose(narrow.logp, wide.logp, rtol=1e-9, atol=1e-12)
+
+
+def test_merging_is_exact_where_the_context_beyond_the_last_token_does_not_matter(member):
+    """With attention and MLP outputs zeroed, a model's next-token distribution depends
+    on the last token alone, so a hypothesis back on the canonical tokens for one token
+    predicts what the canonical one predicts: merging it (max_lag=1) must give the
+    exact distributions, while reporting the mass it merged."""
+    lm, _, texts = member
+    params = jax.tree_util.tree_map(lambda x: x, lm.params)
+    params["layers"] = tuple({k: jnp.zeros_like(v) if k.split("_t")[0] in ("wo", "w_down") else v
+                              for k, v in lp.items()} for lp in params["layers"])
+    local = ByteLM(params, lm.cfg, lm.codec.tokenizer, name=lm.name, dtype=jnp.float64)
+    text = texts[1] + texts[0]
+    exact = score_text(local, text, **EXACT)
+    merged = score_text(local, text, **EXACT, max_lag=1)
+    assert merged.merged.max() > 0 and not merged.pruned.any()
+    assert merged.stats["extra_tokens"] <= exact.stats["extra_tokens"]
+    np.testing.assert_allclose(merged.logp, exact.logp, rtol=1e-9, atol=1e-12)
+    # a real context changes the shadows' predictions: merged is then an approximation
+    # whose every distribution still sums to one, and the canonical hypothesis's mass
+    # stays a lower bound of the merged prefix mass
+    approx = score_text(lm, text, **EXACT, max_lag=1)
+    np.testing.assert_allclose(np.exp(approx.logp).sum(axis=1), 1.0, rtol=1e-9)
+    assert approx.merged.max() > 0
+    assert approx.stats["byte_ll"] >= approx.stats["canonical_ll"] - 1e-9
+
+
 def test_forward_tree_equals_plain_forward():
     with jax.enable_x64(True):
         cfg, params = tiny_model(40, seed=3, dtype=jnp.float64)
@@ -134,12 +173,13 @@ def test_unexpressible_byte_is_named():
 
 @pytest.mark.parametrize("bounds", [dict(beam=0), dict(beam=-1), dict(beam=2.0),
                                     dict(threshold=1.0), dict(threshold=-0.1),
-                                    dict(threshold=float("nan"))])
+                                    dict(threshold=float("nan")), dict(max_lag=-1),
+                                    dict(max_lag=1.5)])
 def test_bad_bounds_rejected(bounds):
     tok = sentencepiece_tokenizer()
     cfg, params = tiny_model(len(tok))
     lm = ByteLM(params, cfg, tok)
-    with pytest.raises(ByteInputError, match="beam size|prune threshold"):
+    with pytest.raises(ByteInputError, match="beam size|prune threshold|max_lag"):
         score_text(lm, b"ab", **bounds)
 
 

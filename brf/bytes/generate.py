@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brf.bytes import DEFAULT_BEAM, DEFAULT_THRESHOLD
 from brf.bytes.lm import ByteLM
 from brf.bytes.masses import EOT, N_EVENTS, logsumexp_rows
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
@@ -350,8 +351,8 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
                    mode: str = "fuse", method: str = "linear",
                    method_params: Mapping[str, Any] | None = None,
                    sampler: Sampler | str | None = None, max_bytes: int = 256,
-                   stop: Sequence[str] = (), seed: int = 0, beam: int = 16,
-                   threshold: float = 1e-3, utf8: bool = True,
+                   stop: Sequence[str] = (), seed: int = 0, beam: int = DEFAULT_BEAM,
+                   threshold: float = DEFAULT_THRESHOLD, utf8: bool = True,
                    eos_ids: Sequence[Sequence[int] | None] | None = None, trace: bool = False,
                    on_piece: Callable[[BytePiece], None] | None = None) -> ByteGeneration:
     """Samples bytes from the members' fused byte-level distribution (module docstring).

@@ -35,6 +35,7 @@ exact mode is for short texts.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple, Sequence
 
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
 from brf.align.reencode import encode_bytes, make_codec
 from brf.align.union import default_cache_dir
 from brf.bytes.masses import EOT, N_EVENTS, PathTable, device_vocab, path_tables
@@ -117,7 +119,11 @@ class _Runner:
     whose tokens are written after it, so that every token runs once.
 
     Slot layout: [0, canon_slots) the context and canonical tokens (slot =
-    position), then the alternative tokenizations' tokens in call order.
+    position), then ``ALT_SLOTS`` slots for the alternative tokenizations' tokens
+    in call order. When they are full, the tokens that later bytes may still
+    attend to (those of the live sequences and their ancestors) move to the
+    region's start and the rest is overwritten: a tree call attends to a cache
+    of a fixed size, however many alternatives a text has run.
     """
 
     def __init__(self, lm: ByteLM, ids: Sequence[int], n_ctx: int, chunk: int, pad_to: int):
@@ -127,7 +133,7 @@ class _Runner:
             raise ByteInputError(f"{lm.name}: context + text make {n} tokens, more than the "
                                  f"model's context {lm.cfg.max_seq_len}; use shorter segments")
         self.canon_slots = -(-max(n, pad_to) // chunk) * chunk
-        self.slots = 2 * self.canon_slots  # the second half holds alternatives (grows)
+        self.slots = self.canon_slots + ALT_SLOTS  # the alternatives' region is compacted
         self.ids = np.zeros(self.canon_slots, np.int32)
         self.ids[:n] = ids
         self.n = n
@@ -135,9 +141,11 @@ class _Runner:
         self.end = self.canon_slots
         self.anc: dict[int, np.ndarray] = {}  # seq -> slots of its tokens off the canonical path
         self.slot: dict[int, int] = {}  # seq -> slot of its last token (off the canonical path)
+        self.live = lambda: ()  # the sequences whose tokens may still be attended to
         self.tokens = 0       # tokens run (canonical + alternatives, padding excluded)
         self.padded = 0       # tokens run including padding
         self.calls = 0        # tree-attention calls
+        self.compactions = 0  # times the alternatives' region was compacted
 
     def canonical(self):
         """Yields (position of the chunk's first token, logits [C, V]) of the canonical pass."""
@@ -164,13 +172,36 @@ class _Runner:
         earlier in ``wanted``.
         """
         cap = TREE_BUCKETS[-1]
-        return [self._call(seqs, wanted[i:i + cap]) for i in range(0, len(wanted), cap)]
+        return [self._call(seqs, wanted[i:i + cap], wanted)
+                for i in range(0, len(wanted), cap)]
 
-    def _call(self, seqs: SeqTree, wanted: Sequence[int]) -> jax.Array:
+    def _compact(self, seqs: SeqTree, keep: set[int], T: int) -> None:
+        """Moves the tokens of the ``keep`` sequences (and of their ancestors) to the
+        start of the alternatives' region, so that ``T`` more fit; the slots of every
+        other sequence are forgotten. Grows the cache only when they do not fit."""
+        live = [s for s in keep if s in self.slot]
+        old = np.unique(np.concatenate([self.anc[s] for s in live] + [
+            np.asarray([self.slot[s] for s in live], np.int64), _NO_SLOTS])).astype(np.int64)
+        room = self.slots - self.canon_slots
+        if old.size + T > room:  # more live alternatives than the region holds
+            room = max(2 * room, old.size + T)
+            self.cache = grow(self.cache, self.canon_slots + room)
+            self.slots = self.canon_slots + room
+        new = {int(o): self.canon_slots + j for j, o in enumerate(old)}
+        self.anc = {s: np.asarray([new[int(a)] for a in self.anc[s]], np.int64) for s in live}
+        self.slot = {s: new[self.slot[s]] for s in live}
+        src = np.zeros(room, np.int32)
+        src[:old.size] = old
+        self.cache = _moved(self.cache, jnp.asarray(src), jnp.asarray(old.size, jnp.int32),
+                            canon=self.canon_slots)
+        self.end = self.canon_slots + int(old.size)
+        self.compactions += 1
+
+    def _call(self, seqs: SeqTree, wanted: Sequence[int], batch: Sequence[int]) -> jax.Array:
         T = next(b for b in TREE_BUCKETS if b >= len(wanted))
         if self.end + T > self.slots:
-            self.slots = max(2 * self.slots, self.end + T)
-            self.cache = grow(self.cache, self.slots)
+            keep = set(self.live()) | set(batch) | {seqs.parent[s] for s in batch}
+            self._compact(seqs, keep, T)
         tokens = np.zeros(T, np.int32)
         pos = np.full(T, -1, np.int32)
         cache_allow = np.zeros((T, self.slots), bool)
@@ -200,6 +231,22 @@ class _Runner:
 
 
 _NO_SLOTS = np.zeros(0, np.int64)
+ALT_SLOTS = 1024  # KV slots of the alternative tokenizations (compacted when full)
+
+
+@functools.partial(jax.jit, static_argnames="canon", donate_argnames="cache")
+def _moved(cache, src_R, n, *, canon):
+    """The cache with slots ``src_R[:n]`` copied to ``canon, canon + 1, ...`` and the rest
+    of the alternatives' region emptied (position -1); ``end`` after the copies."""
+    def region(x, axis):
+        return jax.lax.dynamic_update_slice_in_dim(x, jnp.take(x, src_R, axis=axis), canon,
+                                                   axis=axis)
+    kept = jnp.arange(src_R.shape[0]) < n
+    pos = jnp.where(kept[None], jnp.take(cache["pos"], src_R, axis=1), -1)
+    return dict(k=tuple(region(k, 3) for k in cache["k"]),
+                v=tuple(region(v, 2) for v in cache["v"]),
+                pos=jax.lax.dynamic_update_slice_in_dim(cache["pos"], pos, canon, axis=1),
+                end=jnp.asarray(canon, jnp.int32) + n, next_pos=cache["next_pos"])
 
 
 class TextScores(NamedTuple):
@@ -214,12 +261,15 @@ class TextScores(NamedTuple):
             reading byte k.
         n_hyp: int32 [N] hypotheses the distribution of byte k was read from.
         stats: counts and log-likelihoods of the text (see `score_text`).
+        merged: float32 [N] fraction of the prefix mass merged into the canonical
+            hypothesis while reading byte k (``max_lag``).
     """
     logp: np.ndarray
     gap: np.ndarray
     pruned: np.ndarray
     n_hyp: np.ndarray
     stats: dict
+    merged: np.ndarray
 
 
 def top2_gap(logp_NxE: np.ndarray) -> np.ndarray:
@@ -229,9 +279,11 @@ def top2_gap(logp_NxE: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(gap), gap, 0.0)
 
 
-def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (), beam: int = 16,
-               threshold: float = 1e-3, chunk: int = 256, pad_to: int = 0,
-               window: int = 512, max_speculation: int = 64) -> TextScores:
+def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
+               beam: int = DEFAULT_BEAM, threshold: float = DEFAULT_THRESHOLD,
+               chunk: int = 256, pad_to: int = 0,
+               max_lag: int = DEFAULT_MAX_LAG, window: int = 512,
+               max_speculation: int = 4) -> TextScores:
     """The member's next-byte distribution at every byte of ``text``.
 
     Args:
@@ -241,6 +293,10 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (), beam:
         beam: at most this many hypotheses are kept after each byte.
         threshold: hypotheses below this fraction of the prefix mass are dropped
             (0: none). A new hypothesis is weighed before its forward pass.
+        max_lag: a hypothesis that left the canonical tokenization and has since
+            read the canonical tokens for this many tokens is merged into the
+            canonical hypothesis: its mass is kept, its future read from the
+            canonical tokenization's distributions (0: never; `brf.bytes.state`).
         chunk: tokens per canonical forward pass (and the KV cache's granule).
         pad_to: pad the canonical sequence to at least this many tokens, so
             texts of different lengths share compiled shapes.
@@ -255,7 +311,7 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (), beam:
         tokenization, conditioned on text + EOS tokens like the byte view) and
         ``canonical_ll_raw`` (the model's own, as token-level scoring reports
         it); ``lost`` (-sum log(1 - pruned): a bound on the log-mass pruning
-        took); ``canonical_tokens``, ``context_tokens``, ``extra_tokens`` (tokens
+        took); ``merged`` (the summed fractions of merged mass); ``canonical_tokens``, ``context_tokens``, ``extra_tokens`` (tokens
         of alternative tokenizations run), ``padded_tokens`` (every token a call
         ran, padding included), ``tree_calls``, ``lookaheads`` (look-ahead walks,
         one batch of forward passes each), ``tables`` (distributions computed),
@@ -265,16 +321,18 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (), beam:
         ByteInputError: bad beam / threshold, a text too long for the model.
         UnexpressibleByteError: a byte the vocabulary cannot produce (named).
     """
-    check_bounds(beam, threshold)
+    check_bounds(beam, threshold, max_lag)
     ctx = lm.context(prefix_ids)
     canon = lm.encode(text)
-    tx = _Text(lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation)
+    tx = _Text(lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation, max_lag)
     n, N = len(canon), len(text)
     logp = np.zeros((N, N_EVENTS))
     pruned = np.zeros(N, np.float32)
+    merged = np.zeros(N, np.float32)
     n_hyp = np.zeros(N, np.int32)
     byte_ll, lookaheads, used = 0.0, 0, set()
     state = initial_state()
+    tx.runner.live = lambda: tx.live(state)
     for k in range(N):
         while pending(state, tx.tables):
             tx.fetch(tx.lookahead(state, window))
@@ -285,24 +343,28 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (), beam:
         n_hyp[k] = len(state.hyps)
         byte_ll += lp[text[k]]
         state, step = advance(state, text[k], tx.tables, lm.trie, tx.seqs, beam=beam,
-                              threshold=threshold)
-        pruned[k] = step.pruned
+                              threshold=threshold, max_lag=max_lag)
+        pruned[k], merged[k] = step.pruned, step.merged
     r = tx.runner
     stats = dict(bytes=N, byte_ll=float(byte_ll), canonical_ll=float(tx.canon_lp[n]),
                  canonical_ll_raw=tx.canon_raw,
                  lost=float(-np.log1p(-np.minimum(pruned.astype(np.float64), 1.0 - 1e-16)).sum()),
+                 merged=float(merged.astype(np.float64).sum()),
                  canonical_tokens=n, context_tokens=len(ctx), extra_tokens=r.tokens - r.n,
-                 padded_tokens=r.padded, tree_calls=r.calls, lookaheads=lookaheads,
+                 padded_tokens=r.padded, tree_calls=r.calls, compactions=r.compactions,
+                 lookaheads=lookaheads,
                  speculated=tx.speculated,
                  tables=len(tx.tables), used_tables=len(used), max_hyp=int(n_hyp.max(initial=0)))
-    return TextScores(logp, top2_gap(logp), pruned, n_hyp, stats)
+    return TextScores(logp, top2_gap(logp), pruned, n_hyp, stats, merged)
 
 
 class _Text:
     """One text's sequences, tables and forward passes (see the module docstring)."""
 
-    def __init__(self, lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation):
+    def __init__(self, lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation,
+                 max_lag):
         self.lm, self.text, self.canon = lm, text, canon
+        self.max_lag = max_lag
         self.beam, self.threshold, self.max_spec = beam, threshold, max_speculation
         self.speculated = 0  # sequences computed ahead as canonical continuations
         self.lens = [len(lm.codec.table.token_bytes[t]) for t in canon]
@@ -344,6 +406,8 @@ class _Text:
         if i is None or self.seqs.is_protected(seq):
             return out
         steps = min(self.max_spec, len(self.seqs.ext[seq]))
+        if self.max_lag:  # a continuation that far in sync is dropped before its pass
+            steps = min(steps, self.max_lag - 1 - self.seqs.synced[seq])
         N = len(self.text)
         for j in range(i, min(i + steps, len(self.canon))):
             end = self.seqs.end[j + 1]
@@ -351,6 +415,12 @@ class _Text:
                 break
             out.append(self.seqs.child(out[-1], self.canon[j], end))
         return out
+
+    def live(self, state: ByteState) -> set[int]:
+        """The sequences later bytes may extend: the state's, and those computed ahead."""
+        ends = self.seqs.end
+        return ({h.seq for h in state.hyps}
+                | {s for s in self.tables if ends[s] >= state.offset})
 
     def fetch(self, wanted) -> list[int]:
         """Computes the tables of ``wanted`` (parents first) and of their speculative
@@ -390,7 +460,7 @@ class _Text:
                         needs.append(h.seq)
                 state = ByteState(k, tuple(h for h in state.hyps if h.seq in self.tables))
             state, _ = advance(state, self.text[k], self.tables, self.lm.trie, self.seqs,
-                               beam=self.beam, threshold=self.threshold)
+                               beam=self.beam, threshold=self.threshold, max_lag=self.max_lag)
         return needs
 
 

@@ -19,23 +19,25 @@ end-of-text sums to one, and a sequence's probability is the product of these
 conditioned token probabilities. (Embedding rows past the tokenizer's
 vocabulary count as control tokens.)
 
-**Precision.** Range sums come from a sum tree (pairwise sums of the sorted
-non-negative probabilities): a range is the sum of at most 2 log2(Vt) tree
-nodes, each exact to about log2(Vt) roundings of its own size, so the
-relative error of any range -- however small its mass -- is bounded by about
-3 log2(Vt) eps and does not depend on the rest of the vocabulary (float32
-differences of prefix sums over 262,144 tokens have an absolute error of
-about 1e-7, which is all of a 1e-7 mass). Equal-token probabilities and EOS
-are read straight from the logits (log-domain, never underflow).
+**Precision.** The device computes each row's normalised probabilities in the
+sorted order (float32, each exact to its own rounding); the host sums every
+queried range of them in float64, element by element (one `np.add.reduceat`
+over the block's rows). A range's sum is therefore exact to about
+``len(range) * 1e-16`` of *its own* mass, however small that mass is and
+whatever the rest of the vocabulary holds (a difference of prefix sums would
+carry an absolute error of the whole distribution's size). The ranges a path
+asks for nest (the root's children partition the vocabulary, a node's children
+its range), so the work is about one pass over the vocabulary per row plus the
+sizes of the path's nodes. Equal-token probabilities and EOS are read straight
+from the logits (log-domain, never underflow).
 
-All of a batch's queries run in one jitted call; the host only walks the
-trie to list them (`path_queries`).
+A block of rows is one jitted call (normalise, sort, read EOS and equal tokens);
+the host walks the trie to list the queries (`path_queries`) and sums the ranges.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Sequence
 
 import jax
@@ -46,7 +48,7 @@ from brf.bytes.trie import ROOT, ByteTrie
 
 EOT = 256  # the end-of-text event: index 256 of a 257-event byte distribution
 N_EVENTS = 257
-ROWS = 16  # rows per device call (the sum trees take 2 x 2^ceil(log2 Vt) floats each)
+ROWS = 16  # rows per device call
 
 
 class PathTable(NamedTuple):
@@ -144,54 +146,52 @@ def _bucket(n: int, least: int = 256) -> int:
     return max(least, 1 << max(0, int(n - 1).bit_length()))
 
 
-@functools.partial(jax.jit, static_argnames=("levels",))
-def _masses(logits_RxV, perm_Vt, eos_ids, q_row, q_lo, q_hi, e_row, e_tok, *, levels):
-    """Range sums (as log, conditioned) of sorted probabilities, equal-token and EOS
-    log-probs, and each row's log(text + EOS mass)."""
-    R, V = logits_RxV.shape
+@jax.jit
+def _sorted_probs(logits_RxV, perm_Vt, eos_ids, e_row, e_tok):
+    """Each row's probabilities in the sorted order, its EOS mass, and the
+    equal-token queries' log-probs (all normalised over the full vocabulary)."""
     m = jnp.max(logits_RxV, axis=-1, keepdims=True)
     log_z = m[:, 0] + jnp.log(jnp.sum(jnp.exp(logits_RxV - m), axis=-1))
-    n = 1 << levels
-    leaves = jnp.exp(jnp.take(logits_RxV, perm_Vt, axis=1) - log_z[:, None])
-    leaves = jnp.pad(leaves, ((0, 0), (0, n - perm_Vt.shape[0])))
-    # Heap layout: node i has children 2i and 2i + 1; leaves at [n, 2n).
-    level, heap = leaves, [leaves]
-    for _ in range(levels):
-        level = level.reshape(R, -1, 2).sum(-1)
-        heap.append(level)
-    heap = jnp.concatenate([jnp.zeros((R, 1), leaves.dtype)] + heap[::-1], axis=1).reshape(-1)
-    base = q_row * (2 * n)
-    lo, hi = q_lo + n, q_hi + n
-    acc = jnp.zeros(q_row.shape, leaves.dtype)
-    for _ in range(levels + 1):
-        live = lo < hi
-        left = live & (lo % 2 == 1)
-        acc = acc + jnp.where(left, heap[base + lo], 0.0)
-        lo = lo + left
-        right = live & (hi % 2 == 1)
-        acc = acc + jnp.where(right, heap[base + hi - 1], 0.0)
-        hi = hi - right
-        lo, hi = lo // 2, hi // 2
-    eos = jnp.sum(jnp.exp(jnp.take(logits_RxV, eos_ids, axis=1) - log_z[:, None]), axis=-1)
-    text = heap.reshape(R, 2 * n)[:, 1]
-    log_den = jnp.log(text + eos)
-    range_log = jnp.log(acc) - log_den[q_row]
-    eq_log = logits_RxV[e_row, e_tok] - log_z[e_row] - log_den[e_row]
-    return range_log, eq_log, jnp.log(eos) - log_den, log_den
+    p_RxV = jnp.exp(logits_RxV - log_z[:, None])
+    # Normalise, then permute: a gather fused into the exponential is several
+    # times slower on XLA:CPU.
+    p_RxV = jax.lax.optimization_barrier(p_RxV)
+    probs = jnp.take(p_RxV, perm_Vt, axis=1)
+    eos = jnp.sum(jnp.take(p_RxV, eos_ids, axis=1), axis=-1)
+    eq_log = logits_RxV[e_row, e_tok] - log_z[e_row]
+    return probs, eos, eq_log
+
+
+def range_sums(probs_RxN: np.ndarray, row: np.ndarray, lo: np.ndarray,
+               hi: np.ndarray) -> np.ndarray:
+    """float64 sums of ``probs_RxN[row, lo:hi]`` (each range non-empty), element by element.
+
+    One `np.add.reduceat` over the flattened rows: the ranges in order of their
+    start, each start followed by its end; the sums between one range's end and
+    the next one's start are read and dropped (in start order they cover each
+    element at most once, or are single elements where ranges nest).
+    """
+    R, N = probs_RxN.shape
+    flat = np.concatenate([np.asarray(probs_RxN).reshape(-1), np.zeros(1, probs_RxN.dtype)])
+    a = row.astype(np.int64) * N + lo
+    b = row.astype(np.int64) * N + hi
+    order = np.argsort(a, kind="stable")
+    idx = np.empty(2 * a.size, np.int64)
+    idx[0::2], idx[1::2] = a[order], b[order]
+    out = np.empty(a.size)
+    out[order] = np.add.reduceat(flat, idx, dtype=np.float64)[0::2] if a.size else ()
+    return out
 
 
 class DeviceVocab(NamedTuple):
     """What `path_tables` needs on the device, made once per member."""
     perm_Vt: jax.Array
     eos_ids: jax.Array
-    levels: int
 
 
 def device_vocab(trie: ByteTrie, eos_ids: Sequence[int]) -> DeviceVocab:
     """The sorted order and EOS ids of a member, placed on the device."""
-    levels = max(1, math.ceil(math.log2(max(2, trie.n_text))))
-    return DeviceVocab(jnp.asarray(trie.sorted_ids), jnp.asarray(np.asarray(eos_ids, np.int32)),
-                       levels)
+    return DeviceVocab(jnp.asarray(trie.sorted_ids), jnp.asarray(np.asarray(eos_ids, np.int32)))
 
 
 def path_tables(vocab: DeviceVocab, trie: ByteTrie, logits_MxV: jax.Array, text: bytes,
@@ -239,22 +239,24 @@ def logsumexp_rows(x: np.ndarray) -> np.ndarray:
 
 def _tables_block(vocab, trie, logits, text, starts) -> list[PathTable]:
     qs = path_queries(trie, text, starts)
-    nq, ne = _bucket(qs.q_row.size), _bucket(qs.e_row.size, 16)
-
-    def pad(a, n):
-        return np.pad(a, (0, n - a.size))
-
-    range_log, eq_log, eos_log, log_den = jax.device_get(_masses(
-        logits, vocab.perm_Vt, vocab.eos_ids, pad(qs.q_row, nq), pad(qs.q_lo, nq),
-        pad(qs.q_hi, nq), pad(qs.e_row, ne), pad(qs.e_tok, ne), levels=vocab.levels))
-    range_log = np.asarray(range_log[:qs.q_row.size], np.float64)
-    eq_log = np.asarray(eq_log[:qs.e_row.size], np.float64)
+    ne = _bucket(qs.e_row.size, 16)
+    probs, eos, eq_log = jax.device_get(_sorted_probs(
+        logits, vocab.perm_Vt, vocab.eos_ids, np.pad(qs.e_row, (0, ne - qs.e_row.size)),
+        np.pad(qs.e_tok, (0, ne - qs.e_tok.size))))
+    R = len(starts)
+    text_mass = probs[:R].sum(axis=1, dtype=np.float64)
+    eos = np.asarray(eos[:R], np.float64)
+    with np.errstate(divide="ignore"):
+        log_den = np.log(text_mass + eos)
+        range_log = np.log(range_sums(probs, qs.q_row, qs.q_lo, qs.q_hi)) - log_den[qs.q_row]
+        eos_log = np.log(eos) - log_den
+    eq_log = np.asarray(eq_log[:qs.e_row.size], np.float64) - log_den[qs.e_row]
     offsets = np.concatenate([[0], np.cumsum(qs.n_depth)])
     rows = np.full((int(offsets[-1]), N_EVENTS), -np.inf)
     rows[offsets[qs.q_row] + qs.q_depth, qs.q_byte] = range_log
-    rows[offsets[:-1], EOT] = np.asarray(eos_log[:len(starts)], np.float64)
+    rows[offsets[:-1], EOT] = eos_log
     totals = logsumexp_rows(rows[:, :EOT])
-    e_split = np.searchsorted(qs.e_row, np.arange(len(starts) + 1))
+    e_split = np.searchsorted(qs.e_row, np.arange(R + 1))
     out = []
     for r, start in enumerate(starts):
         a, b = offsets[r], offsets[r + 1]
@@ -269,4 +271,4 @@ def _tables_block(vocab, trie, logits, text, starts) -> list[PathTable]:
 
 
 __all__ = ["EOT", "N_EVENTS", "DeviceVocab", "PathTable", "Queries", "device_vocab",
-           "logsumexp_rows", "path_nodes", "path_queries", "path_tables"]
+           "logsumexp_rows", "path_nodes", "path_queries", "path_tables", "range_sums"]

@@ -28,17 +28,19 @@ from typing import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
 from brf.bytes.lm import ByteLM, score_text
 from brf.bytes.masses import N_EVENTS
 from brf.bytes.state import check_bounds
 from brf.eval.fitting import EventTable
 
-STORE_VERSION = 1
-ROW_FIELDS = ("logp", "gap", "pruned", "n_hyp")
-ROW_DTYPES = {"logp": np.float32, "gap": np.float32, "pruned": np.float32, "n_hyp": np.int32}
-STAT_FIELDS = ("byte_ll", "canonical_ll", "canonical_ll_raw", "lost", "canonical_tokens",
-               "context_tokens", "extra_tokens", "padded_tokens", "tree_calls", "lookaheads", "speculated",
-               "tables", "used_tables", "max_hyp", "seconds")
+STORE_VERSION = 2
+ROW_FIELDS = ("logp", "gap", "pruned", "merged", "n_hyp")
+ROW_DTYPES = {"logp": np.float32, "gap": np.float32, "pruned": np.float32, "merged": np.float32,
+              "n_hyp": np.int32}
+STAT_FIELDS = ("byte_ll", "canonical_ll", "canonical_ll_raw", "lost", "merged_total",
+               "canonical_tokens", "context_tokens", "extra_tokens", "padded_tokens", "tree_calls",
+               "lookaheads", "speculated", "tables", "used_tables", "max_hyp", "seconds")
 
 
 class ByteScores(dict):
@@ -46,7 +48,7 @@ class ByteScores(dict):
 
     Keys (arrays): ``gold`` uint8 [P] (the bytes), ``byte_starts`` int64 [S+1]
     (segment s is rows byte_starts[s]:byte_starts[s+1]), the row fields
-    ``logp`` float32 [P, 257], ``gap``, ``pruned`` float32 [P], ``n_hyp`` int32
+    ``logp`` float32 [P, 257], ``gap``, ``pruned``, ``merged`` float32 [P], ``n_hyp`` int32
     [P], and one float64 [S] array per stat of `brf.bytes.lm.score_text`
     (``byte_ll``, ``canonical_ll``, ..., ``seconds``: wall time).
     """
@@ -118,10 +120,11 @@ def load_partial(path: str, segments: Sequence[bytes], meta: dict) -> list[dict]
         return []
 
 
-def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *, prefix_ids: Sequence[int] = (),
-                   beam: int = 16, threshold: float = 1e-3, chunk: int = 256,
-                   store_path: str | None = None, meta: dict | None = None,
-                   desc: str = "byte scoring") -> ByteScores:
+def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
+                   prefix_ids: Sequence[int] = (), beam: int = DEFAULT_BEAM,
+                   threshold: float = DEFAULT_THRESHOLD, max_lag: int = DEFAULT_MAX_LAG,
+                   chunk: int = 256, store_path: str | None = None, meta: dict | None = None,
+                   desc: str = "byte scoring", pad_to: int = 0) -> ByteScores:
     """Scores every byte of every segment (each read after BOS and the prefix tokens),
     resuming from and saving to ``store_path``.
 
@@ -129,34 +132,38 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *, prefix_ids: S
         lm: the member.
         segments: texts (str are UTF-8 encoded).
         prefix_ids: tokens every segment is read after (a prompt prefix).
-        beam, threshold: pruning (`brf.bytes.lm.score_text`).
+        beam, threshold, max_lag: pruning and merging (`brf.bytes.lm.score_text`).
         chunk: tokens per canonical forward pass.
         store_path: the member's ``.npz`` store (None: in memory only).
         meta: what the store must have been made with to be reused (the
             settings above are added).
         desc: progress-bar label.
+        pad_to: pad every segment's canonical pass to at least this many tokens
+            (calls with different segments then share compiled shapes).
 
     Returns:
         ByteScores over all segments.
     """
-    check_bounds(beam, threshold)
+    check_bounds(beam, threshold, max_lag)
     data = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in segments]
     meta = dict(meta or {}, member=lm.name, beam=int(beam), threshold=float(threshold),
-                prefix=tuple(int(i) for i in prefix_ids), n_segments=len(data),
+                max_lag=int(max_lag), prefix=tuple(int(i) for i in prefix_ids), n_segments=len(data),
                 version=STORE_VERSION)
     done = load_partial(store_path, data, meta) if store_path else []
     ctx = len(lm.context(prefix_ids))
     # One KV-cache shape for every segment (one compilation): the longest, padded.
-    longest = max((ctx + len(lm.encode(s)) for s in data), default=1)
+    longest = max([ctx + len(lm.encode(s)) for s in data] + [pad_to, 1])
     pad_to = -(-longest // chunk) * chunk
     bar = tqdm(total=sum(len(s) for s in data), initial=sum(len(s) for s in data[:len(done)]),
                desc=desc, unit="B", unit_scale=True, dynamic_ncols=True)
     while len(done) < len(data):
         t0 = time.perf_counter()
         sc = score_text(lm, data[len(done)], prefix_ids=prefix_ids, beam=beam,
-                        threshold=threshold, chunk=chunk, pad_to=pad_to)
-        row = {"logp": sc.logp, "gap": sc.gap, "pruned": sc.pruned, "n_hyp": sc.n_hyp}
+                        threshold=threshold, max_lag=max_lag, chunk=chunk, pad_to=pad_to)
+        row = {"logp": sc.logp, "gap": sc.gap, "pruned": sc.pruned, "merged": sc.merged,
+               "n_hyp": sc.n_hyp}
         row.update({name: float(sc.stats.get(name, 0.0)) for name in STAT_FIELDS})
+        row["merged_total"] = sc.stats["merged"]
         row["seconds"] = time.perf_counter() - t0
         done.append(row)
         bar.update(len(data[len(done) - 1]))
@@ -213,6 +220,7 @@ def consistency(scores: ByteScores) -> dict:
             "noncanonical": canon - byte, "special": raw - canon,
             "lost": float(np.sum(scores["lost"])) * bits,
             "pruned_mean": float(np.mean(scores["pruned"])) if n else 0.0,
+            "merged_mean": float(np.mean(scores["merged"])) if n else 0.0,
             "forward_per_byte": float(np.sum(scores["canonical_tokens"])
                                       + np.sum(scores["context_tokens"])
                                       + np.sum(scores["extra_tokens"])) / n,

@@ -26,8 +26,19 @@ Pruning bounds the work: hypotheses whose weight is below ``threshold`` times
 the total are dropped, then all but the ``beam`` heaviest; a *kept* hypothesis
 (the canonical tokenization's, in scoring) is never dropped. A spawned
 hypothesis is weighed before its forward pass, so a pruned one costs nothing.
-Every step reports the fraction of the mass it dropped. The state is
-immutable; tables live in a mapping the driver fills (`pending` says which
+Every step reports the fraction of the mass it dropped.
+
+Merging (``max_lag``, scoring only: it needs a protected tokenization). A
+hypothesis that left the protected (canonical) tokenization and has since read
+exactly the protected tokens, at the same bytes, for ``max_lag`` tokens is
+merged into the protected hypothesis that ends at the same byte: its mass is
+added there, and from then on it is read from the protected tokenization's
+next-token distributions (the two contexts differ only before those tokens).
+The prefix mass is kept, so nothing is lost from it; what changes is the
+distribution the merged mass follows. Such shadows would otherwise each need a
+forward pass per token for as long as they last (often the rest of the text).
+Every step reports the fraction of the mass it merged; ``max_lag=0`` never
+merges. The state is immutable; tables live in a mapping the driver fills (`pending` says which
 hypotheses still need one).
 """
 
@@ -47,12 +58,14 @@ class ByteInputError(UserError):
     """A bad byte-level setting (beam size, prune threshold, member)."""
 
 
-def check_bounds(beam: int, threshold: float) -> None:
-    """Raises ByteInputError unless beam >= 1 and 0 <= threshold < 1."""
+def check_bounds(beam: int, threshold: float, max_lag: int = 0) -> None:
+    """Raises ByteInputError unless beam >= 1, 0 <= threshold < 1 and max_lag >= 0."""
     if isinstance(beam, bool) or not isinstance(beam, (int, np.integer)) or beam < 1:
         raise ByteInputError(f"beam size must be an integer >= 1; got {beam!r}")
     if not (isinstance(threshold, (int, float, np.floating)) and 0.0 <= threshold < 1.0):
         raise ByteInputError(f"prune threshold must lie in [0, 1); got {threshold!r}")
+    if isinstance(max_lag, bool) or not isinstance(max_lag, (int, np.integer)) or max_lag < 0:
+        raise ByteInputError(f"max_lag must be an integer >= 0 (0: never merge); got {max_lag!r}")
 
 
 class Table(Protocol):
@@ -80,7 +93,11 @@ class SeqTree:
         self.end = [0] + [int(e) for e in ends]
         self.base = list(range(n + 1))
         self.ext: list[tuple[int, ...]] = [()] * (n + 1)
+        # synced[s]: how many of s's last tokens are the protected tokens ending at
+        # the same bytes (s left the protected path earlier and follows it again).
+        self.synced = [0] * (n + 1)
         self._kids = {(i, self.token[i + 1]): i + 1 for i in range(n)}
+        self._at_end = {int(e): i + 1 for i, e in enumerate(ends)}
 
     def __len__(self) -> int:
         return len(self.token)
@@ -97,10 +114,17 @@ class SeqTree:
             self.end.append(int(end))
             self.base.append(self.base[seq])
             self.ext.append(self.ext[seq] + (int(token),))
+            i = self._at_end.get(int(end))
+            same = i is not None and self.token[i] == int(token)
+            self.synced.append(self.synced[seq] + 1 if same else 0)
         return got
 
     def is_protected(self, seq: int) -> bool:
         return seq <= self.n_protected
+
+    def protected_at(self, end: int) -> int:
+        """The protected sequence ending at byte ``end`` (-1: none ends there)."""
+        return self._at_end.get(int(end), -1)
 
     def protected_end(self, seq: int) -> int:
         """Where the protected next token of a protected sequence ends (-1: none)."""
@@ -139,11 +163,14 @@ class Step(NamedTuple):
             the hypotheses' logp: the old state's mass times P(byte | old state)).
         kept: hypotheses kept.
         dropped: hypotheses dropped by pruning.
+        merged: fraction of the new prefix's mass merged into the protected
+            hypothesis (``max_lag``; kept, but read from the protected path).
     """
     pruned: float
     log_mass: float
     kept: int
     dropped: int
+    merged: float = 0.0
 
 
 def initial_state() -> ByteState:
@@ -170,14 +197,15 @@ def next_byte(state: ByteState, tables: Mapping[int, Table]) -> tuple[np.ndarray
 
 
 def advance(state: ByteState, byte: int, tables: Mapping[int, Table], trie: ByteTrie,
-            seqs: SeqTree, *, beam: int, threshold: float) -> tuple[ByteState, Step]:
+            seqs: SeqTree, *, beam: int, threshold: float,
+            max_lag: int = 0) -> tuple[ByteState, Step]:
     """Reads one byte (see the module docstring).
 
     Raises:
         UnexpressibleByteError: no hypothesis can produce the byte.
     """
     k = state.offset
-    weights, hyps = [], []
+    weights, hyps, lagging = [], [], []
     for h in state.hyps:
         t = tables[h.seq]
         d = k - h.start
@@ -189,6 +217,7 @@ def advance(state: ByteState, byte: int, tables: Mapping[int, Table], trie: Byte
             keep = h.keep and k + 1 < seqs.protected_end(h.seq)
             weights.append(h.logp + tot)
             hyps.append(Hyp(h.seq, h.start, h.logp, node, keep))
+            lagging.append(False)
         ids, logq = t.equal(d + 1, node)
         for tok, lq in zip(ids.tolist(), logq.tolist()):
             if lq == -math.inf:
@@ -196,13 +225,27 @@ def advance(state: ByteState, byte: int, tables: Mapping[int, Table], trie: Byte
             seq = seqs.child(h.seq, tok, k + 1)
             weights.append(h.logp + lq)
             hyps.append(Hyp(seq, k + 1, h.logp + lq, ROOT, h.keep and seqs.is_protected(seq)))
+            lagging.append(max_lag > 0 and seqs.synced[seq] >= max_lag)
     if not hyps:
         raise UnexpressibleByteError(f"byte {byte:#04x} at offset {k}: no token sequence "
                                      "covering the text so far can continue with it")
     w = np.asarray(weights)
     log_mass = float(logsumexp_rows(w[None])[0])
+    merged = 0.0
+    if any(lagging):  # merged into the protected hypothesis that ends here (kept)
+        lag = np.asarray(lagging)
+        j = next((j for j, h in enumerate(hyps) if h.keep and h.start == k + 1
+                  and h.seq == seqs.protected_at(k + 1)), None)
+        if j is not None:
+            extra = float(logsumexp_rows(w[lag][None])[0])
+            merged = float(np.exp(extra - log_mass))
+            w[j] = float(np.logaddexp(w[j], extra))
+            hyps[j] = hyps[j]._replace(logp=w[j])
+            w, hyps = w[~lag], [h for h, m in zip(hyps, lagging) if not m]
+            lagging = [False] * len(hyps)
     keep = np.asarray([h.keep for h in hyps])
     ok = keep | (w >= log_mass + math.log(threshold)) if threshold > 0 else np.ones(w.size, bool)
+    ok &= keep | ~np.asarray(lagging)
     if ok.sum() > beam:
         order = np.argsort(-np.where(keep, np.inf, w), kind="stable")
         ok = np.zeros(w.size, bool)
@@ -210,7 +253,7 @@ def advance(state: ByteState, byte: int, tables: Mapping[int, Table], trie: Byte
     dropped = ~ok
     pruned = float(np.exp(logsumexp_rows(w[dropped][None])[0] - log_mass)) if dropped.any() else 0.0
     kept = tuple(h for h, o in zip(hyps, ok) if o)
-    return ByteState(k + 1, kept), Step(pruned, log_mass, len(kept), int(dropped.sum()))
+    return ByteState(k + 1, kept), Step(pruned, log_mass, len(kept), int(dropped.sum()), merged)
 
 
 __all__ = ["ByteInputError", "ByteState", "Hyp", "SeqTree", "Step", "Table", "advance",

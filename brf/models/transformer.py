@@ -739,8 +739,6 @@ def decode_step_donated(params: dict, cfg: ModelConfig, token_B, cache, valid_B=
                            dtype=dtype, logits="last")
 
 
-_embed_tokens_jit = jax.jit(_embed_tokens, static_argnames=("cfg", "dtype"))
-
 
 def _tree_meta(cache_meta, pos_BxT):
     """The cache's slot positions, end and next positions after `forward_tree` writes."""
@@ -788,32 +786,48 @@ def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_Bx
     """
     if not is_unstacked(params):
         params = unstack_layers(params)
-    dtype = jnp.dtype(dtype)
-    tokens_BxT = jnp.asarray(tokens_BxT)
     pos_BxT = jnp.asarray(pos_BxT, jnp.int32)
-    allow = (jnp.asarray(cache_allow_BxTxS, bool), jnp.asarray(tree_allow_BxTxT, bool))
-    x_BxTxD = _embed_tokens_jit(params["embed"], cfg, tokens_BxT, dtype=dtype)
-    ropes = _rope_jit(cfg, pos_BxT)
-    new_L = []
-    for lp, kv, (r, window) in zip(params["layers"], zip(cache["k"], cache["v"]),
-                                   _layer_plan(cfg)):
-        at = Slots(pos_BxT, cache["pos"], cache["end"], allow)
-        x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, rope=ropes[r], window=window, kv=kv,
-                                  at=at, keep="all")
-        new_L.append(new)
-    head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
-    logits = _logits_jit(head, cfg, x_BxTxD, None, "all")
-    meta = _tree_meta_jit({k: cache[k] for k in ("pos", "end", "next_pos")}, pos_BxT)
+    meta_in = {k: cache[k] for k in ("pos", "end", "next_pos")}
+    logits, new_L = _tree_jit(params, cfg, (tuple(cache["k"]), tuple(cache["v"])), meta_in,
+                              jnp.asarray(tokens_BxT), pos_BxT,
+                              jnp.asarray(cache_allow_BxTxS, bool),
+                              jnp.asarray(tree_allow_BxTxT, bool), dtype=jnp.dtype(dtype))
+    meta = _tree_meta_jit(meta_in, pos_BxT)
     cache = _updated_cache(cache, new_L, cache["end"], meta,
                            _write_jit_donated if donate else _write_jit)
     return logits, cache
+
+
+def _tree(params, cfg, kv, meta, tokens_BxT, pos_BxT, cache_allow_BxTxS, tree_allow_BxTxT, *,
+          dtype):
+    """`forward_tree` up to the cache write: logits and every layer's new (kT, v).
+
+    All layers run in one call (the cache is only read): unlike a long prompt,
+    a tree call is often a few tokens, where 30 separate layer calls cost more
+    than their work, and at a few hundred tokens one program is still faster
+    on XLA:CPU than a call per layer.
+    """
+    x_BxTxD = _embed_tokens(params["embed"], cfg, tokens_BxT, dtype)
+    inv_RxF, rope_L, window_L = _rope_layout(cfg)
+    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(pos_BxT, inv_RxF)
+    at = Slots(pos_BxT, meta["pos"], meta["end"], (cache_allow_BxTxS, tree_allow_BxTxT))
+    new_L = []
+    for layer, lp in enumerate(params["layers"]):
+        rope = (cos_RxBxTxF[rope_L[layer]], sin_RxBxTxF[rope_L[layer]])
+        x_BxTxD, new = _block(cfg, dtype, x_BxTxD, lp, rope=rope, window=window_L[layer],
+                              kv=(kv[0][layer], kv[1][layer]), at=at, keep="all")
+        new_L.append(new)
+    return _logits(params, cfg, x_BxTxD, None, "all"), new_L
+
+
+_tree_jit = jax.jit(_tree, static_argnames=("cfg", "dtype"))
 
 
 def compiled_count() -> int:
     """Executables compiled so far by this module's jitted pieces (retrace checks)."""
     return sum(f._cache_size() for f in (_forward_jit, _forward_jit_donated, _compute_jit,
                                          _embed_jit, _rope_jit, _block_jit, _write_jit,
-                                         _write_jit_donated, _logits_jit, _embed_tokens_jit,
+                                         _write_jit_donated, _logits_jit, _tree_jit,
                                          _tree_meta_jit))
 
 
