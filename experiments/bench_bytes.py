@@ -3,8 +3,7 @@ r"""Byte-level scoring and generation (brf.bytes) against token level, side by s
 Scoring (--parts=score), per member: the corpus's first --n_bytes bytes, cut into
 --segment-byte segments (at UTF-8 boundaries), are scored twice, each after a
 warm-up segment (compilation excluded): token level (the canonical tokens,
-`brf.models.score_tokens`, batch 1 in chunks of 256, what the study's scoring
-does per segment) and byte level (`brf.bytes.scoring.score_segments`, every
+`brf.models.score_tokens`, one segment at a time in chunks of 256) and byte level (`brf.bytes.scoring.score_segments`, every
 byte's 257-event distribution with --beam / --threshold pruning). Reported:
 forward tokens per byte (the canonical pass, and with the alternative
 tokenizations' tree-attention tokens), the wall time of each and their ratio,
@@ -36,6 +35,7 @@ flags.DEFINE_integer("n_bytes", 4096, "bytes of the corpus scored")
 flags.DEFINE_integer("segment", 1024, "bytes per segment")
 flags.DEFINE_integer("beam", 16, "hypotheses kept per byte")
 flags.DEFINE_float("threshold", None, "prune threshold (default: brf.bytes.DEFAULT_THRESHOLD)")
+flags.DEFINE_integer("max_lag", None, "merge lag (default: brf.bytes.DEFAULT_MAX_LAG; 0: never)")
 flags.DEFINE_integer("new_tokens", 48, "generation: tokens at the token level")
 flags.DEFINE_integer("new_bytes", 192, "generation: bytes at the byte level")
 flags.DEFINE_string("out", "", "write the results as JSON here")
@@ -53,7 +53,8 @@ def segments_of(data: bytes, size: int) -> list[bytes]:
     return out
 
 
-def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float) -> dict:
+def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float,
+                 max_lag: int) -> dict:
     import numpy as np
     from brf.bytes.lm import ByteLM
     from brf.bytes.scoring import consistency, score_segments
@@ -63,26 +64,28 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
     ctx = lm.context()
     rows = [ctx + lm.encode(s) for s in [warm] + segs]
     width = -(-max(map(len, rows)) // 256) * 256
-    toks = np.zeros((len(rows), width), np.int32)
-    valid = np.zeros((len(rows), width), bool)
-    for r, row in enumerate(rows):
-        toks[r, :len(row)], valid[r, :len(row)] = row, True
 
-    score_tokens(lm.params, lm.cfg, toks[:1], valid[:1])  # warm-up (compile)
+    def token_level():  # each segment alone, in chunks of 256 (as the study scores)
+        for row in rows[1:]:
+            w = -(-len(row) // 256) * 256
+            toks = np.zeros((1, w), np.int32)
+            toks[0, :len(row)] = row
+            score_tokens(lm.params, lm.cfg, toks, np.arange(w)[None] < len(row))
+
+    token_level()  # warm-up (compile)
     t0 = time.perf_counter()
-    for r in range(1, len(rows)):  # batch 1, like the byte level
-        score_tokens(lm.params, lm.cfg, toks[r:r + 1], valid[r:r + 1])
+    token_level()
     token_s = time.perf_counter() - t0
 
     # The warm-up segment is padded like the others, so it compiles their shapes.
-    score_segments(lm, [warm], beam=beam, threshold=threshold, desc="warm-up", pad_to=width)
+    kw = dict(beam=beam, threshold=threshold, max_lag=max_lag, pad_to=width)
+    score_segments(lm, [warm], desc="warm-up", **kw)
     t0 = time.perf_counter()
-    sc = score_segments(lm, segs, beam=beam, threshold=threshold, desc=f"{name} bytes",
-                        pad_to=width)
+    sc = score_segments(lm, segs, desc=f"{name} bytes", **kw)
     byte_s = time.perf_counter() - t0
     cons = consistency(sc)
     n = sc.n_bytes
-    canonical = float(valid[1:].sum())
+    canonical = float(sum(map(len, rows[1:])))
     return dict(member=name, bytes=n, canonical_tokens=int(canonical),
                 token_forward_per_byte=canonical / n,
                 byte_forward_per_byte=cons["forward_per_byte"],
@@ -95,7 +98,7 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
                 vocab=lm.trie.vocab_size, pruned_mean=cons["pruned_mean"],
                 lost_bits_per_byte=cons["lost"], bpb_byte=cons["byte"],
                 bpb_canonical=cons["canonical"], noncanonical_bits_per_byte=cons["noncanonical"],
-                hyp_mean=cons["hyp_mean"])
+                merged_mean=cons["merged_mean"], hyp_mean=cons["hyp_mean"])
 
 
 def bench_generate(beam: int, threshold: float) -> dict:
@@ -122,18 +125,19 @@ def bench_generate(beam: int, threshold: float) -> dict:
 
 def main(argv):
     del argv
-    from brf.bytes import DEFAULT_THRESHOLD
+    from brf.bytes import DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
     from brf.eval.corpus import CORPORA
     threshold = DEFAULT_THRESHOLD if FLAGS.threshold is None else FLAGS.threshold
+    max_lag = DEFAULT_MAX_LAG if FLAGS.max_lag is None else FLAGS.max_lag
     res = dict(machine=platform.platform(), corpus=FLAGS.corpus, beam=FLAGS.beam,
-               threshold=threshold, segment=FLAGS.segment,
+               threshold=threshold, max_lag=max_lag, segment=FLAGS.segment,
                started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     if "score" in FLAGS.parts:
         text = CORPORA.get(FLAGS.corpus)()[0]
         data = text.encode("utf-8")[FLAGS.skip_bytes:FLAGS.skip_bytes + FLAGS.n_bytes]
         warm = text.encode("utf-8")[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
         segs = segments_of(data, FLAGS.segment)
-        res["score"] = [bench_member(m, segs, warm, FLAGS.beam, threshold)
+        res["score"] = [bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag)
                         for m in FLAGS.models]
     if "generate" in FLAGS.parts:
         res["generate"] = bench_generate(FLAGS.beam, threshold)

@@ -24,7 +24,7 @@ from brf.models import forward, forward_tree, init_cache, prefill
 from tests.byte_reference import (BruteForce, _backend, byte_level_tokenizer,
                                   sentencepiece_tokenizer, tiny_model)
 
-EXACT = dict(beam=10**6, threshold=0.0, pad_to=16)
+EXACT = dict(beam=10**6, threshold=0.0, max_lag=0, pad_to=16)
 
 CASES = {
     # 'abc': canonical 'a' 'bc', greedy 'ab' 'c', and the token 'abc';
@@ -87,7 +87,7 @@ def test_pruning_reports_its_mass(member):
     lm, _, texts = member
     text = texts[-1]
     exact = score_text(lm, text, **EXACT)
-    pruned = score_text(lm, text, beam=1, threshold=0.0, pad_to=16)
+    pruned = score_text(lm, text, beam=1, threshold=0.0, max_lag=0, pad_to=16)
     np.testing.assert_allclose(np.exp(pruned.logp).sum(axis=1), 1.0, rtol=1e-9)
     assert pruned.n_hyp.max() == 1
     assert pruned.pruned.max() > 0
@@ -121,14 +121,14 @@ def test_merging_is_exact_where_the_context_beyond_the_last_token_does_not_matte
     local = ByteLM(params, lm.cfg, lm.codec.tokenizer, name=lm.name, dtype=jnp.float64)
     text = texts[1] + texts[0]
     exact = score_text(local, text, **EXACT)
-    merged = score_text(local, text, **EXACT, max_lag=1)
+    merged = score_text(local, text, **dict(EXACT, max_lag=1))
     assert merged.merged.max() > 0 and not merged.pruned.any()
     assert merged.stats["extra_tokens"] <= exact.stats["extra_tokens"]
     np.testing.assert_allclose(merged.logp, exact.logp, rtol=1e-9, atol=1e-12)
     # a real context changes the shadows' predictions: merged is then an approximation
     # whose every distribution still sums to one, and the canonical hypothesis's mass
     # stays a lower bound of the merged prefix mass
-    approx = score_text(lm, text, **EXACT, max_lag=1)
+    approx = score_text(lm, text, **dict(EXACT, max_lag=1))
     np.testing.assert_allclose(np.exp(approx.logp).sum(axis=1), 1.0, rtol=1e-9)
     assert approx.merged.max() > 0
     assert approx.stats["byte_ll"] >= approx.stats["canonical_ll"] - 1e-9

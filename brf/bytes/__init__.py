@@ -6,5 +6,5 @@
 # the canonical one (BENCHMARKS.md, "Every byte", measures what other settings
 # cost and change).
 DEFAULT_BEAM = 16
-DEFAULT_THRESHOLD = 1e-3
-DEFAULT_MAX_LAG = 0
+DEFAULT_THRESHOLD = 3e-3
+DEFAULT_MAX_LAG = 2

@@ -152,28 +152,34 @@ class _Runner:
         lm = self.lm
         cache = init_cache(lm.cfg, 1, self.slots, lm.dtype)
         valid = np.arange(self.canon_slots) < self.n
-        for p0 in range(0, self.canon_slots, self.chunk):
+        for p0 in range(0, self.n, self.chunk):  # chunks of padding alone are skipped
             sl = slice(p0, p0 + self.chunk)
             logits, cache = prefill_donated(lm.params, lm.cfg, jnp.asarray(self.ids[None, sl]),
                                             jnp.asarray(valid[None, sl]), cache,
                                             dtype=lm.dtype, logits="all")
             self.cache = cache
-            if p0 < self.n:
-                yield p0, logits[0]
+            yield p0, logits[0]
+        # The alternatives' tokens go after the canonical region, however short the text.
+        self.cache = dict(self.cache, end=jnp.asarray(self.canon_slots, jnp.int32))
         self.tokens += self.n
-        self.padded += self.canon_slots
+        self.padded += -(-self.n // self.chunk) * self.chunk
 
-    def compute(self, seqs: SeqTree, wanted: Sequence[int]) -> list[jax.Array]:
-        """Logits after the wanted sequences, one token per sequence: per call,
-        [T, V] whose first rows are its sequences' (calls take at most the
-        largest tree bucket of ``wanted``, in order).
+    def compute(self, seqs: SeqTree, wanted: Sequence[int]) -> list[tuple[int, jax.Array]]:
+        """Logits after the wanted sequences, one token per sequence, in calls whose
+        sizes are tree buckets: (how many of ``wanted`` the call took, in order, and
+        its logits [T, V], whose first rows are theirs).
 
-        A sequence's parent must be a canonical prefix, computed before, or
-        earlier in ``wanted``.
+        ``wanted`` is cut greedily into the largest buckets it fills; only the rest
+        is padded (to the smallest bucket that holds it). A sequence's parent must
+        be a canonical prefix, computed before, or earlier in ``wanted``.
         """
-        cap = TREE_BUCKETS[-1]
-        return [self._call(seqs, wanted[i:i + cap], wanted)
-                for i in range(0, len(wanted), cap)]
+        out, i = [], 0
+        while i < len(wanted):
+            left = len(wanted) - i
+            take = next((b for b in reversed(TREE_BUCKETS) if b <= left), left)
+            out.append((take, self._call(seqs, wanted[i:i + take], wanted)))
+            i += take
+        return out
 
     def _compact(self, seqs: SeqTree, keep: set[int], T: int) -> None:
         """Moves the tokens of the ``keep`` sequences (and of their ancestors) to the
@@ -433,9 +439,10 @@ class _Text:
                     self.speculated += j > 0
         if not todo:
             return []
-        cap = TREE_BUCKETS[-1]
-        for j, logits in enumerate(self.runner.compute(self.seqs, todo)):
-            part = todo[j * cap:(j + 1) * cap]
+        i = 0
+        for take, logits in self.runner.compute(self.seqs, todo):
+            part = todo[i:i + take]
+            i += take
             self.tables.update(zip(part, path_tables(self.lm.vocab, self.lm.trie, logits,
                                                      self.text, [self.seqs.end[s] for s in part])))
         return todo
