@@ -3,8 +3,9 @@ r"""Byte-level scoring and generation (brf.bytes) against token level, side by s
 Scoring (--parts=score), per member: the corpus's first --n_bytes bytes, cut into
 --segment-byte segments (at UTF-8 boundaries), are scored twice, each after a
 warm-up segment (compilation excluded): token level (the canonical tokens,
-`brf.models.score_tokens`, one segment at a time in chunks of 256) and byte level (`brf.bytes.scoring.score_segments`, every
-byte's 257-event distribution with --beam / --threshold pruning). Reported:
+`brf.models.score_tokens`, one segment at a time in chunks of 256) and byte
+level (`brf.bytes.scoring.score_segments`, every byte's 257-event distribution
+with --beam / --threshold pruning and --max_lag merging). Reported:
 forward tokens per byte (the canonical pass, and with the alternative
 tokenizations' tree-attention tokens), the wall time of each and their ratio,
 the trie's memory, the pruned mass and the consistency numbers (bits per byte:

@@ -150,7 +150,9 @@ class _Runner:
     def canonical(self):
         """Yields (position of the chunk's first token, logits [C, V]) of the canonical pass."""
         lm = self.lm
-        cache = init_cache(lm.cfg, 1, self.slots, lm.dtype)
+        # The canonical region alone while it is filled (each chunk attends to the
+        # whole cache), then room for the alternatives.
+        cache = init_cache(lm.cfg, 1, self.canon_slots, lm.dtype)
         valid = np.arange(self.canon_slots) < self.n
         for p0 in range(0, self.n, self.chunk):  # chunks of padding alone are skipped
             sl = slice(p0, p0 + self.chunk)
@@ -160,7 +162,8 @@ class _Runner:
             self.cache = cache
             yield p0, logits[0]
         # The alternatives' tokens go after the canonical region, however short the text.
-        self.cache = dict(self.cache, end=jnp.asarray(self.canon_slots, jnp.int32))
+        self.cache = dict(grow(self.cache, self.slots),
+                          end=jnp.asarray(self.canon_slots, jnp.int32))
         self.tokens += self.n
         self.padded += -(-self.n // self.chunk) * self.chunk
 
@@ -317,9 +320,11 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
         tokenization, conditioned on text + EOS tokens like the byte view) and
         ``canonical_ll_raw`` (the model's own, as token-level scoring reports
         it); ``lost`` (-sum log(1 - pruned): a bound on the log-mass pruning
-        took); ``merged`` (the summed fractions of merged mass); ``canonical_tokens``, ``context_tokens``, ``extra_tokens`` (tokens
-        of alternative tokenizations run), ``padded_tokens`` (every token a call
-        ran, padding included), ``tree_calls``, ``lookaheads`` (look-ahead walks,
+        took); ``merged`` (the summed fractions of merged mass);
+        ``canonical_tokens``, ``context_tokens``, ``extra_tokens`` (tokens of
+        alternative tokenizations run), ``padded_tokens`` (every token a call
+        ran, padding included), ``tree_calls``, ``compactions`` (of the
+        alternatives' KV region), ``lookaheads`` (look-ahead walks,
         one batch of forward passes each), ``tables`` (distributions computed),
         ``used_tables`` (distinct sequences the walk read), ``max_hyp``.
 

@@ -147,7 +147,8 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
     check_bounds(beam, threshold, max_lag)
     data = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in segments]
     meta = dict(meta or {}, member=lm.name, beam=int(beam), threshold=float(threshold),
-                max_lag=int(max_lag), prefix=tuple(int(i) for i in prefix_ids), n_segments=len(data),
+                max_lag=int(max_lag), prefix=tuple(int(i) for i in prefix_ids),
+                n_segments=len(data),
                 version=STORE_VERSION)
     done = load_partial(store_path, data, meta) if store_path else []
     ctx = len(lm.context(prefix_ids))
