@@ -7,7 +7,7 @@ import pytest
 from scipy import optimize
 
 from brf.eval import lbfgs
-from brf.eval.fitting import EventTable, FitSettings, MethodSpec, evaluate, fit_method
+from brf.eval.fitting import EventTable, FitSettings, Fitted, MethodSpec, evaluate, fit_method
 
 
 def _log_softmax(x, axis=-1):
@@ -113,16 +113,28 @@ def test_calibration_temperatures_stay_in_their_range():
 
 
 def test_specs_differing_in_float_values_share_one_compilation():
-    """loglinear(T fitted) and loglinear(T = 1) are one compiled program; a second
-    table of the same size bucket reuses it too."""
+    """loglinear(T fitted), loglinear(T = 1) and PackLLM's loglinear (perplexity weights)
+    are one compiled program; a second table of the same chunk shape reuses it too, and
+    the born rows of every per-position phase map share one program."""
     from brf.eval import fitting
     t = _table(P=600)
     fit_method({"label": "a", "method": "loglinear", "fit": {"temperature": 1.0}}, t)
-    before = fitting._value_and_grad._cache_size()
+    before = len(fitting._PROGRAMS)
     fit_method({"label": "b", "method": "loglinear", "fixed": {"temperature": 1.0}}, t)
     fit_method({"label": "c", "method": "loglinear", "fit": {"temperature": 0.5}},
                _table(P=650, seed=1))
-    assert fitting._value_and_grad._cache_size() == before
+    fit_method({"label": "d", "method": "loglinear", "fixed": {"temperature": 1.0},
+                "weighting": "perplexity", "variant": "calibrated"}, t)
+    assert len(fitting._PROGRAMS) == before
+    fit_method({"label": "e", "method": "born", "phase": "tanh",
+                "fit": {"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]}}, t)
+    before = len(fitting._PROGRAMS)
+    for phase in ("constant", "sigmoid", "log1p"):
+        fit_method({"label": phase, "method": "born", "phase": phase,
+                    "fit": {"phase.offset": [0.0, 0.5]}}, t)
+    fit_method({"label": "f", "method": "born", "phase": "constant",
+                "fixed": {"phase.offset": 0.0}, "variant": "calibrated"}, t)
+    assert len(fitting._PROGRAMS) == before
 
 
 def test_several_starts_keep_the_best_basin():
@@ -137,3 +149,50 @@ def test_several_starts_keep_the_best_basin():
     assert abs(cold.calib_nll - from_lin.calib_nll) > 1e-5  # two basins
     both = fit_method(spec, t, starts=[lin])
     assert both.calib_nll == pytest.approx(min(cold.calib_nll, from_lin.calib_nll), abs=1e-7)
+
+
+@pytest.mark.parametrize("phase", ["tanh", "sigmoid", "constant", "token_tanh", "token_log1p"])
+def test_one_program_for_every_phase_map_gives_each_maps_nll(phase):
+    """The born program that switches between the phase maps of a kind gives, at the
+    same values, the NLL of that map through brf.fusion.fuse (a float64 mean of it)."""
+    t = _table(P=300)
+    spec = {"label": "b", "method": "born", "phase": phase, "variant": "calibrated",
+            "fit": {"phase.offset": [0.0, 0.7]}}
+    f = fit_method(spec, t, settings=FitSettings(max_iter=3))
+    assert np.mean(evaluate(f, t)["nll"]) == pytest.approx(f.calib_nll, abs=2e-6)
+
+
+def test_chunks_change_nothing(monkeypatch):
+    """Evaluating a table in many small chunks gives the fit of one chunk."""
+    from brf.eval import fitting
+    t = _table(P=700)
+    spec = {"label": "l", "method": "loglinear", "fit": {"temperature": 1.0},
+            "variant": "calibrated"}
+    one = fit_method(spec, t)
+    monkeypatch.setattr(fitting, "MAX_CHUNK", 64)
+    many = fit_method(spec, t)
+    assert many.calib_nll == pytest.approx(one.calib_nll, abs=1e-6)
+
+
+def test_refining_a_fit_keeps_it_unless_another_start_is_better():
+    """A second round from a converged fit alone keeps it as it is without polishing
+    it again; from a fit in a poor corner (every temperature at its bound) and a
+    start in a better basin it moves there."""
+    t = _table()
+    settings = FitSettings(subsample=300)
+    spec = MethodSpec("h", "born", fixed={"phase.offset": 0.0}, phase="constant",
+                      variant="calibrated")
+    lin = fit_method(dataclasses.replace(spec, method="linear", phase=None, fixed={}), t,
+                     settings=settings)
+    good = fit_method(spec, t, settings=settings, warm=lin)
+    kept = fit_method(spec, t, settings=settings, warm=good, starts=[good], refine=True)
+    assert kept.calib_nll == good.calib_nll and kept.params == good.params
+    assert kept.info["evaluations"] == 0 and kept.info["subsample_evaluations"] > 0
+    corner = Fitted("h", "born", {"phase.offset": 0.0, "phase": "constant",
+                                  "calib.temperature": 0.1,
+                                  "calib.member_temperature": [10.0, 10.0]},
+                    np.array([0.5, 0.5]), 0.0, {"converged": True})
+    corner = dataclasses.replace(corner, calib_nll=float(np.mean(evaluate(corner, t)["nll"])))
+    assert corner.calib_nll > good.calib_nll + 1e-2
+    moved = fit_method(spec, t, settings=settings, warm=corner, starts=[good], refine=True)
+    assert moved.calib_nll == pytest.approx(good.calib_nll, abs=1e-3)
