@@ -473,18 +473,30 @@ def _better(value: float, mine: bool, best: float, best_mine: bool) -> bool:
 # call of a compiled program: one chunk's arrays stay in the CPU's cache (a whole
 # table in one piece runs several times slower per position), and one program per
 # method serves the subsample and all positions, both variants and every table of
-# the same chunk shape. Events are padded to a multiple of EVENT_BUCKET.
+# the same chunk shape. Events are padded to the next size of a ladder spaced by a
+# factor of about sqrt(2), each size a multiple of 8 just above a power of two or
+# its sqrt(2) multiple (the k strings of each of n members plus OTHER fit a
+# power-of-two k): the tables of a study share programs.
 CHUNK_BYTES = 5 << 17  # float32 log-probabilities per chunk: 640 KiB
 MIN_CHUNK, MAX_CHUNK = 64, 4096
-EVENT_BUCKET = 8
 _WEIGHT_MODES = ("given", "logits", "perplexity")
+
+
+def padded_events(n_events: int) -> int:
+    """The event count a table is padded to: the smallest 8 ceil((floor(2^(j/2)) + 1) / 8)
+    (j = 0, 1, ...) that holds ``n_events`` (..., 96, 136, 184, 264, 368, ...)."""
+    j = 0
+    while True:
+        e = 8 * -(-(math.floor(2 ** (j / 2)) + 1) // 8)
+        if e >= n_events:
+            return e
+        j += 1
 
 
 def chunk_positions(n_members: int, n_events: int) -> int:
     """Positions per chunk: the largest power of two whose log-probabilities fit
     CHUNK_BYTES (within [MIN_CHUNK, MAX_CHUNK])."""
-    e = -(-n_events // EVENT_BUCKET) * EVENT_BUCKET
-    b = max(1, CHUNK_BYTES // (4 * n_members * e))
+    b = max(1, CHUNK_BYTES // (4 * n_members * padded_events(n_events)))
     return int(min(MAX_CHUNK, max(MIN_CHUNK, 1 << (b.bit_length() - 1))))
 
 
@@ -511,7 +523,7 @@ def _table_data(table: EventTable, subsample: int = 0) -> _Data:
            if subsample else np.arange(P))
     size = -(-len(idx) // B) * B
     pad = np.concatenate([idx, np.full(size - len(idx), idx[0])])
-    logp = np.full((size, n, -(-E // EVENT_BUCKET) * EVENT_BUCKET), -np.inf,
+    logp = np.full((size, n, padded_events(E)), -np.inf,
                    np.float32)  # padding events: no member gives them mass
     logp[:, :, :E] = np.asarray(table.logp)[pad]
     gold = np.asarray(table.gold)[pad]
@@ -649,7 +661,7 @@ class _Problem:
         static = _hashable({**self.fixed_static,
                             **{k: v for k, v in point.items() if not self.dynamic(k)}})
         _, n, E = self.table.logp.shape
-        e = -(-E // EVENT_BUCKET) * EVENT_BUCKET
+        e = padded_events(E)
         return (self.spec.method, self.phases, static, self.calib_range, self.all.signature,
                 (chunk_positions(n, E), n, e))
 
