@@ -285,25 +285,30 @@ def gold_nll(logq_PxE, gold_P):
 
 
 def _to_free(name, v, calib_range: float, xp=jnp):
-    """A parameter value -> the unconstrained coordinate it is fitted in: log space for
-    positive parameters; for the calibration temperatures, when bounded to
-    [1/calib_range, calib_range], a tanh-squashed log space. ``xp``: jnp (traced)
-    or np (float64 on the host)."""
+    """A parameter value -> the coordinate it is fitted in: log space for positive
+    parameters (the calibration temperatures, when bounded to [1/calib_range,
+    calib_range], clipped to that box: see :func:`_bounds`). ``xp``: jnp (traced) or
+    np (float64 on the host)."""
     v = xp.asarray(v, xp.float32 if xp is jnp else xp.float64)
     if name in _BOUNDED and calib_range:
         r = math.log(calib_range)
-        return xp.arctanh(xp.clip(xp.log(v) / r, -0.999, 0.999))
+        return xp.clip(xp.log(v), -r, r)
     return xp.log(v) if name in _POSITIVE else v
 
 
-def _from_free(name, v, calib_range: float, xp=jnp):
+def _from_free(name, v, xp=jnp):
     """The inverse of :func:`_to_free`."""
-    if name in _BOUNDED and calib_range:
-        return xp.exp(math.log(calib_range) * xp.tanh(v))
     return xp.exp(v) if name in _POSITIVE else v
 
 
 _BOUNDED = {"calib.temperature", "calib.member_temperature"}
+
+
+def _bounds(name: str, size: int, calib_range: float) -> tuple[np.ndarray, np.ndarray]:
+    """The box of a parameter's fitted coordinates: [-log r, log r] for the bounded
+    calibration temperatures, unbounded otherwise."""
+    r = math.log(calib_range) if name in _BOUNDED and calib_range else math.inf
+    return np.full(size, -r), np.full(size, r)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,13 +385,13 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     """
     problem = _Problem(MethodSpec.coerce(spec), table, settings)
     points = problem.grid_points()
-    several = warm is not None and bool(starts) or len(points) > 1
+    x_starts = problem.starts(warm, starts)
+    several = len(x_starts) > 1 or len(points) > 1
     sub = problem.subsample(settings.subsample) if several else None
     full = problem.data()
     offset = float(np.mean(table.offset))
     info = {"iterations": 0, "evaluations": 0, "subsample_evaluations": 0,
             "converged": True}
-    x_starts = problem.starts(warm, starts)
     own = None  # (grid point index, x) of the warm fit when it is already polished
     if (refine and warm is not None and warm.info.get("converged") and sub is not None
             and problem.layout.size):
@@ -594,8 +599,8 @@ class _Problem:
                             for k, v in PHASE_MAPS.get(spec.phase).defaults.items()})
             values0["phase.offset"] = 0.0
         values0.update({k: v for k, v in self.fixed.items() if self.dynamic(k)})
-        values0.update({k: v for grid in [self.spec.grid] for k, v in
-                        ((k, vals[0]) for k, vals in grid.items() if vals) if self.dynamic(k)})
+        values0.update({k: vals[0] for k, vals in spec.grid.items()  # (set per grid point)
+                        if vals and self.dynamic(k)})
         values0.update(init)
         values0 = {k: self._free(k, v) for k, v in values0.items()}
         if (self.phases and len(self.phases) > 1 and "phase.offset" not in init):
@@ -609,6 +614,10 @@ class _Problem:
         self.layout = _Layout({k: values0[k] for k in free})
         self.free_idx = np.concatenate(
             [self.all.slice_of(k) for k in self.layout.keys] or [np.zeros(0, np.int64)])
+        box = [_bounds(k, size, self.calib_range)
+               for k, size in zip(self.layout.keys, self.layout.sizes)]
+        self.lower = np.concatenate([b[0] for b in box] or [np.zeros(0)])
+        self.upper = np.concatenate([b[1] for b in box] or [np.zeros(0)])
         self.wmode = _WEIGHT_MODES.index(self.mode)
         self._consts = None  # (base_w, wmode, phase_index) on the device
 
@@ -662,7 +671,7 @@ class _Problem:
                             **{k: v for k, v in point.items() if not self.dynamic(k)}})
         _, n, E = self.table.logp.shape
         e = padded_events(E)
-        return (self.spec.method, self.phases, static, self.calib_range, self.all.signature,
+        return (self.spec.method, self.phases, static, self.all.signature,
                 (chunk_positions(n, E), n, e))
 
     def _program(self, point: dict):
@@ -696,14 +705,14 @@ class _Problem:
 
     def lbfgs_args(self, settings: FitSettings) -> dict:
         return dict(max_iter=settings.max_iter, ftol=settings.ftol, gtol=settings.gtol,
-                    history=settings.history, max_step=settings.max_step)
+                    history=settings.history, max_step=settings.max_step,
+                    lower=self.lower, upper=self.upper)
 
     def result(self, point: dict, x: np.ndarray, table: EventTable):
         """(parameter values as fitted, member weights) at ``x``."""
         found = {**self.values0, **self.layout.unflatten(x)}
         params = {**self.fixed, **point,
-                  **{k: _plain_value(_from_free(k, np.asarray(found[k], np.float32),
-                                                self.calib_range, xp=np))
+                  **{k: _plain_value(_from_free(k, np.asarray(found[k], np.float32), xp=np))
                      for k in self.keys}}
         if self.mode == "logits":
             z = np.concatenate([[0.0], found["_w"]]).astype(np.float32)
@@ -745,14 +754,14 @@ _COMPILER: list = []  # the background compilers (a pool of threads), once start
 
 def _compile(key: tuple):
     """The compiled value-and-gradient program of one chunk of positions."""
-    method, phases, static, calib_range, layout, (B, n, e) = key
+    method, phases, static, layout, (B, n, e) = key
     size = sum(int(np.prod(shape)) for _, shape in layout)
     sds = jax.ShapeDtypeStruct
     args = (sds((size,), jnp.float32), sds((n,), jnp.float32), sds((), jnp.int32),
             sds((), jnp.int32), sds((B, n, e), jnp.float32), sds((B,), jnp.int32),
             sds((B, n), jnp.float32), sds((B,), jnp.bool_))
     return _chunk_value_and_grad.lower(*args, method=method, phases=phases, static=static,
-                                       calib_range=calib_range, layout=layout).compile()
+                                       layout=layout).compile()
 
 
 def _compiled(key: tuple):
@@ -811,14 +820,13 @@ def clear_programs() -> None:
 
 
 def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, *, method, phases,
-               static, calib_range, layout):
+               static, layout):
     """The summed NLL over the unmasked positions of a chunk, of a method with the
     dynamic values ``v`` (free coordinates, see :func:`_to_free`, laid out as
     ``layout``; ``_w`` the weight logits). ``wmode`` picks the member weights: the
     given ``base_w``, softmax of the logits, or PackLLM's perplexity weights."""
     values = _Layout.unflatten_traced(v, layout)
-    params = {**dict(static), **{k: _from_free(k, x, calib_range)
-                                 for k, x in values.items() if k != "_w"}}
+    params = {**dict(static), **{k: _from_free(k, x) for k, x in values.items() if k != "_w"}}
     n = logp.shape[1]
     w = jnp.broadcast_to(base_w, (logp.shape[0], n))
     if "_w" in values:
@@ -831,13 +839,12 @@ def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, *, method, 
     return jnp.sum(jnp.where(mask, nll, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("method", "phases", "static", "calib_range",
-                                             "layout"))
+@functools.partial(jax.jit, static_argnames=("method", "phases", "static", "layout"))
 def _chunk_value_and_grad(v, base_w, wmode, phase_index, logp, gold, ctx, mask, *, method,
-                          phases, static, calib_range, layout):
+                          phases, static, layout):
     return jax.value_and_grad(_chunk_nll)(v, base_w, wmode, phase_index, logp, gold, ctx, mask,
                                           method=method, phases=phases, static=static,
-                                          calib_range=calib_range, layout=layout)
+                                          layout=layout)
 
 
 class _Layout:
