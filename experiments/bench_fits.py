@@ -1,30 +1,44 @@
-r"""The study's fits, side by side in one run: L-BFGS (brf) vs the earlier Adam fitter.
+r"""The study's fits, side by side in one run: brf's fitter, an earlier brf fitter and Adam.
 
 For every event table of the default study (read from the score stores of a run
 directory: run the study once first), every method spec is fitted on the
-calibration split three ways, in one process:
+calibration split by each fitter, in one process:
 
-  * ``adam``: the fitter brf used before (150 Adam steps of size 0.05 on random
+  * ``adam``: the fitter brf used first (150 Adam steps of size 0.05 on random
     batches of 2048 positions per grid point, member weights and temperatures
-    in log space, unbounded), frozen below as the reference;
-  * ``lbfgs``: today's fitter (brf.eval.fitting.fit_method, the study's settings:
-    calibration temperatures bounded to [1/10, 10]);
+    in log space, unbounded), frozen below;
+  * ``reference``: brf's fitter as of the commit ``--reference`` (its
+    brf/eval/fitting.py, lbfgs.py and analysis.py, read from git history into a
+    package of their own), with the study's settings and its second round;
+  * ``lbfgs``: today's fitter (brf.eval.analysis.fit_specs with the study's
+    settings: calibration temperatures bounded to [1/10, 10], the second round);
   * ``lbfgs_unbounded``: today's fitter on Adam's objective (calib_range=0), so
-    that calibration NLLs compare like with like.
+    that calibration NLLs compare like with like with Adam's.
 
-It reports each table's total fitting time per fitter and every method's
-calibration NLL under each, as Markdown (stdout) and JSON (--out).
+The tables are loaded first; then each fitter fits every table in turn, after
+JAX's in-memory caches (and brf's compiled fitting programs) are cleared: each
+fitter pays for its own compilations, once per run where its programs serve
+several tables (the persistent compilation cache is not used). It reports each
+table's fitting time per fitter (with its compilations' count and time), every
+method's calibration NLL under each, and the rows where ``lbfgs`` is worse than
+``reference`` by more than 1e-4 nats, as Markdown (stdout) and JSON (--out).
 
   python experiments/bench_fits.py --run_dir=runs/validate
-  python experiments/bench_fits.py --run_dir=runs/validate --tables=hamlet/topk,hamlet/swarm
+  python experiments/bench_fits.py --run_dir=runs/validate --tables=hamlet/corpus \
+      --fitters=adam,reference,lbfgs
 """
 
+import collections
 import dataclasses
+import importlib
 import itertools
 import json
 import math
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 from absl import flags
@@ -38,19 +52,25 @@ from brf.benchmark import markdown_table
 from brf.errors import UserError
 from brf.eval import plan as plan_lib, study
 from brf.eval.analysis import fit_spec, fit_specs
-from brf.eval.fitting import (Fitted, MethodSpec, context_nll, fused_logq, gold_nll,
-                              perplexity_weights_for)
+from brf.eval.fitting import (Fitted, MethodSpec, clear_programs, context_nll, fused_logq,
+                              gold_nll, perplexity_weights_for)
 from brf.fusion import get_method
+
+FITTERS = ("adam", "reference", "lbfgs", "lbfgs_unbounded")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("run_dir", "runs/validate", "a study's run directory (its score stores)")
 flags.DEFINE_string("config", "configs/validate.py", "the study's config file")
 flags.DEFINE_list("tables", [], "corpus/analysis pairs to fit (default: every table)")
-flags.DEFINE_list("fitters", ["adam", "lbfgs", "lbfgs_unbounded"], "which fitters to run")
+flags.DEFINE_list("fitters", ["adam", "reference", "lbfgs"],
+                  f"which fitters to run, in this order ({', '.join(FITTERS)})")
+flags.DEFINE_string("reference", "64302e9",
+                    "the commit whose fitter 'reference' runs (default: the host-driven "
+                    "L-BFGS with one evaluation per call, before the chunked programs)")
 flags.DEFINE_string("out", "", "write the results as JSON here")
 
 
-# --------------------------------------------------------------------------- reference
+# --------------------------------------------------------------------------- adam
 
 _POSITIVE = {"temperature", "threshold", "beta", "phase.rate", "phase.scale",
              "calib.temperature", "calib.member_temperature", "weighting.temperature"}
@@ -58,8 +78,8 @@ _POSITIVE = {"temperature", "threshold", "beta", "phase.rate", "phase.scale",
 
 def adam_reference(spec: MethodSpec, table, *, steps=150, learning_rate=0.05, batch=2048,
                    seed=0) -> Fitted:
-    """brf's fitter before L-BFGS (frozen): per grid point, ``steps`` Adam steps on
-    random batches, one compiled step per grid point."""
+    """brf's first fitter (frozen): per grid point, ``steps`` Adam steps on random
+    batches, one compiled step per grid point."""
     to_free = lambda k, v: (jnp.log(jnp.asarray(v, jnp.float32)) if k in _POSITIVE
                             else jnp.asarray(v, jnp.float32))
     from_free = lambda k, v: jnp.exp(v) if k in _POSITIVE else v
@@ -130,24 +150,70 @@ def adam_reference(spec: MethodSpec, table, *, steps=150, learning_rate=0.05, ba
                   best[2], best[0])
 
 
+# --------------------------------------------------------------------------- reference
+
+def load_reference(commit: str):
+    """brf's fitter as of ``commit``: its brf/eval/{fitting,lbfgs,analysis}.py from git
+    history, imported as the package ``brf_reference`` (the rest of brf is today's).
+    Returns (its analysis module, its fitting module)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pkg = os.path.join(tempfile.mkdtemp(prefix="bench_fits_"), "brf_reference")
+    os.makedirs(pkg)
+    open(os.path.join(pkg, "__init__.py"), "w").close()
+    for name in ("fitting", "lbfgs", "analysis"):
+        src = subprocess.run(["git", "show", f"{commit}:brf/eval/{name}.py"], cwd=root,
+                             check=True, capture_output=True, text=True).stdout
+        src = (src.replace("from brf.eval import lbfgs", "from brf_reference import lbfgs")
+               .replace("from brf.eval.fitting import", "from brf_reference.fitting import"))
+        with open(os.path.join(pkg, f"{name}.py"), "w") as f:
+            f.write(src)
+    sys.path.insert(0, os.path.dirname(pkg))
+    return (importlib.import_module("brf_reference.analysis"),
+            importlib.import_module("brf_reference.fitting"))
+
+
+def reference_fits(specs, calib, settings):
+    analysis, fitting = load_reference(FLAGS.reference)
+    own = [fitting.MethodSpec.coerce({f.name: getattr(s, f.name)
+                                      for f in dataclasses.fields(s)}) for s in specs]
+    names = {f.name for f in dataclasses.fields(fitting.FitSettings)}
+    ref_settings = fitting.FitSettings(**{k: v for k, v in dataclasses.asdict(settings).items()
+                                          if k in names})
+    return analysis.fit_specs(own, calib, ref_settings, desc="reference")
+
+
 # --------------------------------------------------------------------------- the run
 
-def fit_table(plan, specs, calib, fitter: str) -> tuple[float, dict]:
-    """Every spec fitted by ``fitter``; (seconds, label -> (calib NLL, info))."""
+_COMPILES = collections.Counter()
+
+
+def _count_compiles(event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES["n"] += 1
+        _COMPILES["seconds"] += duration
+
+
+def fit_table(plan, specs, calib, fitter: str) -> dict:
+    """Every spec fitted by ``fitter``: seconds, compilations, label -> (calib NLL, info)."""
+    _COMPILES.clear()
     t0 = time.perf_counter()
     if fitter == "adam":
         fits = [fit_spec(s, calib, plan.fit) if s.fixed_weights is not None
                 and s.variant == "proposed" else adam_reference(s, calib) for s in specs]
+    elif fitter == "reference":
+        fits = reference_fits(specs, calib, plan.fit)
     else:
         settings = (plan.fit if fitter == "lbfgs"
                     else dataclasses.replace(plan.fit, calib_range=0.0))
         fits = fit_specs(specs, calib, settings, desc=f"{fitter}")
-    return time.perf_counter() - t0, {f.label: (f.calib_nll, dict(f.info)) for f in fits}
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "compilations": _COMPILES["n"],
+            "compile_seconds": _COMPILES["seconds"], "load": os.getloadavg()[0],
+            "fits": {f.label: (f.calib_nll, dict(f.info)) for f in fits}}
 
 
 def main(argv):
     del argv
-    from ml_collections import config_flags  # noqa: F401  (the config file is Python)
     import importlib.util
     spec = importlib.util.spec_from_file_location("validate_config", FLAGS.config)
     mod = importlib.util.module_from_spec(spec)
@@ -155,48 +221,84 @@ def main(argv):
     cfg = mod.get_config()
     cfg.out_dir = FLAGS.run_dir
     plan = plan_lib.from_config(cfg)
-    bad = [f for f in FLAGS.fitters if f not in ("adam", "lbfgs", "lbfgs_unbounded")]
+    bad = [f for f in FLAGS.fitters if f not in FITTERS]
     if bad:
-        raise UserError(f"--fitters: unknown {bad}; use adam, lbfgs, lbfgs_unbounded")
+        raise UserError(f"--fitters: unknown {bad}; use {', '.join(FITTERS)}")
     if not os.path.isdir(FLAGS.run_dir):
         raise UserError(f"--run_dir={FLAGS.run_dir!r} does not exist; run the study first")
-    results, rows = [], []
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
     which = lambda corpus, a: not FLAGS.tables or f"{corpus}/{a.kind}" in FLAGS.tables
+    tables = []
     for corpus, analysis, table, n_seg in study.study_tables(plan, which=which):
-        name = f"{corpus}/{analysis.kind}"
         calib, _ = plan_lib.split(plan.scoring, table, n_seg)
-        specs = plan.method_specs(table.logp.shape[1], analysis.variants)
-        entry = {"table": name, "positions": int(calib.n_positions),
-                 "shape": list(calib.logp.shape), "fitters": {}}
-        for fitter in FLAGS.fitters:
-            seconds, fits = fit_table(plan, specs, calib, fitter)
-            entry["fitters"][fitter] = {"seconds": seconds, "fits": fits}
-            print(f"{name} {fitter}: {seconds:.1f} s for {len(specs)} specs", flush=True)
-        results.append(entry)
-        t = {f: entry["fitters"][f]["seconds"] for f in FLAGS.fitters}
-        rows.append([name, f"{calib.n_positions} x {calib.logp.shape[1]} x {calib.logp.shape[2]}",
-                     len(specs)] + [f"{t[f]:.1f}" for f in FLAGS.fitters]
-                    + ([f"{t['adam'] / t['lbfgs']:.2f}x"] if {"adam", "lbfgs"} <= set(t) else []))
+        tables.append((f"{corpus}/{analysis.kind}", calib,
+                       plan.method_specs(table.logp.shape[1], analysis.variants)))
+    results = [{"table": name, "positions": int(calib.n_positions),
+                "shape": list(calib.logp.shape), "specs": len(specs), "fitters": {}}
+               for name, calib, specs in tables]
+    # Each fitter fits every table in turn after the caches are cleared: it pays for
+    # its own compilations, and keeps what it compiled for the tables after the first.
+    for fitter in FLAGS.fitters:
+        jax.clear_caches()
+        clear_programs()
+        for entry, (name, calib, specs) in zip(results, tables):
+            r = entry["fitters"][fitter] = fit_table(plan, specs, calib, fitter)
+            print(f"{name} {fitter}: {r['seconds']:.1f} s for {len(specs)} specs "
+                  f"({r['compilations']} compilations, {r['compile_seconds']:.1f} s; "
+                  f"load {r['load']:.1f})", flush=True)
+    for entry in results:
+        print(_nll_table(entry), flush=True)
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
           f"load {os.getloadavg()[0]:.1f}\n")
-    print(markdown_table(["table", "calibration P x n x E", "specs"] +
-                         [f"{f} (s)" for f in FLAGS.fitters] +
-                         (["adam / lbfgs"] if {"adam", "lbfgs"} <= set(FLAGS.fitters) else []),
-                         rows))
-    if {"adam", "lbfgs_unbounded"} <= set(FLAGS.fitters):
-        worse = [(r["table"], label, a[0], b[0])
-                 for r in results
-                 for label, a in r["fitters"]["adam"]["fits"].items()
-                 for lbl, b in [(label, r["fitters"]["lbfgs_unbounded"]["fits"][label])]
-                 if b[0] > a[0] + 1e-4]
-        print(f"\nL-BFGS (unbounded, Adam's objective) worse than Adam by more than 1e-4 nats: "
-              f"{len(worse)} of {sum(len(r['fitters']['adam']['fits']) for r in results)} fits")
-        for w in worse:
-            print(f"  {w[0]} {w[1]}: adam {w[2]:.6f}, lbfgs {w[3]:.6f}")
+    ratios = [f"adam / {f}" for f in FLAGS.fitters if f != "adam" and "adam" in FLAGS.fitters]
+    rows = [_time_row(entry) for entry in results]
+    if len(results) > 1:
+        rows.append(_time_row({"table": "total", "shape": None,
+                               "specs": sum(e["specs"] for e in results),
+                               "fitters": {f: {"seconds": sum(e["fitters"][f]["seconds"]
+                                                              for e in results)}
+                                           for f in FLAGS.fitters}}))
+    print(markdown_table(["table", "calibration P x n x E", "specs"]
+                         + [f"{f} (s)" for f in FLAGS.fitters] + ratios, rows))
+    for a, b in (("reference", "lbfgs"), ("adam", "lbfgs_unbounded")):
+        if {a, b} <= set(FLAGS.fitters):
+            worse = [(r["table"], label, x[0], r["fitters"][b]["fits"][label][0])
+                     for r in results for label, x in r["fitters"][a]["fits"].items()
+                     if r["fitters"][b]["fits"][label][0] > x[0] + 1e-4]
+            total = sum(len(r["fitters"][a]["fits"]) for r in results)
+            print(f"\n{b} worse than {a} by more than 1e-4 nats: {len(worse)} of {total} fits")
+            for w in worse:
+                print(f"  {w[0]} {w[1]}: {a} {w[2]:.6f}, {b} {w[3]:.6f}")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({"machine": platform.node(), "load": os.getloadavg()[0],
-                       "tables": results}, f, indent=1, default=float)
+                       "reference": FLAGS.reference, "tables": results}, f, indent=1,
+                      default=float)
+
+
+def _time_row(entry: dict) -> list:
+    t = {f: r["seconds"] for f, r in entry["fitters"].items()}
+    shape = " x ".join(map(str, entry["shape"])) if entry["shape"] else ""
+    return ([entry["table"], shape, entry["specs"]] + [f"{t[f]:.1f}" for f in t]
+            + [f"{t['adam'] / t[f]:.2f}x" for f in t if f != "adam" and "adam" in t])
+
+
+def _nll_table(entry: dict) -> str:
+    """Every row's calibration NLL under each fitter (and lbfgs minus reference)."""
+    fitters = list(entry["fitters"])
+    labels = list(entry["fitters"][fitters[0]]["fits"])
+    diff = {"reference", "lbfgs"} <= set(fitters)
+    rows = []
+    for label in labels:
+        nll = [entry["fitters"][f]["fits"][label][0] for f in fitters]
+        row = [label] + [f"{x:.6f}" for x in nll]
+        if diff:
+            d = (entry["fitters"]["lbfgs"]["fits"][label][0]
+                 - entry["fitters"]["reference"]["fits"][label][0])
+            row.append(f"{d:+.6f}")
+        rows.append(row)
+    return "\n" + markdown_table(["row"] + fitters + (["lbfgs - reference"] if diff else []),
+                                 rows)
 
 
 if __name__ == "__main__":

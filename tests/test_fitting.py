@@ -7,7 +7,7 @@ import pytest
 from scipy import optimize
 
 from brf.eval import lbfgs
-from brf.eval.fitting import EventTable, FitSettings, MethodSpec, evaluate, fit_method
+from brf.eval.fitting import EventTable, FitSettings, Fitted, MethodSpec, evaluate, fit_method
 
 
 def _log_softmax(x, axis=-1):
@@ -113,27 +113,106 @@ def test_calibration_temperatures_stay_in_their_range():
 
 
 def test_specs_differing_in_float_values_share_one_compilation():
-    """loglinear(T fitted) and loglinear(T = 1) are one compiled program; a second
-    table of the same size bucket reuses it too."""
+    """loglinear(T fitted), loglinear(T = 1) and PackLLM's loglinear (perplexity weights)
+    are one compiled program; a second table of the same chunk shape reuses it too, and
+    the born rows of every per-position phase map share one program."""
     from brf.eval import fitting
     t = _table(P=600)
     fit_method({"label": "a", "method": "loglinear", "fit": {"temperature": 1.0}}, t)
-    before = fitting._value_and_grad._cache_size()
+    before = len(fitting._PROGRAMS)
     fit_method({"label": "b", "method": "loglinear", "fixed": {"temperature": 1.0}}, t)
     fit_method({"label": "c", "method": "loglinear", "fit": {"temperature": 0.5}},
                _table(P=650, seed=1))
-    assert fitting._value_and_grad._cache_size() == before
+    fit_method({"label": "d", "method": "loglinear", "fixed": {"temperature": 1.0},
+                "weighting": "perplexity", "variant": "calibrated"}, t)
+    assert len(fitting._PROGRAMS) == before
+    fit_method({"label": "e", "method": "born", "phase": "tanh",
+                "fit": {"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]}}, t)
+    before = len(fitting._PROGRAMS)
+    for phase in ("constant", "sigmoid", "log1p"):
+        fit_method({"label": phase, "method": "born", "phase": phase,
+                    "fit": {"phase.offset": [0.0, 0.5]}}, t)
+    fit_method({"label": "f", "method": "born", "phase": "constant",
+                "fixed": {"phase.offset": 0.0}, "variant": "calibrated"}, t)
+    assert len(fitting._PROGRAMS) == before
+
+
+def _corner(t):
+    """A calibrated born fit in the bound's corner: every member tempered to 10 and the
+    fused distribution sharpened to 1/10 (a local optimum of the calibrated objective)."""
+    f = Fitted("h", "born", {"phase.offset": 0.0, "phase": "constant",
+                             "calib.temperature": 0.1, "calib.member_temperature": [10.0, 10.0]},
+               np.array([0.5, 0.5]), 0.0, {"converged": True})
+    return dataclasses.replace(f, calib_nll=float(np.mean(evaluate(f, t)["nll"])))
 
 
 def test_several_starts_keep_the_best_basin():
-    """With several starts the fit is the best of the fits from each start alone (here
-    a cold start and a start from the calibrated linear pool's values end in
-    different optima)."""
+    """With several starts the fit is the best of the fits from each start alone (a
+    cold start, and a start in the bound's corner that the box-constrained fit
+    leaves)."""
     t = _table()
     spec = MethodSpec("h", "born", fixed={"phase.offset": 0.0}, phase="constant",
                       variant="calibrated")
-    lin = fit_method(dataclasses.replace(spec, method="linear", phase=None, fixed={}), t)
-    cold, from_lin = fit_method(spec, t), fit_method(spec, t, warm=lin)
-    assert abs(cold.calib_nll - from_lin.calib_nll) > 1e-5  # two basins
-    both = fit_method(spec, t, starts=[lin])
-    assert both.calib_nll == pytest.approx(min(cold.calib_nll, from_lin.calib_nll), abs=1e-7)
+    corner = _corner(t)
+    cold, from_corner = fit_method(spec, t), fit_method(spec, t, warm=corner)
+    assert from_corner.calib_nll < corner.calib_nll - 1e-2
+    both = fit_method(spec, t, starts=[corner])
+    assert both.calib_nll <= min(cold.calib_nll, from_corner.calib_nll) + 1e-6
+
+
+@pytest.mark.parametrize("phase", ["tanh", "sigmoid", "constant", "token_tanh", "token_log1p"])
+def test_one_program_for_every_phase_map_gives_each_maps_nll(phase):
+    """The born program that switches between the phase maps of a kind gives, at the
+    same values, the NLL of that map through brf.fusion.fuse (a float64 mean of it)."""
+    t = _table(P=300)
+    spec = {"label": "b", "method": "born", "phase": phase, "variant": "calibrated",
+            "fit": {"phase.offset": [0.0, 0.7]}}
+    f = fit_method(spec, t, settings=FitSettings(max_iter=3))
+    assert np.mean(evaluate(f, t)["nll"]) == pytest.approx(f.calib_nll, abs=2e-6)
+
+
+def test_chunks_change_nothing(monkeypatch):
+    """Evaluating a table in many small chunks gives the fit of one chunk."""
+    from brf.eval import fitting
+    t = _table(P=700)
+    spec = {"label": "l", "method": "loglinear", "fit": {"temperature": 1.0},
+            "variant": "calibrated"}
+    one = fit_method(spec, t)
+    monkeypatch.setattr(fitting, "MAX_CHUNK", 64)
+    many = fit_method(spec, t)
+    assert many.calib_nll == pytest.approx(one.calib_nll, abs=1e-6)
+
+
+def test_refining_a_fit_keeps_it_unless_another_start_is_better():
+    """A second round from a converged fit and a start that ends in its basin keeps the
+    fit as it is without polishing it again; from a fit in the bound's corner and a
+    start in a better basin it moves there."""
+    t = _table()
+    settings = FitSettings(subsample=300)
+    spec = MethodSpec("h", "born", fixed={"phase.offset": 0.0}, phase="constant",
+                      variant="calibrated")
+    lin = fit_method(dataclasses.replace(spec, method="linear", phase=None, fixed={}), t,
+                     settings=settings)
+    good = fit_method(spec, t, settings=settings, warm=lin)
+    kept = fit_method(spec, t, settings=settings, warm=good, starts=[lin], refine=True)
+    assert kept.calib_nll == good.calib_nll and kept.params == good.params
+    assert kept.info["evaluations"] == 0 and kept.info["subsample_evaluations"] > 0
+    corner = _corner(t)
+    assert corner.calib_nll > good.calib_nll + 1e-2
+    moved = fit_method(spec, t, settings=settings, warm=corner, starts=[good], refine=True)
+    assert moved.calib_nll == pytest.approx(good.calib_nll, abs=1e-3)
+
+
+def test_lbfgs_reaches_an_optimum_on_the_bound_exactly():
+    """A bounded coordinate whose optimum lies beyond its bound ends on the bound (held
+    there), the free one at its own optimum; the same as scipy's L-BFGS-B."""
+    def fun(x):
+        f = (x[0] - 3.0) ** 2 + (x[1] + 0.5) ** 2 + 0.5 * x[0] * x[1]
+        return f, np.array([2 * (x[0] - 3.0) + 0.5 * x[1], 2 * (x[1] + 0.5) + 0.5 * x[0]])
+    lo, hi = np.array([-1.0, -np.inf]), np.array([1.0, np.inf])
+    r = lbfgs.minimize(fun, np.array([0.0, 0.0]), max_iter=100, ftol=1e-12, gtol=1e-8,
+                       history=10, max_step=1.0, lower=lo, upper=hi)
+    ref = optimize.minimize(fun, [0.0, 0.0], jac=True, method="L-BFGS-B",
+                            bounds=[(-1.0, 1.0), (None, None)])
+    assert r.converged and r.x[0] == 1.0
+    np.testing.assert_allclose(r.x, ref.x, atol=1e-6)

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from brf.eval import controls as controls_lib
 from brf.eval import forking, hypotheses, stats
 from brf.eval.caches import FitCache
-from brf.eval.fitting import (EventTable, FitSettings, Fitted, MethodSpec, evaluate,
-                              fit_method)
+from brf.eval.fitting import (NLL_CAP, EventTable, FitSettings, Fitted, MethodSpec,
+                              evaluate, fit_method, precompile)
 from brf.eval.plan import Plan, SweepCurve, split
 from brf.fusion import PHASE_MAPS, phase_map
 
@@ -140,33 +140,67 @@ def fit_all(plan: Plan, specs: Sequence[MethodSpec], calib: EventTable, test: Ev
 def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSettings, *,
               cache: FitCache | None = None, desc: str = "fitting methods",
               before: Sequence[MethodResult] = ()) -> list[Fitted]:
-    """Fits every spec on calibration, in order, each once (``cache`` keeps them).
+    """Fits every spec on calibration, each once (``cache`` keeps them).
 
     A spec in a variant other than 'proposed' starts from the proposed fit of the
-    same row, and from the temperatures and weights of the best such fit so far
-    (the calibrated objectives have local optima); ``before`` are rows fitted
-    earlier on the same table, which count as "so far".
+    same row (the last one listed before it), and from the temperatures and weights
+    of the best such fit listed before it (the calibrated objectives have local
+    optima); ``before`` are rows fitted earlier on the same table, which count as
+    listed before. The fits run in the order of :func:`_schedule` (the same fits as
+    in the listed order), beside the compilation of the programs they need.
     """
-    out, proposed, calibrated = [], {}, []
+    proposed, calibrated = {}, []
     for m in before:
         if m.variant == "proposed":
             proposed[_row_key(m.spec)] = m.fitted
         elif m.role != "member":
             calibrated.append(m.fitted)
-    for spec in tqdm(specs, desc=desc, unit="method", dynamic_ncols=True):
-        f = cache.get(spec) if cache is not None else None
+    order, warm_of = _schedule(specs)
+    cached = {i: cache.get(specs[i]) for i in order} if cache is not None else {}
+    precompile([specs[i] for i in order if cached.get(i) is None
+                and not _nothing_to_fit(specs[i])], calib, settings)
+    fits: dict[int, Fitted] = {}
+    for i in tqdm(order, desc=desc, unit="method", dynamic_ncols=True):
+        spec, f = specs[i], cached.get(i)
         if f is None:
             others = sorted(calibrated, key=lambda g: g.calib_nll)[:1]
-            f = fit_spec(spec, calib, settings, warm=proposed.get(_row_key(spec)),
+            warm = (fits[warm_of[i]] if warm_of[i] is not None
+                    else proposed.get(_row_key(spec)))
+            f = fit_spec(spec, calib, settings, warm=warm,
                          starts=others if spec.variant != "proposed" else ())
             if cache is not None:
                 cache.put(spec, f)
-        if spec.variant == "proposed":
-            proposed[_row_key(spec)] = f
-        elif spec.role != "member":
+        if spec.variant != "proposed" and spec.role != "member":
             calibrated.append(f)
-        out.append(f)
+        fits[i] = f
+    out = [fits[i] for i in range(len(specs))]
     return _second_round(specs, out, calibrated, calib, settings, cache)
+
+
+def _schedule(specs: Sequence[MethodSpec]) -> tuple[list[int], list[int | None]]:
+    """(an order to fit ``specs`` in, the index of the proposed spec each one starts
+    from or None). Each spec starts from the last proposed spec of its row listed
+    before it, and a non-proposed one from the non-proposed ones listed before it:
+    proposed specs keep their order, non-proposed ones theirs, and each
+    non-proposed one runs as soon as the proposed one it starts from has run (a
+    table's calibrated rows then alternate with its proposed rows, and fitting
+    overlaps the compilation of the programs that later rows need)."""
+    warm_of, last = [], {}
+    for i, spec in enumerate(specs):
+        warm_of.append(last.get(_row_key(spec)))
+        if spec.variant == "proposed":
+            last[_row_key(spec)] = i
+    waiting = [i for i, s in enumerate(specs) if s.variant != "proposed"]
+    order, done, j = [], set(), 0
+    for i in [None] + [i for i, s in enumerate(specs) if s.variant == "proposed"]:
+        if i is not None:
+            order.append(i)
+            done.add(i)
+        while j < len(waiting) and (warm_of[waiting[j]] is None or warm_of[waiting[j]] in done):
+            order.append(waiting[j])
+            done.add(waiting[j])
+            j += 1
+    return order, warm_of
 
 
 # The second round's version: cached fits refined by an earlier rule are refined again.
@@ -197,7 +231,8 @@ def _second_round(specs: Sequence[MethodSpec], fits: list[Fitted], calibrated: l
         f = fits[i]
         kin = _best([g for g in calibrated if g.method == f.method and g is not f])
         starts = [g for g in (best, kin) if g is not None and g is not f]
-        g = fit_spec(specs[i], calib, settings, warm=f, starts=starts) if starts else f
+        g = (fit_spec(specs[i], calib, settings, warm=f, starts=starts, refine=True)
+             if starts else f)
         keep = g if g.calib_nll < f.calib_nll else f
         out[i] = dataclasses.replace(keep, info={**dict(keep.info),
                                                  "second_round": _SECOND_ROUND,
@@ -211,14 +246,35 @@ def _row_key(spec: MethodSpec) -> str:
     return dataclasses.replace(spec, label="", variant="proposed").key()
 
 
+def _nothing_to_fit(spec: MethodSpec) -> bool:
+    return spec.fixed_weights is not None and spec.variant == "proposed"
+
+
 def fit_spec(spec: MethodSpec, calib: EventTable, settings: FitSettings, *,
-             warm: Fitted | None = None, starts: Sequence[Fitted] = ()) -> Fitted:
-    """One spec fitted; a single member as proposed has nothing to fit."""
-    if spec.fixed_weights is not None and spec.variant == "proposed":
-        f = Fitted(spec.label, spec.method, {}, np.asarray(spec.fixed_weights, np.float64),
-                   float("nan"))
-        return dataclasses.replace(f, calib_nll=float(np.mean(evaluate(f, calib)["nll"])))
-    return fit_method(spec, calib, settings=settings, warm=warm, starts=starts)
+             warm: Fitted | None = None, starts: Sequence[Fitted] = (),
+             refine: bool = False) -> Fitted:
+    """One spec fitted (:func:`brf.eval.fitting.fit_method`); a single member as proposed
+    has nothing to fit."""
+    if _nothing_to_fit(spec):
+        w = np.asarray(spec.fixed_weights, np.float64)
+        f = Fitted(spec.label, spec.method, {}, w, float("nan"))
+        if spec.method == "linear" and np.sum(w == 1.0) == 1 and np.sum(w == 0.0) == len(w) - 1:
+            nll = member_nll(calib, int(np.argmax(w)))  # one member alone
+        else:
+            nll = evaluate(f, calib)["nll"]
+        return dataclasses.replace(f, calib_nll=float(np.mean(nll)))
+    return fit_method(spec, calib, settings=settings, warm=warm, starts=starts,
+                      refine=refine)
+
+
+def member_nll(table: EventTable, i: int) -> np.ndarray:
+    """[P] member i's NLL of the gold strings (float64; as :func:`evaluate` gives it for
+    the linear pool with all the weight on member i)."""
+    lp = np.asarray(table.logp[:, i, :], np.float64)
+    top = np.max(lp, axis=-1, keepdims=True)
+    lse = top[:, 0] + np.log(np.sum(np.exp(lp - top), axis=-1))
+    nll = lse - lp[np.arange(len(lp)), np.asarray(table.gold, np.int64)]
+    return np.where(nll <= NLL_CAP, nll, NLL_CAP) - table.offset
 
 
 def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[MethodResult]

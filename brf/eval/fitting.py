@@ -19,10 +19,13 @@ space. Phase-map parameters are fitted like any other (``phase.*`` names).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import math
+import os
+import threading
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -31,6 +34,8 @@ import numpy as np
 
 from brf.eval import lbfgs
 from brf.fusion import fuse, get_method, phase_map
+from brf.fusion.born import DEFAULT_Z_MIN, born_from_phases
+from brf.fusion.phase import PHASE_MAPS, position_gap, token_gap
 
 PROB_FLOOR = 1e-10
 NLL_CAP = -math.log(PROB_FLOOR)
@@ -183,7 +188,7 @@ def split_phase(params: Mapping[str, Any]):
 
 
 def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
-               phase_name: str | None = None):
+               phase_name: str | tuple[str, ...] | None = None, phase_index=None):
     """log q [P, E] of a method with (possibly traced) parameter values.
 
     Calibration parameters (the *calibrated* variant of a method) wrap the
@@ -191,6 +196,10 @@ def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
     ``log p_i <- log_softmax(log p_i / T_i)`` over the events, and
     ``calib.temperature`` tempers the fused distribution, ``q <- q^(1/T) / Z``.
     ``weights`` may be [n] or per position [P, n].
+
+    For ``born``, ``phase_name`` may be a tuple of phase-map names of one kind and
+    ``phase_index`` a (traced) index into it: one program then serves every map of
+    the tuple, each taking the ``phase.*`` parameters it declares.
     """
     plain, phase = split_phase(params)
     member_t = plain.pop("calib.member_temperature", None)
@@ -198,12 +207,39 @@ def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
     plain.pop("weighting.temperature", None)
     if member_t is not None:
         logp_PxNxE = _tempered(logp_PxNxE, jnp.asarray(member_t, logp_PxNxE.dtype)[:, None])
-    if phase_name is not None:
-        plain["phase"] = phase_map(phase_name, **phase)
-    lq = fuse(method, logp_PxNxE, weights, validate=False, **plain)
+    if isinstance(phase_name, tuple):
+        if method != "born":
+            raise ValueError(f"a choice of phase maps is for 'born'; got {method!r}")
+        lq = _born_of_maps(logp_PxNxE, weights, phase, phase_name, phase_index, **plain)
+    else:
+        if phase_name is not None:
+            plain["phase"] = phase_map(phase_name, **phase)
+        lq = fuse(method, logp_PxNxE, weights, validate=False, **plain)
     if post_t is not None:
         lq = _tempered(lq, jnp.asarray(post_t, lq.dtype))
     return lq
+
+
+def _born_of_maps(logits, weights, phase_params, names, index, z_min=DEFAULT_Z_MIN):
+    """Born fusion (as :func:`brf.fusion.born.born`) with the phase map ``names[index]``."""
+    kinds = {PHASE_MAPS.get(n).kind for n in names}
+    if len(kinds) != 1:
+        raise ValueError(f"phase maps of one kind only; got {names}")
+    if kinds == {"token"}:
+        top1 = jnp.max(logits, axis=-1)
+        x, axis = token_gap(logits, top1), -2
+    else:
+        top1, x = position_gap(logits)
+        axis = -1
+
+    def branch(name):
+        keys = set(PHASE_MAPS.get(name).defaults) | {"offset"}
+        return lambda p: phase_map(name, **{k: v for k, v in p.items() if k in keys})(
+            x, member_axis=axis)
+
+    phi = jax.lax.switch(index, [branch(n) for n in names], dict(phase_params))
+    return born_from_phases(logits, jnp.asarray(weights, logits.dtype), top1, phi,
+                            z_min=z_min)[0]
 
 
 def _tempered(logp, temperature):
@@ -248,25 +284,31 @@ def gold_nll(logq_PxE, gold_P):
     return -jnp.take_along_axis(logq_PxE, gold_P[:, None], axis=-1)[:, 0]
 
 
-def _to_free(name, v, calib_range: float):
-    """A parameter value -> the unconstrained coordinate it is fitted in: log space for
-    positive parameters; for the calibration temperatures, when bounded to
-    [1/calib_range, calib_range], a tanh-squashed log space."""
-    v = jnp.asarray(v, jnp.float32)
+def _to_free(name, v, calib_range: float, xp=jnp):
+    """A parameter value -> the coordinate it is fitted in: log space for positive
+    parameters (the calibration temperatures, when bounded to [1/calib_range,
+    calib_range], clipped to that box: see :func:`_bounds`). ``xp``: jnp (traced) or
+    np (float64 on the host)."""
+    v = xp.asarray(v, xp.float32 if xp is jnp else xp.float64)
     if name in _BOUNDED and calib_range:
         r = math.log(calib_range)
-        return jnp.arctanh(jnp.clip(jnp.log(v) / r, -0.999, 0.999))
-    return jnp.log(v) if name in _POSITIVE else v
+        return xp.clip(xp.log(v), -r, r)
+    return xp.log(v) if name in _POSITIVE else v
 
 
-def _from_free(name, v, calib_range: float):
+def _from_free(name, v, xp=jnp):
     """The inverse of :func:`_to_free`."""
-    if name in _BOUNDED and calib_range:
-        return jnp.exp(math.log(calib_range) * jnp.tanh(v))
-    return jnp.exp(v) if name in _POSITIVE else v
+    return xp.exp(v) if name in _POSITIVE else v
 
 
 _BOUNDED = {"calib.temperature", "calib.member_temperature"}
+
+
+def _bounds(name: str, size: int, calib_range: float) -> tuple[np.ndarray, np.ndarray]:
+    """The box of a parameter's fitted coordinates: [-log r, log r] for the bounded
+    calibration temperatures, unbounded otherwise."""
+    r = math.log(calib_range) if name in _BOUNDED and calib_range else math.inf
+    return np.full(size, -r), np.full(size, r)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,22 +346,24 @@ class FitSettings:
 
 def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
                settings: FitSettings = FitSettings(), warm: Fitted | None = None,
-               starts: Sequence[Fitted] = ()) -> Fitted:
+               starts: Sequence[Fitted] = (), refine: bool = False) -> Fitted:
     """Fits one method spec on ``table`` (the calibration split).
 
     The mean calibration NLL of a spec's continuous parameters is a small smooth
-    problem, minimised by L-BFGS (:mod:`brf.eval.lbfgs`) on a jit-compiled float32
-    value and gradient. On a large table every start and every grid combination is
-    first fitted on a fixed random subsample of positions; the grid combinations
-    with the lowest NLL on all positions are then polished on all positions,
-    starting with the subsample's curvature estimate, so that the answer is the
-    optimum of the whole calibration NLL. Several starts guard against the local
-    optima of the calibrated variant (its temperatures and weights interact).
+    problem, minimised by L-BFGS (:mod:`brf.eval.lbfgs`) on a compiled float32 value
+    and gradient. On a large table every start and every grid combination is first
+    fitted on a fixed random subsample of positions; the grid combinations with the
+    lowest NLL on all positions are then polished on all positions, starting with
+    the subsample's curvature estimate, so that the answer is the optimum of the
+    whole calibration NLL. Several starts guard against the local optima of the
+    calibrated variant (its temperatures and weights interact).
 
-    Every float (fixed, fitted or a float grid value) is an argument of one
-    compiled program per (method, phase map, static values, variant, table size
-    bucket): specs that differ only in float values, and tables of similar size,
-    share compilations.
+    Every float (fixed, fitted or a float grid value) is an argument of one compiled
+    program per (method, kind of phase map, static values, chunk shape), which
+    evaluates one chunk of positions (:func:`chunk_positions`): specs that differ
+    only in float values, both variants, the subsample and all positions, and tables
+    with the same chunk shape share it. :func:`precompile` compiles the programs of
+    many specs ahead, beside the fits.
 
     Args:
       spec: the method and how it is tuned (:class:`MethodSpec`, or its dict form).
@@ -329,6 +373,10 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
         (e.g. the *proposed* fit starting its *calibrated* variant).
       starts: more fits (of any method) whose values of the shared parameters
         (temperatures, weights) are tried as starts too.
+      refine: ``warm`` is this spec's own converged fit on all positions: on the
+        subsample it is fitted beside the other starts, and where it stays the best
+        (within a relative 1e-5) and its run ends no lower on all positions, it is
+        kept as it is, without polishing it again.
 
     Returns:
       Fitted, with the lowest calibration NLL over the grid, and in ``info`` the
@@ -336,66 +384,176 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
       the final fit met its convergence test.
     """
     problem = _Problem(MethodSpec.coerce(spec), table, settings)
-    # Only fits with several starts pay for a second compiled program on a subsample.
-    several = warm is not None and bool(starts) or len(problem.grid_points()) > 1
+    points = problem.grid_points()
+    x_starts = problem.starts(warm, starts)
+    several = len(x_starts) > 1 or len(points) > 1
     sub = problem.subsample(settings.subsample) if several else None
     full = problem.data()
+    offset = float(np.mean(table.offset))
     info = {"iterations": 0, "evaluations": 0, "subsample_evaluations": 0,
             "converged": True}
-    x_starts = problem.starts(warm, starts)
-    runs = []  # (grid point, x, curvature pairs)
-    for point in problem.grid_points():
+    own = None  # (grid point index, x) of the warm fit when it is already polished
+    if (refine and warm is not None and warm.info.get("converged") and sub is not None
+            and problem.layout.size):
+        own = (problem.point_of(warm), x_starts[0])
+    runs = []  # [grid point, x, curvature pairs, x is the polished warm fit]
+    for j, point in enumerate(points):
         fun_sub = problem.objective(point, sub if sub is not None else full)
+        cands = list(x_starts)
+        if own is not None and j == own[0] and not any(x is own[1] for x in cands):
+            cands.append(own[1])
         best = None
-        for x0 in x_starts:
+        for x0 in cands:
             if problem.layout.size == 0:
-                best = (x0, [])
+                best = (x0, [], math.nan, False)
                 break
             r = lbfgs.minimize(fun_sub, x0, **problem.lbfgs_args(settings))
             info["subsample_evaluations" if sub is not None else "evaluations"] += r.evaluations
             if sub is None:
                 info["iterations"] += r.iterations
                 info["converged"] &= r.converged
-            if best is None or r.value < best[2]:
-                best = (r.x, r.pairs, r.value)
-        runs.append((point, best[0], best[1]))
+            mine = own is not None and j == own[0] and x0 is own[1]
+            if best is None or _better(r.value, mine, best[2], best[3]):
+                best = (r.x, r.pairs, r.value, mine)
+        runs.append([point, best[0], best[1], best[3]])
         x_starts = [best[0]]  # later grid points start where this one ended
-    scored = sorted((problem.value(point, x, full), i) for i, (point, x, _) in enumerate(runs))
+    warm_value = (warm.calib_nll + offset) if own is not None else math.nan
+
+    def full_value(run):
+        value = problem.value(run[0], run[1], full)
+        if run[3]:  # the warm fit won: is it still there, or did the run leave its basin?
+            run[3] = not value < warm_value - 1e-5 * max(abs(warm_value), 1.0)
+        return warm_value if run[3] else value
+
+    scored = sorted((full_value(run), i) for i, run in enumerate(runs))
     if sub is not None and problem.layout.size:
         polished = []
         for value, i in scored[:max(1, settings.polish)]:
-            point, x, pairs = runs[i]
+            point, x, pairs, mine = runs[i]
+            if mine:
+                polished.append((value, i, x, bool(warm.info.get("converged", True))))
+                continue
             r = lbfgs.minimize(problem.objective(point, full), x, pairs=pairs,
                                **problem.lbfgs_args(settings))
             info["evaluations"] += r.evaluations
             info["iterations"] += r.iterations
-            polished.append((r.converged, i, r.x))
-        info["converged"] = bool(polished[0][0]) if polished else True
-        runs = [(runs[i][0], x, None) for _, i, x in polished]
-        scored = sorted((problem.value(point, x, full), i) for i, (point, x, _) in enumerate(runs))
+            polished.append((r.value, i, r.x, r.converged))
+        polished.sort(key=lambda p: p[0] if math.isfinite(p[0]) else math.inf)
+        info["converged"] = bool(polished[0][3])
+        for value, i, x, _ in polished:
+            runs[i][1] = x
+        scored = [(value, i) for value, i, _, _ in polished]
     finite = [(v, i) for v, i in scored if math.isfinite(v)]
     if not finite:
         raise ValueError(f"{problem.spec.label}: no finite calibration NLL at any grid "
                          f"point (a method that truncates can give the gold event "
                          f"probability 0)")
     value, i = finite[0]
-    point, x, _ = runs[i]
+    point, x = runs[i][:2]
+    if runs[i][3]:
+        return dataclasses.replace(warm, info={**dict(warm.info), **info})
     params, w = problem.result(point, x, table)
     # The gold offsets are the same for every method: the fit never sees them, the
     # reported NLL is per string like the test NLL.
-    value = value - float(np.mean(table.offset))
-    return Fitted(problem.spec.label, problem.spec.method, params, w, value, info)
+    return Fitted(problem.spec.label, problem.spec.method, params, w, value - offset, info)
 
 
-# Tables are padded to a multiple of this many positions and events, so that the
-# tables of different corpora share compiled programs.
-POSITION_BUCKET = 512
-EVENT_BUCKET = 16
+def _better(value: float, mine: bool, best: float, best_mine: bool) -> bool:
+    """Whether a run ending at ``value`` beats the best so far; the polished warm fit
+    (``mine``) keeps its place unless another run is lower by a relative 1e-5 (runs
+    into one basin end that far apart, stopped by the convergence test)."""
+    if not math.isfinite(value):
+        return False
+    if not math.isfinite(best):
+        return True
+    tol = 1e-5 * max(abs(best), 1.0)
+    if best_mine:
+        return value < best - tol
+    if mine:
+        return value <= best + tol
+    return value < best
+
+
+# Positions are evaluated in chunks of a fixed number of positions, each chunk one
+# call of a compiled program: one chunk's arrays stay in the CPU's cache (a whole
+# table in one piece runs several times slower per position), and one program per
+# method serves the subsample and all positions, both variants and every table of
+# the same chunk shape. Events are padded to the next size of a ladder spaced by a
+# factor of about sqrt(2), each size a multiple of 8 just above a power of two or
+# its sqrt(2) multiple (the k strings of each of n members plus OTHER fit a
+# power-of-two k): the tables of a study share programs.
+CHUNK_BYTES = 5 << 17  # float32 log-probabilities per chunk: 640 KiB
+MIN_CHUNK, MAX_CHUNK = 64, 4096
+_WEIGHT_MODES = ("given", "logits", "perplexity")
+
+
+def padded_events(n_events: int) -> int:
+    """The event count a table is padded to: the smallest 8 ceil((floor(2^(j/2)) + 1) / 8)
+    (j = 0, 1, ...) that holds ``n_events`` (..., 96, 136, 184, 264, 368, ...)."""
+    j = 0
+    while True:
+        e = 8 * -(-(math.floor(2 ** (j / 2)) + 1) // 8)
+        if e >= n_events:
+            return e
+        j += 1
+
+
+def chunk_positions(n_members: int, n_events: int) -> int:
+    """Positions per chunk: the largest power of two whose log-probabilities fit
+    CHUNK_BYTES (within [MIN_CHUNK, MAX_CHUNK])."""
+    b = max(1, CHUNK_BYTES // (4 * n_members * padded_events(n_events)))
+    return int(min(MAX_CHUNK, max(MIN_CHUNK, 1 << (b.bit_length() - 1))))
+
+
+class _Data(NamedTuple):
+    """Positions of a table on the device, in chunks: [(logp [B, n, E'], gold [B],
+    context NLL [B, n], mask [B])]; padding positions are masked out."""
+    chunks: list
+    n_positions: int
+
+
+_DATA: dict = {}  # (table arrays' ids, subset) -> (the arrays, _Data); a few recent
+
+
+def _table_data(table: EventTable, subsample: int = 0) -> _Data:
+    """The positions of ``table`` (all, or a fixed random subset of ``subsample``) in
+    chunks on the device; kept for the tables of the last few fits."""
+    P, n, E = table.logp.shape
+    B = chunk_positions(n, E)
+    key = (id(table.logp), id(table.gold), id(table.segment), subsample, B)
+    hit = _DATA.get(key)
+    if hit is not None and hit[0][0] is table.logp and hit[0][1] is table.gold:
+        return hit[1]
+    idx = (np.sort(np.random.default_rng(0).choice(P, subsample, replace=False))
+           if subsample else np.arange(P))
+    size = -(-len(idx) // B) * B
+    pad = np.concatenate([idx, np.full(size - len(idx), idx[0])])
+    logp = np.full((size, n, padded_events(E)), -np.inf,
+                   np.float32)  # padding events: no member gives them mass
+    logp[:, :, :E] = np.asarray(table.logp)[pad]
+    gold = np.asarray(table.gold)[pad]
+    ctx = np.asarray(context_nll(table), np.float32)[pad]
+    mask = np.arange(size) < len(idx)
+    chunks = [tuple(jnp.asarray(a[i:i + B]) for a in (logp, gold, ctx, mask))
+              for i in range(0, size, B)]
+    data = _Data(chunks, len(idx))
+    while len(_DATA) >= 4:
+        del _DATA[next(iter(_DATA))]
+    _DATA[key] = ((table.logp, table.gold, table.segment), data)
+    return data
 
 
 class _Problem:
     """One spec's fitting problem on one table: which values are free, fixed,
-    static; the weights' parameterisation; starts; objectives."""
+    static; the weights' parameterisation; starts; objectives.
+
+    Every dynamic value (fitted, fixed or a float grid value, in its free coordinate)
+    is an entry of one float32 vector ``v`` that the compiled program takes; L-BFGS
+    moves the entries of the fitted ones (``x``, float64). As proposed, the
+    calibration temperatures are held at 1 (tempering by 1 changes nothing), so both
+    variants run one program; the member weights' three parameterisations are one
+    program too, and so are the ``born`` rows of every phase map of one kind.
+    """
 
     def __init__(self, spec: MethodSpec, table: EventTable, settings: FitSettings):
         self.spec, self.table, self.calib_range = spec, table, float(settings.calib_range)
@@ -424,27 +582,59 @@ class _Problem:
         self.fixed_static = {k: v for k, v in self.fixed.items() if not self.dynamic(k)}
         self.keys = sorted(init)
         self.init = init
-        # Both variants run one compiled program: as proposed, the calibration
-        # temperatures are held at 1 (tempering by 1 changes nothing).
-        values0 = {"calib.temperature": self._free("calib.temperature", 1.0)}
+        values0 = {"calib.temperature": 1.0, "weighting.temperature": 1.0}
         if n > 1:
-            values0["calib.member_temperature"] = self._free("calib.member_temperature",
-                                                             [1.0] * n)
-        values0.update({k: self._free(k, v) for k, v in self.fixed.items() if self.dynamic(k)})
-        values0.update({k: self._free(k, init[k]) for k in self.keys})
-        free = list(self.keys)
-        if self.mode == "logits":  # weights softmax([0, z_1..z_{n-1}]): n - 1 free logits
-            values0["_w"] = jnp.zeros(n - 1, jnp.float32)
-            free.append("_w")
+            values0["calib.member_temperature"] = [1.0] * n
+        # born: every phase map of the spec's kind in one program (lax.switch); the
+        # parameters a map does not declare are carried along unused.
+        self.phases, self.phase_index = (spec.phase,) if spec.phase else None, 0
+        if spec.method == "born" and spec.phase:
+            kind = PHASE_MAPS.get(spec.phase).kind
+            self.phases = tuple(sorted(m for m in PHASE_MAPS.names()
+                                       if PHASE_MAPS.get(m).kind == kind))
+            self.phase_index = self.phases.index(spec.phase)
+            for m in self.phases[::-1]:
+                values0.update({f"phase.{k}": v for k, v in PHASE_MAPS.get(m).defaults.items()})
+            values0.update({f"phase.{k}": v
+                            for k, v in PHASE_MAPS.get(spec.phase).defaults.items()})
+            values0["phase.offset"] = 0.0
+        values0.update({k: v for k, v in self.fixed.items() if self.dynamic(k)})
+        values0.update({k: vals[0] for k, vals in spec.grid.items()  # (set per grid point)
+                        if vals and self.dynamic(k)})
+        values0.update(init)
+        values0 = {k: self._free(k, v) for k, v in values0.items()}
+        if (self.phases and len(self.phases) > 1 and "phase.offset" not in init):
+            # a held scalar offset is the same on each member (a fitted one stays one value)
+            values0["phase.offset"] = np.broadcast_to(values0["phase.offset"], (n,)).copy()
+        if n > 1:  # weights softmax([0, z_1..z_{n-1}]): n - 1 logits
+            values0["_w"] = np.zeros(n - 1)
+        free = list(self.keys) + (["_w"] if self.mode == "logits" else [])
         self.values0 = values0
+        self.all = _Layout(values0)
         self.layout = _Layout({k: values0[k] for k in free})
+        self.free_idx = np.concatenate(
+            [self.all.slice_of(k) for k in self.layout.keys] or [np.zeros(0, np.int64)])
+        box = [_bounds(k, size, self.calib_range)
+               for k, size in zip(self.layout.keys, self.layout.sizes)]
+        self.lower = np.concatenate([b[0] for b in box] or [np.zeros(0)])
+        self.upper = np.concatenate([b[1] for b in box] or [np.zeros(0)])
+        self.wmode = _WEIGHT_MODES.index(self.mode)
+        self._consts = None  # (base_w, wmode, phase_index) on the device
 
     def _free(self, k, v):
-        return _to_free(k, v, self.calib_range)
+        return _to_free(k, v, self.calib_range, xp=np)
 
     def grid_points(self) -> list[dict]:
         grid = dict(self.spec.grid)
         return [dict(zip(grid, vals)) for vals in itertools.product(*grid.values())]
+
+    def point_of(self, fit: Fitted) -> int:
+        """The index of the grid point ``fit`` was fitted at (-1: none)."""
+        for i, point in enumerate(self.grid_points()):
+            if all(k in fit.params and _canonical(fit.params[k]) == _canonical(v)
+                   for k, v in point.items()):
+                return i
+        return -1
 
     def starts(self, warm: Fitted | None, others: Sequence[Fitted]) -> list[np.ndarray]:
         """The warm fit's values of this spec's free parameters (or the initial values
@@ -458,79 +648,79 @@ class _Problem:
                     values[k] = self._free(k, f.params[k])
             if self.mode == "logits" and np.shape(f.weights) == (self.n,):
                 logw = np.log(np.clip(np.asarray(f.weights, np.float64), 1e-6, None))
-                values["_w"] = jnp.asarray(logw[1:] - logw[0], jnp.float32)
+                values["_w"] = logw[1:] - logw[0]
             x = self.layout.flatten(values)
             if all(np.max(np.abs(x - y), initial=0.0) > 1e-6 for y in out):
                 out.append(x)
         return out
 
-    def data(self, idx: np.ndarray | None = None):
-        """(logp, gold, context NLL, mask) of the positions ``idx`` (default all), padded
-        to a bucket of positions (copies of the first, masked out)."""
-        t = self.table if idx is None else self.table.take(idx)
-        P, E = t.n_positions, t.logp.shape[2]
-        size = -(-P // POSITION_BUCKET) * POSITION_BUCKET
-        pad = np.concatenate([np.arange(P), np.zeros(size - P, np.int64)])
-        logp = np.full((size, self.n, -(-E // EVENT_BUCKET) * EVENT_BUCKET), -np.inf,
-                       np.float32)  # padding events: no member gives them mass
-        logp[:, :, :E] = np.asarray(t.logp)[pad]
-        ctx = (np.asarray(context_nll(self.table), np.float32) if self.mode == "perplexity"
-               else np.zeros((self.table.n_positions, self.n), np.float32))
-        if idx is not None:
-            ctx = ctx[idx]
-        return (jnp.asarray(logp), jnp.asarray(np.asarray(t.gold)[pad]),
-                jnp.asarray(ctx[pad]), jnp.asarray(np.arange(size) < P))
+    def data(self, subsample: int = 0) -> _Data:
+        return _table_data(self.table, subsample)
 
-    def subsample(self, m: int):
+    def subsample(self, m: int) -> _Data | None:
         """The data of a fixed random subset of m positions, or None when the table has
-        at most 2 m positions (it is fitted on all of them directly)."""
+        at most 4 m positions (it is fitted on all of them directly)."""
         P = self.table.n_positions
         if not m or P <= 4 * m:
             return None
-        idx = np.sort(np.random.default_rng(0).choice(P, m, replace=False))
-        return self.data(idx)
+        return self.data(m)
 
-    def _program(self, point: dict):
+    def program_key(self, point: dict) -> tuple:
+        """What the compiled program at a grid point depends on (see :func:`_compile`)."""
         static = _hashable({**self.fixed_static,
                             **{k: v for k, v in point.items() if not self.dynamic(k)}})
-        values = {**self.values0,
-                  **{k: self._free(k, v) for k, v in point.items() if self.dynamic(k)}}
-        program = functools.partial(_value_and_grad, method=self.spec.method,
-                                    phase_name=self.spec.phase, static=static, mode=self.mode,
-                                    calib_range=self.calib_range)
-        return values, program
+        _, n, E = self.table.logp.shape
+        e = padded_events(E)
+        return (self.spec.method, self.phases, static, self.all.signature,
+                (chunk_positions(n, E), n, e))
 
-    def objective(self, point: dict, data) -> Callable[[np.ndarray], tuple]:
+    def _program(self, point: dict):
+        """(the dynamic values at a grid point, its compiled program)."""
+        v = self.all.flatten({**self.values0, **{k: self._free(k, x) for k, x in point.items()
+                                                 if self.dynamic(k)}})
+        return v, _compiled(self.program_key(point))
+
+    def _evaluate(self, v: np.ndarray, program, x: np.ndarray, data: _Data):
+        """(mean NLL, gradient over the free coordinates) at x: float64 on the host."""
+        v = v.astype(np.float32)
+        v[self.free_idx] = x
+        if self._consts is None:
+            self._consts = (jnp.asarray(self.base_w, jnp.float32), jnp.int32(self.wmode),
+                            jnp.int32(self.phase_index))
+        run = lambda chunk: jax.device_get(program(v, *self._consts, *chunk))
+        out = (list(_evaluator().map(run, data.chunks)) if len(data.chunks) > 1
+               else [run(data.chunks[0])])
+        value = math.fsum(float(s) for s, _ in out) / data.n_positions
+        grad = np.sum([np.asarray(g, np.float64) for _, g in out], axis=0) / data.n_positions
+        return value, grad[self.free_idx]
+
+    def objective(self, point: dict, data: _Data) -> Callable[[np.ndarray], tuple]:
         """x -> (mean NLL, gradient) on ``data`` at a grid point (float64 on the host)."""
-        values, program = self._program(point)
-        base_w = jnp.asarray(self.base_w, jnp.float32)
+        v, program = self._program(point)
+        return lambda x: self._evaluate(v, program, x, data)
 
-        def fun(x):
-            v, g = program({**values, **self.layout.unflatten(x)}, base_w, *data)
-            return float(v), self.layout.flatten(g)
-        return fun
-
-    def value(self, point: dict, x: np.ndarray, data) -> float:
-        values, program = self._program(point)
-        v, _ = program({**values, **self.layout.unflatten(x)},
-                       jnp.asarray(self.base_w, jnp.float32), *data)
-        return float(v)
+    def value(self, point: dict, x: np.ndarray, data: _Data) -> float:
+        v, program = self._program(point)
+        return self._evaluate(v, program, x, data)[0]
 
     def lbfgs_args(self, settings: FitSettings) -> dict:
         return dict(max_iter=settings.max_iter, ftol=settings.ftol, gtol=settings.gtol,
-                    history=settings.history, max_step=settings.max_step)
+                    history=settings.history, max_step=settings.max_step,
+                    lower=self.lower, upper=self.upper)
 
     def result(self, point: dict, x: np.ndarray, table: EventTable):
         """(parameter values as fitted, member weights) at ``x``."""
         found = {**self.values0, **self.layout.unflatten(x)}
         params = {**self.fixed, **point,
-                  **{k: _plain_value(_from_free(k, found[k], self.calib_range))
+                  **{k: _plain_value(_from_free(k, np.asarray(found[k], np.float32), xp=np))
                      for k in self.keys}}
         if self.mode == "logits":
-            w = np.asarray(jax.nn.softmax(jnp.concatenate([jnp.zeros(1), found["_w"]])))
+            z = np.concatenate([[0.0], found["_w"]]).astype(np.float32)
+            w = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
         elif self.mode == "perplexity":  # per position; report their mean
-            w = np.asarray(perplexity_weights_for(table, params["weighting.temperature"])
-                           ).mean(0)
+            z = -context_nll(table) / params["weighting.temperature"]
+            w = np.exp(z - z.max(-1, keepdims=True))
+            w = (w / w.sum(-1, keepdims=True)).mean(0)
         else:
             w = self.base_w
         if self.spec.phase:
@@ -547,45 +737,146 @@ def _plain_value(v):
     return float(a) if a.ndim == 0 else a.tolist()
 
 
-def _mean_nll(values, base_w, logp, gold, ctx, mask, *, method, phase_name, static, mode,
-              calib_range):
-    """The mean NLL over the unmasked positions of a method with parameter ``values``
-    (free coordinates, see :func:`_to_free`; ``_w`` the weight logits)."""
-    params = {**dict(static), **{k: _from_free(k, v, calib_range)
-                                 for k, v in values.items() if k != "_w"}}
-    if mode == "logits":
-        w = jax.nn.softmax(jnp.concatenate([jnp.zeros(1), values["_w"]]))
-    elif mode == "perplexity":
-        w = jax.nn.softmax(-ctx / params["weighting.temperature"], axis=-1)
-    else:
-        w = base_w
-    nll = gold_nll(fused_logq(method, params, w, logp, phase_name), gold)
-    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask)
+_EVALUATOR: list = []  # threads that run the chunks of one evaluation side by side
 
 
-@functools.partial(jax.jit, static_argnames=("method", "phase_name", "static", "mode",
-                                             "calib_range"))
-def _value_and_grad(values, base_w, logp, gold, ctx, mask, *, method, phase_name, static,
-                    mode, calib_range):
-    return jax.value_and_grad(_mean_nll)(values, base_w, logp, gold, ctx, mask, method=method,
-                                         phase_name=phase_name, static=static, mode=mode,
-                                         calib_range=calib_range)
+def _evaluator() -> concurrent.futures.ThreadPoolExecutor:
+    if not _EVALUATOR:
+        _EVALUATOR.append(concurrent.futures.ThreadPoolExecutor(
+            min(8, os.cpu_count() or 1), thread_name_prefix="brf-fit-chunks"))
+    return _EVALUATOR[0]
+
+
+_PROGRAMS: dict = {}  # program key -> Future of the compiled program
+_PROGRAMS_LOCK = threading.Lock()
+_COMPILER: list = []  # the background compilers (a pool of threads), once started
+
+
+def _compile(key: tuple):
+    """The compiled value-and-gradient program of one chunk of positions."""
+    method, phases, static, layout, (B, n, e) = key
+    size = sum(int(np.prod(shape)) for _, shape in layout)
+    sds = jax.ShapeDtypeStruct
+    args = (sds((size,), jnp.float32), sds((n,), jnp.float32), sds((), jnp.int32),
+            sds((), jnp.int32), sds((B, n, e), jnp.float32), sds((B,), jnp.int32),
+            sds((B, n), jnp.float32), sds((B,), jnp.bool_))
+    return _chunk_value_and_grad.lower(*args, method=method, phases=phases, static=static,
+                                       layout=layout).compile()
+
+
+def _compiled(key: tuple):
+    """The compiled program of ``key``: compiled now, or waited for when
+    :func:`precompile` has it under way."""
+    with _PROGRAMS_LOCK:
+        future = _PROGRAMS.get(key)
+        mine = future is None
+        if mine:
+            future = _PROGRAMS[key] = concurrent.futures.Future()
+    if mine:
+        try:
+            future.set_result(_compile(key))
+        except BaseException as e:
+            future.set_exception(e)
+            with _PROGRAMS_LOCK:
+                _PROGRAMS.pop(key, None)
+            raise
+    return future.result()
+
+
+def precompile(specs: Sequence[MethodSpec | Mapping[str, Any]], table: EventTable,
+               settings: FitSettings = FitSettings()) -> None:
+    """Starts compiling, in background threads and in order, the programs that fitting
+    ``specs`` on ``table`` will run (a fit waits for its program, if needed; fits
+    run beside the compilations)."""
+    keys = []
+    for spec in specs:
+        problem = _Problem(MethodSpec.coerce(spec), table, settings)
+        keys += [problem.program_key(point) for point in problem.grid_points()]
+    with _PROGRAMS_LOCK:
+        todo = [k for k in dict.fromkeys(keys) if k not in _PROGRAMS]
+        if todo and not _COMPILER:
+            _COMPILER.append(concurrent.futures.ThreadPoolExecutor(
+                min(2, os.cpu_count() or 1), thread_name_prefix="brf-fit-compile"))
+        for key in todo:
+            future = _PROGRAMS[key] = concurrent.futures.Future()
+            _COMPILER[0].submit(_compile_into, key, future)
+
+
+def _compile_into(key: tuple, future: concurrent.futures.Future) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(_compile(key))
+    except BaseException as e:  # the fit that needs it raises it
+        future.set_exception(e)
+
+
+def clear_programs() -> None:
+    """Forgets every compiled program (benchmarks: each fitter pays for its own)."""
+    with _PROGRAMS_LOCK:
+        for future in _PROGRAMS.values():
+            future.cancel()
+        _PROGRAMS.clear()
+
+
+def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, *, method, phases,
+               static, layout):
+    """The summed NLL over the unmasked positions of a chunk, of a method with the
+    dynamic values ``v`` (free coordinates, see :func:`_to_free`, laid out as
+    ``layout``; ``_w`` the weight logits). ``wmode`` picks the member weights: the
+    given ``base_w``, softmax of the logits, or PackLLM's perplexity weights."""
+    values = _Layout.unflatten_traced(v, layout)
+    params = {**dict(static), **{k: _from_free(k, x) for k, x in values.items() if k != "_w"}}
+    n = logp.shape[1]
+    w = jnp.broadcast_to(base_w, (logp.shape[0], n))
+    if "_w" in values:
+        w = jnp.where(wmode == 1, jax.nn.softmax(jnp.concatenate([jnp.zeros(1), values["_w"]])),
+                      w)
+    w = jnp.where(wmode == 2, jax.nn.softmax(-ctx / params["weighting.temperature"], axis=-1),
+                  w)
+    phase_name = phases if phases is None or len(phases) > 1 else phases[0]
+    nll = gold_nll(fused_logq(method, params, w, logp, phase_name, phase_index), gold)
+    return jnp.sum(jnp.where(mask, nll, 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("method", "phases", "static", "layout"))
+def _chunk_value_and_grad(v, base_w, wmode, phase_index, logp, gold, ctx, mask, *, method,
+                          phases, static, layout):
+    return jax.value_and_grad(_chunk_nll)(v, base_w, wmode, phase_index, logp, gold, ctx, mask,
+                                          method=method, phases=phases, static=static,
+                                          layout=layout)
 
 
 class _Layout:
-    """A dict of float32 arrays <-> one float64 vector (what L-BFGS works on)."""
+    """A dict of arrays <-> one float64 vector (what L-BFGS works on)."""
 
-    def __init__(self, free: Mapping[str, jax.Array]):
+    def __init__(self, free: Mapping[str, Any]):
         self.keys = sorted(free)
         self.shapes = [np.shape(free[k]) for k in self.keys]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.size = sum(self.sizes)
+        self.offsets = np.cumsum([0] + self.sizes)
         self.initial = self.flatten(free)
 
+    @property
+    def signature(self) -> tuple:
+        """(key, shape) pairs: hashable, a compiled program's static argument."""
+        return tuple(zip(self.keys, self.shapes))
+
+    def slice_of(self, key: str) -> np.ndarray:
+        i = self.keys.index(key)
+        return np.arange(self.offsets[i], self.offsets[i + 1])
+
     def unflatten(self, x: np.ndarray) -> dict:
+        return {k: np.reshape(x[a:a + size], shape) for k, shape, size, a
+                in zip(self.keys, self.shapes, self.sizes, self.offsets)}
+
+    @staticmethod
+    def unflatten_traced(v, signature: tuple) -> dict:
         out, i = {}, 0
-        for k, shape, size in zip(self.keys, self.shapes, self.sizes):
-            out[k] = jnp.asarray(np.reshape(x[i:i + size], shape), jnp.float32)
+        for k, shape in signature:
+            size = int(np.prod(shape))
+            out[k] = jnp.reshape(v[i:i + size], shape)
             i += size
         return out
 

@@ -1,10 +1,14 @@
 """L-BFGS for the study's small fits: a few parameters, a float32 objective, float64 steps.
 
-The objective is a jit-compiled float32 mean NLL and its gradient over every
+The objective is a compiled float32 mean NLL and its gradient over every
 calibration position; the iteration runs on the host in float64 (the vectors
-have a handful of entries). It differs from textbook L-BFGS in three ways that
+have a handful of entries). It differs from textbook L-BFGS in four ways that
 the fits need:
 
+* coordinates may have bounds (the calibration temperatures' box): a step is
+  projected onto the box, and a coordinate at a bound that the gradient pushes
+  out of the box is held there (its gradient and search direction count as 0),
+  so an optimum on the boundary is reached exactly instead of crept towards;
 * the backtracking (Armijo) line search tries the quasi-Newton step first, so an
   iteration costs about one evaluation once the curvature pairs are in, and it
   treats a change below float32 resolution as no change;
@@ -38,27 +42,33 @@ class Result(NamedTuple):
 
 def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarray, *,
              max_iter: int, ftol: float, gtol: float, history: int, max_step: float,
-             pairs: Pairs | None = None) -> Result:
-    """Minimises ``fun(x) -> (value, gradient)`` from ``x0``.
+             pairs: Pairs | None = None, lower: np.ndarray | None = None,
+             upper: np.ndarray | None = None) -> Result:
+    """Minimises ``fun(x) -> (value, gradient)`` from ``x0`` within ``[lower, upper]``.
 
     Stops when an iteration lowers the value by less than ``ftol`` (relative) twice
-    running, when every gradient component is below ``gtol``, when no step along
-    the search direction lowers the value (float32 resolution), or after
-    ``max_iter`` iterations. A non-finite value counts as no decrease (the step is
-    shortened); non-finite gradient entries count as 0.
+    running, when every component of the projected gradient (0 where a bound holds
+    the coordinate) is below ``gtol``, when no step along the search direction
+    lowers the value (float32 resolution), or after ``max_iter`` iterations. A
+    non-finite value counts as no decrease (the step is shortened); non-finite
+    gradient entries count as 0.
 
     Args:
       fun: the objective and its gradient (float64 arrays in and out).
-      x0: the start.
+      x0: the start (projected onto the box).
       max_iter, ftol, gtol: the budget and convergence test.
       history: curvature pairs kept.
       max_step: the largest change of any coordinate in one step.
       pairs: curvature pairs to start from (e.g. from a fit on a subsample).
+      lower, upper: bounds per coordinate (None or +-inf: none).
 
     Returns:
       Result; ``converged`` is True when the ftol or gtol test ended the run.
     """
     evals = 0
+    n = np.size(x0)
+    lo = np.full(n, -np.inf) if lower is None else np.asarray(lower, np.float64)
+    hi = np.full(n, np.inf) if upper is None else np.asarray(upper, np.float64)
 
     def f_and_g(x):
         nonlocal evals
@@ -66,26 +76,31 @@ def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarr
         v, g = fun(x)
         return float(v), np.where(np.isfinite(g), g, 0.0)
 
-    x = np.asarray(x0, np.float64)
+    def held(x, g):  # coordinates a bound holds: at it, and the gradient points out
+        return ((x <= lo) & (g > 0)) | ((x >= hi) & (g < 0))
+
+    x = np.clip(np.asarray(x0, np.float64), lo, hi)
     f, g = f_and_g(x)
     pairs = list(pairs or [])
     if not math.isfinite(f):
         return Result(x, f, pairs, 0, evals, False)
     converged, quiet, it = False, 0, 0
     for it in range(1, max_iter + 1):
-        if np.max(np.abs(g), initial=0.0) < gtol:
+        fixed = held(x, g)
+        pg = np.where(fixed, 0.0, g)
+        if np.max(np.abs(pg), initial=0.0) < gtol:
             converged = True
             break
-        d = -two_loop(g, pairs)
-        slope = float(g @ d)
-        if slope >= 0:  # not a descent direction: restart from steepest descent
+        d = np.where(fixed, 0.0, -two_loop(pg, pairs))
+        if float(pg @ d) >= 0:  # not a descent direction: restart from steepest descent
             pairs.clear()
-            d, slope = -g, -float(g @ g)
+            d = -pg
         step = min(1.0, max_step / max(float(np.max(np.abs(d))), 1e-12))
         for _ in range(10):
-            x_new = x + step * d
+            x_new = np.clip(x + step * d, lo, hi)
+            slope = float(g @ (x_new - x))
             f_new, g_new = f_and_g(x_new)
-            if math.isfinite(f_new) and f_new <= f + 1e-4 * step * slope + NOISE * abs(f):
+            if math.isfinite(f_new) and f_new <= f + 1e-4 * slope + NOISE * abs(f):
                 break
             step *= 0.2
         else:
@@ -100,7 +115,8 @@ def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarr
         if quiet >= 2:
             converged = True
             break
-    converged = converged or bool(np.max(np.abs(g), initial=0.0) < gtol)
+    pg = np.where(held(x, g), 0.0, g)
+    converged = converged or bool(np.max(np.abs(pg), initial=0.0) < gtol)
     return Result(x, f, pairs, it, evals, bool(converged))
 
 
