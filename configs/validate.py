@@ -27,6 +27,12 @@ class ConfigArgError(UserError):
 PI = math.pi
 HAMLET_PREFIX = "The following is the text of Hamlet, a tragedy by William Shakespeare.\n\n"
 SECOND_PREFIX = "Here is a passage of text.\n\n"
+# The byte-level study (brf/eval/byte_scorer.py): each member's beam (hypotheses kept
+# per byte) and prune threshold (hypotheses below this fraction of the prefix mass
+# are dropped; the mass they carried is reported). A placeholder until speed
+# measurements pick it.
+BYTE_BEAM = 16
+BYTE_PRUNE_THRESHOLD = 1e-3
 
 
 def get_config(arg=None):
@@ -121,6 +127,12 @@ def get_config(arg=None):
     # support of each member's top `top_k` tokens.
     c.bottleneck = ml_collections.ConfigDict(dict(positions=64, top_k=256))
     c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
+    # The study on every byte (README, "The study on every byte"): every member's
+    # next-byte distributions over every byte of every corpus, the same analyses as
+    # on co-aligned positions (default pair, prefix pair, same-model pair, swarm),
+    # and which verdicts move. beam >= 1, threshold in [0, 1).
+    c.bytes = ml_collections.ConfigDict(dict(
+        enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD))
     # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
     c.compilation_cache = True
     c.compilation_cache_dir = ""
@@ -140,6 +152,10 @@ def get_config(arg=None):
         c.scoring.segment_chars = 1500
         c.stats.n_perm = 300
         c.stats.n_boot = 300
+        # Byte-level scoring of the real models is far slower than token-level
+        # scoring (README, "The study on every byte"): CI's short run keeps it off;
+        # the tests run the byte level on tiny models.
+        c.bytes.enabled = False
         c.out_dir = "runs/validate-short"
     elif arg not in (None, ""):
         raise ConfigArgError(f"unknown config arg {arg!r}; use '' or 'short'")

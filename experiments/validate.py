@@ -3,8 +3,9 @@
   python experiments/validate.py --config=configs/validate.py
 
 Writes report.json, report.md and PNG plots to --config.out_dir (and a full
-report per corpus in its subdirectory), reusing the member scores and fits
-stored there by an earlier (possibly interrupted) run.
+report per corpus in its subdirectory; the study on every byte, config.bytes, in
+each corpus's bytes/), reusing the member scores and fits stored there by an
+earlier (possibly interrupted) run.
 """
 
 from ml_collections import config_flags
@@ -32,6 +33,10 @@ def main(argv):
     print(f"\nReport: {plan.out_dir}/report.md ({rep['seconds']:.0f} s)\n")
     for k, v in rep["verdict"].items():
         print(f"- {k}: {v}")
+    if rep.get("bytes"):  # the study on every byte
+        print(f"\nOn every byte ({rep['bytes']['seconds']:.0f} s):\n")
+        for k, v in rep["bytes"]["verdict"].items():
+            print(f"- {k}: {v}")
 
 
 if __name__ == "__main__":

@@ -63,5 +63,18 @@ def test_validation_config_makes_a_plan(arg):
     assert {s.role for s in specs} == {"brf", "baseline", "member", "other"}
     kinds = [a.kind for a in plan.analyses(0)]
     assert kinds == ["corpus", "topk", "prefix", "same_model", "swarm"]
+    assert {a.level for a in plan.analyses(0)} == {"tokens"}
+    # The study on every byte: the same kinds but the event-space check (off in CI's
+    # short run, whose real models would take too long).
+    assert plan.bytes.beam >= 1 and 0 <= plan.bytes.threshold < 1
+    byte_level = plan.analyses(0, "bytes")
+    if arg == "short":
+        assert not plan.bytes.enabled and byte_level == []
+    else:
+        assert plan.bytes.enabled
+        assert [a.kind for a in byte_level] == ["corpus", "prefix", "same_model", "swarm"]
+        assert {a.level for a in byte_level} == {"bytes"} and {a.top_k for a in byte_level} == {0}
+        assert [a.members for a in byte_level] == [a.members for a in plan.analyses(0)
+                                                   if a.kind != "topk"]
     # The linear-pool reference (one offset per member) has no four-member form.
     assert len(plan.phase_maps_for(4)) == len(plan.phase_maps) - 1

@@ -1,5 +1,6 @@
 """The validation study end to end on tiny random models (fast)."""
 
+import hashlib
 import json
 import os
 from typing import NamedTuple
@@ -341,28 +342,52 @@ def test_a_prefix_longer_than_the_context_is_refused_before_scoring(tmp_path, te
     assert not list(tmp_path.glob("scores-*"))  # nothing was scored
 
 
-def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
+def _notebook_cells(name: str, **env) -> dict:
+    """Runs a notebook's code cells after its install cell in this process (no kernel),
+    with ``env`` set; returns their namespace."""
+    import nbformat
+    nb = nbformat.read(pathlib.Path(__file__).parent.parent / "notebooks" / f"{name}.ipynb",
+                       as_version=4)
+    ns: dict = {}
+    with mock.patch.dict(os.environ, {"MPLBACKEND": "Agg", **env}):
+        for i, cell in enumerate(nb.cells[2:], 2):
+            if cell.cell_type == "code":
+                exec(compile(cell.source, f"{name}.ipynb cell {i}", "exec"), ns)
+    return ns
+
+
+def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     """Two corpora (pooled), a prefix study (prefix pair, same-model pair, swarm of 4)
-    and the event-space check, on tiny models; resumable without rescoring."""
-    cfg = _cfg(tmp_path, text)
+    and the event-space check, on tiny models, on co-aligned positions and on every
+    byte (each corpus's every byte a row; the verdicts compared across levels);
+    resumable without scoring or fitting anything again."""
+    import brf.bytes.scoring
+    from brf.eval import byte_scorer
+    from brf.eval.fitting import Fitted, evaluate
+    cfg = _cfg(tmp_path, text, bytes__enabled=True, bytes__beam=2, bytes__threshold=0.2)
     cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
                   'temperature=fit(1.0))'
     cfg.phase_maps = 'constant(label="hellinger (equal phases)", fixed=True), tanh'
-    half = len(text) // 2
-    cfg.corpora = (f'{tmp_path / "corpus.txt"}(label="first", max_chars={half}, '
+    chars = 800  # two segments per corpus (byte-level scoring is slow; tens of seconds)
+    cfg.corpora = (f'{tmp_path / "corpus.txt"}(label="first", max_chars={chars}, '
                    f'prefix="A story.\\n\\n"), '
-                   f'{tmp_path / "corpus.txt"}(label="second", skip_chars={half})')
+                   f'{tmp_path / "corpus.txt"}(label="second", skip_chars={chars}, '
+                   f'max_chars={chars})')
+    cfg.scoring.min_chars = 500
+    cfg.scoring.segment_chars = 450
     cfg.prompts.second_prefix = "Text:\n"
     cfg.topk_sensitivity = 32
-    cfg.variants = "calibrated"  # both variants run in test_one_corpus_end_to_end
+    # Both variants run in test_one_corpus_end_to_end; the proposed one is the cheaper
+    # here (the byte level doubles the fits).
+    cfg.variants = cfg.prompts.variants = "proposed"
     cfg.bottleneck.positions = 4
     cfg.stats.n_perm = cfg.stats.n_boot = 60
     cfg.sweep = cfg.sweep[:1]
     rep = _run(cfg, members.__getitem__)
     data = json.load(open(os.path.join(cfg.out_dir, "report.json")))
-    assert data["schema"] == "brf.study/2"
+    assert data["schema"] == "brf.study/3"
     assert set(data["per_corpus"]) == {"first", "second"}
-    assert set(data["pooled"]) == {"calibrated"}
+    assert set(data["pooled"]) == {"proposed"}
     for v, p in data["pooled"].items():
         diffs = [c["mean_difference"] for c in p["corpora"]]
         assert p["mean_difference"] == pytest.approx(np.mean(diffs), abs=1e-9)
@@ -373,15 +398,114 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
     assert pr["bottleneck"]["positions"] == 4 and len(pr["bottleneck"]["rows"]) == 6
     assert pr["same_model"]["coverage"]["fraction_of_member_positions"] == [1.0, 1.0]
     assert data["topk_sensitivity"]["top_k"] == [16, 32]
-    for key in ("nll: first", "nll: pooled (calibrated)", "prompts: first", "swarm: first",
-                "event space"):
+    for key in ("nll: first", "nll: pooled (proposed)", "prompts: first", "swarm: first",
+                "event space", "every byte"):
         assert key in data["verdict"], sorted(data["verdict"])
     for name in ("report.md", "pooled.png", "gain_by_entropy.png",
                  "first/gain_by_entropy.png", "second/nll_by_method.png"):
         assert os.path.getsize(os.path.join(cfg.out_dir, name)) > 0, name
-    with _forbid_fitting():  # resumes: nothing rescored or refitted
+    # The byte level.
+    b = data["bytes"]
+    assert (b["beam"], b["threshold"]) == (2, 0.2)
+    assert set(b["per_corpus"]) == {"first", "second"}
+    plan = plan_lib.from_config(cfg)
+    for corpus in plan.corpora:
+        label, body = corpus.label, "".join(plan_lib.load_segments(plan, corpus)[0])
+        n = len(body.encode("utf-8"))
+        tok, byt = data["per_corpus"][label], b["per_corpus"][label]
+        assert tok["level"] == "tokens" and byt["level"] == "bytes"
+        cov = byt["coverage"]
+        # Every byte of the corpus is a row, split into calibration and test.
+        assert cov["positions"] == cov["bytes_total"] == n and cov["fraction_of_bytes"] == 1.0
+        assert byt["split"]["calibration_positions"] + byt["split"]["test_positions"] == n
+        assert tok["coverage"]["bytes_total"] == n > tok["coverage"]["bytes_covered"]
+        assert len(cov["pruned_mean"]) == len(cov["lost_bits_per_byte"]) == 2
+        assert all(0 <= x < 1 for x in cov["pruned_mean"] + cov["lost_bits_per_byte"])
+        for m in byt["members"]:
+            c = m["consistency"]
+            assert m["positions"] == c["bytes"] == n
+            # every tokenization counts: at most the canonical one's bits per byte,
+            # give or take what pruning dropped
+            assert c["byte"] <= c["canonical"] + c["lost"] + 1e-6
+        # The stores hold every byte's distribution over the 257 byte events; the table
+        # built from them gives every row's reported test NLL.
+        segs = [x.encode() for x in plan_lib.load_segments(plan, corpus)[0]]
+        meta = {"corpus": hashlib.sha256(b"\x00".join(segs)).hexdigest()[:16]}
+        stored = []
+        for name in ("tiny-a", "tiny-b"):
+            path = byte_scorer.store_path(os.path.join(cfg.out_dir, label),
+                                          plan_lib.Member(name))
+            sc = byte_scorer._stored(path, name, segs, [], plan.bytes, meta)
+            assert sc["gold"].tobytes() == body.encode("utf-8") and sc["logp"].shape == (n, 257)
+            np.testing.assert_allclose(np.exp(sc["logp"].astype(np.float64)).sum(1), 1.0,
+                                       rtol=1e-4)
+            stored.append(sc)
+        table = brf.bytes.scoring.byte_event_table(stored)
+        test = table.take(np.nonzero(table.segment >= 1)[0])  # segment 0 calibrates
+        (full,) = (pathlib.Path(cfg.out_dir) / label / "bytes").glob(
+            f"report-{label}__bytes-*.json")
+        rows = {m["label"]: m for m in json.load(open(full))["methods"]}
+        for row in ("member 0 alone", "linear (tuned)", "born tanh"):
+            r = rows[row]
+            ev = evaluate(Fitted(row, r["method"], r["params"], np.asarray(r["weights"]), 0.0),
+                          test)
+            assert r["test"]["nll"] == pytest.approx(ev["nll"].mean(), rel=1e-5)
+            assert r["test"]["bits_per_byte"] == pytest.approx(ev["nll"].mean() / np.log(2),
+                                                               rel=1e-5)
+    # Each member's consistency, prefixed members included.
+    assert len(b["consistency"]["first"]) == 5 and len(b["consistency"]["second"]) == 2
+    bp = b["prompts"]["first"]
+    assert bp["effect"]["paired"] and "bottleneck" not in bp
+    assert len(bp["swarm"]["members"]) == 4 and len(bp["same_model"]["members"]) == 2
+    assert bp["with_prefix"]["members"][0]["prefix_tokens"] > 0
+    assert set(b["pooled"]) == set(b["pooled_fair"]) == {"proposed"}
+    for key in ("nll: first", "nll: pooled (proposed)", "prompts: first", "swarm: first"):
+        assert key in b["verdict"], sorted(b["verdict"])
+    assert "nats/byte" in b["verdict"]["nll: first"]
+    # Which verdicts moved: each verdict's answer at both levels.
+    moved = b["moved"]
+    for key in ("first: nll [proposed]", "second: cross-term", "pooled: nll [proposed]",
+                "pooled: fair [proposed]", "prompts: first: phase concentration",
+                "first swarm: nll [proposed]", "first same model: nll [proposed]",
+                "first: forking [proposed]"):
+        assert key in moved["rows"], sorted(moved["rows"])
+    for k, r in moved["rows"].items():
+        assert r["moved"] == (r["tokens"] != r["bytes"]) and (k in moved["moved"]) == r["moved"]
+    pooled = moved["rows"]["pooled: nll [proposed]"]
+    assert pooled["tokens_value"] == pytest.approx(data["pooled"]["proposed"]["mean_difference"])
+    assert pooled["bytes_value"] == pytest.approx(b["pooled"]["proposed"]["mean_difference"])
+    assert data["verdict"]["every byte"].startswith("On every byte")
+    md = open(os.path.join(cfg.out_dir, "report.md")).read()
+    for head in ("## Every byte", "### Coverage and consistency", "### Verdicts on every byte",
+                 "### Forking bytes", "### Which verdicts moved"):
+        assert head in md, head
+    for name in ("pooled_bytes.png", "gain_by_entropy_bytes.png", "first/bytes/sweep.png"):
+        assert os.path.getsize(os.path.join(cfg.out_dir, name)) > 0, name
+
+    # Notebook 02 reads the report, the byte level included.
+    capsys.readouterr()
+    _notebook_cells("02_validation_report", BRF_REPORT=os.path.join(cfg.out_dir, "report.json"))
+    out = capsys.readouterr().out
+    assert "beam 2, prune threshold 0.2" in out and f"of {len(moved['rows'])} verdicts moved" in out
+
+    def rescored(*args, **kwargs):
+        raise AssertionError("a byte store was rescored")
+    # Resumes: nothing scored (no weights at hand, byte scoring forbidden) or refitted.
+    with _forbid_fitting(), mock.patch.object(brf.bytes.scoring, "score_text", rescored):
         rep2 = _run(cfg, _forbid_scoring(members))
     assert rep2["pooled"] == rep["pooled"]
+    for r in (rep, rep2):
+        r["bytes"].pop("seconds")
+    assert rep2["bytes"] == rep["bytes"]
+    # Another beam or threshold, other segments: another store key, rescored.
+    segs = [s.encode() for s in plan_lib.load_segments(plan, plan.corpora[0])[0]]
+    meta = {"corpus": hashlib.sha256(b"\x00".join(segs)).hexdigest()[:16]}
+    path = byte_scorer.store_path(os.path.join(cfg.out_dir, "first"), plan_lib.Member("tiny-a"))
+    same = plan_lib.ByteSettings(True, 2, 0.2)
+    assert byte_scorer._stored(path, "tiny-a", segs, [], same, meta) is not None
+    for other in (plan_lib.ByteSettings(True, 3, 0.2), plan_lib.ByteSettings(True, 2, 0.1)):
+        assert byte_scorer._stored(path, "tiny-a", segs, [], other, meta) is None
+    assert byte_scorer._stored(path, "tiny-a", segs[:-1], [], same, meta) is None
 
 
 @pytest.mark.parametrize("change,match", [
@@ -393,6 +517,9 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members):
     (dict(topk_sensitivity=8), "topk_sensitivity"),
     (dict(fit__max_iter=0), "max_iter"),
     (dict(stats__forking_top_fraction=1.5), "forking_top_fraction"),
+    (dict(bytes__beam=0), r"config.bytes.beam must be an integer >= 1; got 0"),
+    (dict(bytes__threshold=1.0), r"config.bytes.threshold must lie in \[0, 1\); got 1.0"),
+    (dict(bytes__threshold=-0.1, bytes__enabled=True), r"bytes.threshold .* got -0.1"),
 ])
 def test_bad_study_config_is_refused_before_any_model_runs(tmp_path, text, change, match):
     cfg = _cfg(tmp_path, text, **change)

@@ -162,3 +162,120 @@ def topk_moves(a: AnalysisResult, b: AnalysisResult) -> dict:
     pb = sum(r["permutation_p"] < 0.05 for r in b.coherence)
     rows["phase_coherence"] = {"a": pa, "b": pb}
     return {"rows": rows, "moved": [k for k, r in rows.items() if r["a"] != r["b"]]}
+
+
+# ----------------------------------------------------------------- levels
+
+ALPHA = 0.05  # a phase map "links" the members when its permutation p is below this
+
+
+def _ci_answer(ci, value, low: str, high: str, neither: str = "not distinguishable") -> dict:
+    return {"answer": {"lower": low, "higher": high, "undecided": neither}[side(ci)],
+            "value": float(value), "ci": [float(x) for x in ci]}
+
+
+def answers(brief: dict) -> dict[str, dict]:
+    """The verdicts of one analysis (its brief report, ``study_report.brief``) as
+    answers that can be compared across levels: key -> {"answer": words, "value":
+    the number behind it}. A difference's answer is where its 95% CI lies
+    (sign and significance); the coherence answer counts the phase maps that reject
+    the permutation null; the forking answer says whether the best BRF setting gains
+    over the best single member and whether most of the gain lies at the
+    top-entropy positions (its value is the mean gain per position)."""
+    out = {}
+    for v, c in brief.get("nll_comparison", {}).items():
+        out[f"nll [{v}]"] = _ci_answer(c["ci"], c["mean_difference"],
+                                       "BRF better than the best baseline",
+                                       "BRF worse than the best baseline")
+    for v, c in brief.get("fair_summary", {}).items():
+        out[f"fair [{v}]"] = _ci_answer(c["ci"], c["mean_difference"],
+                                        "BRF better than every other row",
+                                        "BRF worse than the best other row")
+    if brief.get("cross_term"):
+        rel = brief["cross_term"]["rel"]
+        out["cross-term"] = _ci_answer([x - 0.5 for x in rel["ci"]], rel["auroc"],
+                                       "ranks gold below competitors",
+                                       "separates gold from competitors",
+                                       "does not separate gold")
+    if brief.get("phase_coherence") is not None:
+        pc = brief["phase_coherence"]
+        k = sum(r["permutation_p"] < ALPHA for r in pc)
+        out["phase coherence"] = {"answer": f"{k} of {len(pc)} linked", "value": float(k)}
+    for v, f in brief.get("forking", {}).items():
+        g = f.get("gated", {}).get("brf")
+        if not g:
+            continue
+        r = f["by_method"][g["method"]]
+        where = "mostly at" if r["top_share"] > 0.5 else "less than half at"
+        out[f"forking [{v}]"] = {
+            "answer": (f"gain over the best member, {where} the top-entropy positions"
+                       if r["total_gain"] > 0 else "no gain over the best member"),
+            # the mean gain per position (the deciles are of equal size)
+            "value": float(np.mean(r["mean_gain"])), "top_share": float(r["top_share"])}
+    return out
+
+
+def effect_answers(effect: dict) -> dict[str, dict]:
+    """The prefix effect (:func:`prefix_effect`) as comparable answers."""
+    out = {}
+    pcs = effect.get("phase_concentration", [])
+    if pcs:
+        up = sum(r["rbar_change_ci"][0] > 0 for r in pcs)
+        down = sum(r["rbar_change_ci"][1] < 0 for r in pcs)
+        out["phase concentration"] = {"answer": f"{up} tightened, {down} loosened of {len(pcs)}",
+                                      "value": float(up - down)}
+    ct = effect.get("cross_term")
+    if ct:
+        out["cross-term AUROC change"] = _ci_answer(ct["auroc_change_ci"], ct["auroc_change"],
+                                                    "falls", "rises", "no change shown")
+    for v, g in effect.get("nll_gap", {}).items():
+        out[f"BRF's NLL gap change [{v}]"] = _ci_answer(g["ci"], g["change"], "narrows",
+                                                        "widens", "no change shown")
+    return out
+
+
+def level_moves(tokens: dict, by_bytes: dict) -> dict:
+    """Which verdicts move from co-aligned positions to every byte.
+
+    Args:
+      tokens: the study's report (``per_corpus``, ``pooled``, ``pooled_fair``,
+        ``prompts``) on co-aligned positions.
+      by_bytes: the same sections on every byte.
+
+    Returns:
+      {"rows": {verdict: {"tokens", "bytes" (answers), "tokens_value",
+      "bytes_value", "moved"}}, "moved": [verdicts whose answer differs]}. Values
+      are in each level's units (nats per co-aligned position; nats per byte), so
+      only their signs and CIs compare; the answers say where each CI lies.
+    """
+    rows: dict[str, dict] = {}
+
+    def add(where: str, a: dict, b: dict) -> None:
+        for k, rb in b.items():
+            ra = a.get(k)
+            if ra is not None:
+                rows[f"{where}: {k}"] = {"tokens": ra["answer"], "bytes": rb["answer"],
+                                         "tokens_value": ra["value"], "bytes_value": rb["value"],
+                                         "moved": ra["answer"] != rb["answer"]}
+
+    for label, r in by_bytes.get("per_corpus", {}).items():
+        if label in tokens.get("per_corpus", {}):
+            add(label, answers(tokens["per_corpus"][label]), answers(r))
+    for key, what in (("pooled", "nll"), ("pooled_fair", "fair")):
+        a = {f"{what} [{v}]": _ci_answer(p["ci"], p["mean_difference"], "BRF better",
+                                         "BRF worse") for v, p in tokens.get(key, {}).items()}
+        b = {f"{what} [{v}]": _ci_answer(p["ci"], p["mean_difference"], "BRF better",
+                                         "BRF worse") for v, p in by_bytes.get(key, {}).items()}
+        add("pooled", a, b)
+    for label, pb in by_bytes.get("prompts", {}).items():
+        pa = tokens.get("prompts", {}).get(label)
+        if not pa:
+            continue
+        add(f"prompts: {label}", effect_answers(pa["effect"]), effect_answers(pb["effect"]))
+        for key, what in (("with_prefix", "+ prefix"), ("same_model", "same model"),
+                          ("swarm", "swarm")):
+            if key in pa and key in pb:
+                add(f"{label} {what}", answers(pa[key]), answers(pb[key]))
+    return {"rows": rows, "moved": [k for k, r in rows.items() if r["moved"]],
+            "units": "values in each level's units (nats per co-aligned position; nats per "
+                     "byte): compare their signs and CIs, not their sizes"}

@@ -9,7 +9,9 @@ exit status 2 in a main).
 
 A plan names *what* to run: the members, the corpora, the method specs in each
 variant, and for each corpus the analyses (:class:`Analysis`: which members, on
-which event space, in which variants). ``brf.eval.study`` runs it.
+which event space, in which variants) at each level: ``'tokens'`` (co-aligned
+positions, :mod:`brf.eval.events`) and, when ``plan.bytes.enabled``, ``'bytes'``
+(every byte, :mod:`brf.eval.byte_scorer`). ``brf.eval.study`` runs it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from brf.eval.fitting import VARIANTS, FitSettings, MethodSpec
 from brf.specs import format_spec, parse_list, split_list
 
 MIN_SPLIT_POSITIONS = 50   # per split: below this no test or fit means much
+# The levels an analysis runs at: co-aligned token positions, or every byte.
+LEVELS = ("tokens", "bytes")
 
 
 class ValidationError(UserError):
@@ -109,9 +113,23 @@ class BottleneckSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ByteSettings:
+    """The study on every byte: on or off, and each member's pruning
+    (`brf.bytes.lm.score_text`: at most ``beam`` hypotheses per byte, those below
+    ``threshold`` of the prefix mass dropped). The defaults live in
+    configs/validate.py."""
+    enabled: bool
+    beam: int
+    threshold: float
+
+
+BYTES_OFF = ByteSettings(enabled=False, beam=1, threshold=0.0)  # a config without c.bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class Analysis:
-    """One event table to analyse: which members, how many top strings per member,
-    in which variants.
+    """One event table to analyse: which members, at which level, how many top
+    strings per member, in which variants.
 
     Attributes:
       kind: 'corpus' (the default pair), 'topk' (the event-space check), 'prefix'
@@ -119,9 +137,11 @@ class Analysis:
         prefixes) or 'swarm' (each member with and without the prefix).
       label: the analysis's name in reports.
       members: who is scored and fused.
-      top_k: top strings per member in the event space.
+      top_k: top strings per member in the event space (0 at the byte level, whose
+        event space is always the 257 byte events).
       store_k: top strings kept in the score stores (>= top_k; the first corpus
-        stores the sensitivity check's larger k so that both analyses share it).
+        stores the sensitivity check's larger k so that both analyses share it;
+        0 at the byte level).
       variants: method variants fitted.
       sweep: draw the sweep curves and per-analysis plots.
       controls: fit the controls of the best per-token BRF row (when the plan asks
@@ -129,6 +149,8 @@ class Analysis:
         analysis on 256 events instead of 64 to see whether a verdict moves (its
         eight controls cost about 15 minutes on this machine, more than the rest
         of its fits; the same corpus on 64 events carries them).
+      level: 'tokens' (co-aligned positions, an event space of top strings) or
+        'bytes' (every byte, the 257 byte events; no event-space check there).
     """
     kind: str
     label: str
@@ -138,6 +160,7 @@ class Analysis:
     variants: tuple[str, ...]
     sweep: bool = False
     controls: bool = True
+    level: str = "tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +180,7 @@ class Plan:
     bottleneck: BottleneckSettings
     topk_sensitivity: int
     out_dir: str
+    bytes: ByteSettings = BYTES_OFF
     controls: bool = True
     mesh: Mapping[str, Any] | None = None
     distributed: Mapping[str, Any] | None = None
@@ -198,32 +222,41 @@ class Plan:
                                    phase=pm.name, role="brf"))
         return [s.in_variant(v) for v in (variants or self.variants) for s in base]
 
-    def analyses(self, index: int) -> list[Analysis]:
-        """The analyses of corpus ``index``: the default pair (with the sweep), the
-        event-space check (first corpus), and the prompt study where it has a prefix."""
+    def analyses(self, index: int, level: str = "tokens") -> list[Analysis]:
+        """The analyses of corpus ``index`` at ``level``: the default pair (with the
+        sweep), the event-space check (first corpus, tokens only), and the prompt
+        study where the corpus has a prefix. At the byte level the same kinds but
+        the event-space check, none when ``bytes.enabled`` is off."""
+        if level not in LEVELS:
+            raise ValueError(f"unknown level {level!r}; use one of {LEVELS}")
+        if level == "bytes" and not self.bytes.enabled:
+            return []
         c = self.corpora[index]
-        k2 = self.topk_sensitivity if index == 0 else 0
-        store_k = k2 or self.scoring.top_k
-        out = [Analysis("corpus", c.label, self.members, self.scoring.top_k, store_k,
-                        self.variants, sweep=True)]
+        tokens = level == "tokens"
+        k = self.scoring.top_k if tokens else 0
+        k2 = self.topk_sensitivity if index == 0 and tokens else 0
+        store_k = k2 or k
+        tag = "" if tokens else " (bytes)"
+        out = [Analysis("corpus", c.label + tag, self.members, k, store_k, self.variants,
+                        sweep=True, level=level)]
         if k2:
             out.append(Analysis("topk", f"{c.label} (top-{k2})", self.members, k2, k2,
                                 self.variants, controls=False))
         if c.prefix and self.prompts.enabled:
             aux = self.prompts.variants
-            out.append(Analysis("prefix", f"{c.label} + prefix",
+            out.append(Analysis("prefix", f"{c.label} + prefix{tag}",
                                 tuple(m.with_prefix(c.prefix) for m in self.members),
-                                self.scoring.top_k, store_k, aux))
+                                k, store_k, aux, level=level))
             if self.prompts.second_prefix:
                 m0 = self.members[0]
-                out.append(Analysis("same_model", f"{c.label} same model",
+                out.append(Analysis("same_model", f"{c.label} same model{tag}",
                                     (m0.with_prefix(c.prefix),
                                      m0.with_prefix(self.prompts.second_prefix)),
-                                    self.scoring.top_k, store_k, aux))
+                                    k, store_k, aux, level=level))
             if self.prompts.swarm:
                 swarm = tuple(x for m in self.members for x in (m, m.with_prefix(c.prefix)))
-                out.append(Analysis("swarm", f"{c.label} swarm", swarm, self.scoring.top_k,
-                                    store_k, aux))
+                out.append(Analysis("swarm", f"{c.label} swarm{tag}", swarm, k, store_k, aux,
+                                    level=level))
         return out
 
 
@@ -310,11 +343,12 @@ def from_config(cfg) -> Plan:
     prompts = PromptSettings(bool(pr.enabled), str(pr.second_prefix), bool(pr.swarm),
                              _variants(pr.variants or cfg.variants, "config.prompts.variants"))
     bottleneck = BottleneckSettings(int(cfg.bottleneck.positions), int(cfg.bottleneck.top_k))
+    byte_settings = _byte_settings(cfg.get("bytes"))
     plan = Plan(members=members, corpora=tuple(_corpora(cfg.corpora)), methods=methods,
                 phase_maps=phase_maps, variants=variants, nll_baselines=baselines,
                 sweep=tuple(_sweep(cfg.sweep)), scoring=scoring, fit=fit, stats=stats,
                 prompts=prompts, bottleneck=bottleneck, topk_sensitivity=k2,
-                out_dir=str(cfg.out_dir), controls=bool(cfg.controls),
+                out_dir=str(cfg.out_dir), bytes=byte_settings, controls=bool(cfg.controls),
                 mesh=_plain(cfg.get("mesh")),
                 distributed=_plain(cfg.get("distributed")), config=cfg.to_dict())
     for c in plan.corpora:  # a corpus too short for the split fails here, not after scoring
@@ -325,6 +359,20 @@ def from_config(cfg) -> Plan:
                 f"{len(segments)} segment(s) of <= {scoring.segment_chars}; the "
                 f"calibration/test split needs at least 2")
     return plan
+
+
+def _byte_settings(section) -> ByteSettings:
+    """config.bytes, checked (a beam or threshold the byte level refuses is named here
+    even when the byte level is off); no section: off."""
+    if section is None:
+        return BYTES_OFF
+    beam, threshold = section.beam, section.threshold
+    if isinstance(beam, bool) or not isinstance(beam, (int, np.integer)) or beam < 1:
+        raise ValidationError(f"config.bytes.beam must be an integer >= 1; got {beam!r}")
+    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating))
+            or not 0.0 <= threshold < 1.0):
+        raise ValidationError(f"config.bytes.threshold must lie in [0, 1); got {threshold!r}")
+    return ByteSettings(bool(section.enabled), int(beam), float(threshold))
 
 
 def _plain(x):

@@ -5,10 +5,14 @@ nats per position of the analysis's event table:
 
     {
       "schema": "brf.analysis/3",
-      "analysis": str, "top_k": int,
-      "members": [{"name", "vocab_size", "prefix_tokens", "positions"}],
+      "analysis": str, "level": "tokens" | "bytes",
+      "top_k": int,                       # tokens only
+      "beam": int, "threshold": float,    # bytes only
+      "members": [{"name", "vocab_size", "prefix_tokens", "positions"
+                   (, "consistency": {...} at the byte level: brf.bytes.scoring.consistency)}],
       "coverage": {"positions", "member_positions", "bytes_covered",
-                   "bytes_total", "fraction_of_bytes", "fraction_of_member_positions"},
+                   "bytes_total", "fraction_of_bytes", "fraction_of_member_positions"
+                   (, "pruned_mean", "lost_bits_per_byte": per member, bytes only)},
       "split": {"calibration_positions", "test_positions"},
       "methods": [{"label", "method", "variant", "role", "params", "weights",
                    "calib_nll", "fit": {"iterations", "evaluations", "converged"},
@@ -39,7 +43,11 @@ nats per position of the analysis's event table:
     }
 
 Version 3 (this one): one report per analysis, each method's role and fit
-diagnostics (L-BFGS iterations, evaluations, convergence), the fair summary.
+diagnostics (L-BFGS iterations, evaluations, convergence), the fair summary;
+``level`` and the byte-level fields were added with the study on every byte
+(a report without ``level`` is on co-aligned token positions). At the byte level
+a position is a byte: NLLs are in nats per byte, the events are the 257 byte
+events.
 """
 
 from __future__ import annotations
@@ -54,9 +62,18 @@ from brf.eval.caches import write_json
 SCHEMA = "brf.analysis/3"
 
 
+_UNIT_WORDS = {"byte": "byte", "position": "co-aligned position"}
+
+
+def unit(report: dict) -> str:
+    """What one row of the analysis's event table is: 'byte' or (co-aligned) 'position'."""
+    return "byte" if report.get("level") == "bytes" else "position"
+
+
 def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
     """One plain sentence per test, from the numbers alone."""
     out = {}
+    u = unit(report)
     pc = report["phase_coherence"]
     coherent = [r for r in pc if r["permutation_p"] < alpha]
     trivial = [r for r in pc if r["rayleigh_p"] < alpha and r["permutation_p"] >= alpha]
@@ -81,11 +98,11 @@ def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
            if overlap else
            "the phase map improves the separation beyond member agreement." if lo > c_hi else
            "the phase map separates gold WORSE than member agreement alone."))
-    out["nll"] = " ".join(nll_sentence(c, v) for v, c in report["nll_comparison"].items())
-    fair = " ".join(fair_sentence(c, v) for v, c in report.get("fair_summary", {}).items())
+    out["nll"] = " ".join(nll_sentence(c, v, u) for v, c in report["nll_comparison"].items())
+    fair = " ".join(fair_sentence(c, v, u) for v, c in report.get("fair_summary", {}).items())
     if fair:
         out["fair_summary"] = fair
-    fk = forking_sentence(report.get("forking", {}))
+    fk = forking_sentence(report.get("forking", {}), u)
     if fk:
         out["forking_tokens"] = fk
     return out
@@ -97,7 +114,7 @@ VARIANT_WORDS = {"proposed": "as proposed (no temperature for either side, excep
                                "temperature and per-member temperatures)"}
 
 
-def nll_sentence(c: dict, variant: str) -> str:
+def nll_sentence(c: dict, variant: str, unit: str = "position") -> str:
     """One sentence: best BRF vs best baseline of one variant, with the CI."""
     lo, hi = c["ci"]
     if hi < 0:
@@ -108,7 +125,7 @@ def nll_sentence(c: dict, variant: str) -> str:
         what = (f"{c['brf']} and the best baseline {c['baseline']} are not "
                 f"distinguishable in test NLL")
     return (f"Comparing methods {VARIANT_WORDS.get(variant, variant)}: {what}: mean "
-            f"difference {c['mean_difference']:+.4f} nats/position, 95% CI "
+            f"difference {c['mean_difference']:+.4f} nats/{unit}, 95% CI "
             f"[{lo:+.4f}, {hi:+.4f}] (paired block bootstrap).")
 
 
@@ -116,7 +133,7 @@ def _ci(c: dict) -> str:
     return f"{c['mean_difference']:+.4f} [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}]"
 
 
-def fair_sentence(c: dict, variant: str) -> str:
+def fair_sentence(c: dict, variant: str, unit: str = "position") -> str:
     """The fair summary of one variant in words: the best BRF row against the best of
     every other row, and the per-token BRF row against its controls."""
     b, r = c["brf"], c["rival"]
@@ -126,7 +143,7 @@ def fair_sentence(c: dict, variant: str) -> str:
     out = (f"[{variant}] Best BRF row {b['label']} ({b['free_parameters']} free parameters; "
            f"best of {c['brf_candidates']} BRF rows on calibration) minus the best of the "
            f"{c['rival_candidates']} other rows, {r['label']} ({r['role']}, "
-           f"{r['free_parameters']} free parameters): {_ci(c)} nats/position: {edge}.")
+           f"{r['free_parameters']} free parameters): {_ci(c)} nats/{unit}: {edge}.")
     if c.get("controls"):
         t = c["per_token"]
         parts = [f"{x['label']} ({x['free_parameters']}) {_ci(x)}" for x in c["controls"]]
@@ -145,13 +162,13 @@ def fair_sentence(c: dict, variant: str) -> str:
     return out
 
 
-def fair_markdown(fair: dict) -> list[str]:
+def fair_markdown(fair: dict, unit: str = "position") -> list[str]:
     """The fair summary as a table: rows with their free-parameter counts, differences
     to the BRF row (< 0: BRF better)."""
     if not fair:
         return []
     lines = ["## Fair summary: BRF against every other row, controls included", "",
-             "Differences are the BRF row's test NLL minus the other row's (nats/position, "
+             f"Differences are the BRF row's test NLL minus the other row's (nats/{unit}, "
              "paired block bootstrap 95% CI); `k` is the row's count of free parameters "
              "(brf/eval/controls.py).", "",
              "| variant | BRF row (k) | other row (role, k) | difference [95% CI] |",
@@ -167,7 +184,7 @@ def fair_markdown(fair: dict) -> list[str]:
     return lines + [""]
 
 
-def forking_sentence(forking: dict) -> str:
+def forking_sentence(forking: dict, unit: str = "position") -> str:
     """What share of the gain the high-entropy positions carry, and what gating keeps."""
     parts = []
     for v, f in forking.items():
@@ -182,7 +199,7 @@ def forking_sentence(forking: dict) -> str:
             f"its top {100 * f['top_fraction']:.0f}% (fused at "
             f"{100 * g['fused_fraction']:.0f}% of test positions) keeps "
             f"{100 * g['kept']:.0f}% of full fusion's gain ({g['gain_gated']:+.4f} vs "
-            f"{g['gain_full']:+.4f} nats/position) and saves {100 * g['calls_saved']:.0f}% "
+            f"{g['gain_full']:+.4f} nats/{unit}) and saves {100 * g['calls_saved']:.0f}% "
             f"of member calls.")
     return " ".join(parts)
 
@@ -209,6 +226,7 @@ def markdown(report: dict) -> str:
                                    for m in report["members"]),
         f"- Corpus: {report['corpus']['source']} ({report['corpus']['chars']} characters, "
         f"{report['corpus']['segments']} segments, sha256 {report['corpus']['sha256'][:12]}…)",
+    ] + (_bytes_lines(report) if unit(report) == "byte" else [
         f"- Co-aligned positions (every member at a token boundary and predicting the same "
         f"next string): {cov['positions']} covering {cov['bytes_covered']} of "
         f"{cov['bytes_total']} bytes ({100 * cov['fraction_of_bytes']:.1f}%).",
@@ -220,6 +238,7 @@ def markdown(report: dict) -> str:
         f"gold adds none. At {report['split'].get('test_gold_in_other', 0)} test positions "
         f"no member lists the gold: it is scored as OTHER times its share of the members' "
         f"tails (the same for every method), with no top-1 credit.",
+    ]) + [
         "", "## Verdicts", "",
     ]
     for k, v in report["verdict"].items():
@@ -260,21 +279,47 @@ def markdown(report: dict) -> str:
               f"{ct['rel_equal_phases']['auroc']:.4f} [{ct['rel_equal_phases']['ci'][0]:.4f}, "
               f"{ct['rel_equal_phases']['ci'][1]:.4f}]", "",
               ""]
-    lines += fair_markdown(report.get("fair_summary", {}))
-    lines += forking_markdown(report.get("forking", {}))
+    lines += fair_markdown(report.get("fair_summary", {}), unit(report))
+    lines += forking_markdown(report.get("forking", {}), unit(report))
     lines += ["Plots: `nll_by_method.png`, `phase_differences.png`, `sweep.png`, "
               "`cross_terms.png`, `gain_by_entropy.png`.", ""]
     return "\n".join(lines)
 
 
-def forking_markdown(forking: dict) -> list[str]:
+def _bytes_lines(report: dict) -> list[str]:
+    """'What was run' of a byte-level analysis: every byte, the pruning, each member's
+    consistency."""
+    cov = report["coverage"]
+    lines = [
+        f"- Every byte: {cov['positions']} rows for the corpus's {cov['bytes_total']} bytes "
+        f"({100 * cov['fraction_of_bytes']:.1f}%). Each member's distribution over the 257 "
+        f"byte events (256 bytes, end of text) at each byte, from all its tokenizations "
+        f"covering the text (beam {report.get('beam')}, prune threshold "
+        f"{report.get('threshold')}); NLL in nats per byte.",
+        f"- Calibration / test split (disjoint, by segment order): "
+        f"{report['split']['calibration_positions']} / {report['split']['test_positions']} "
+        f"bytes. Every method's continuous parameters were fitted on calibration.",
+        "- Per member: the mean fraction of the prefix mass pruning dropped per byte, the "
+        "log-mass it dropped (bits per byte), and bits per byte over every byte against its "
+        "canonical tokenization's (the difference is the mass of the other tokenizations):"]
+    for i, m in enumerate(report["members"]):
+        c = m.get("consistency", {})
+        if c:
+            lines.append(f"  - `{m['name']}`: pruned {cov['pruned_mean'][i]:.2e}, dropped "
+                         f"{cov['lost_bits_per_byte'][i]:.2e} bits/byte; {c['byte']:.4f} "
+                         f"bits/byte vs canonical {c['canonical']:.4f} (non-canonical "
+                         f"{c['noncanonical']:+.4f}).")
+    return lines
+
+
+def forking_markdown(forking: dict, unit: str = "position") -> list[str]:
     """The forking-token tables: gain over the best single member by entropy decile."""
     lines = []
     for v, f in forking.items():
         lines += [f"## Forking tokens ({v})", "",
                   f"Gain in NLL over the best single member ({f['reference']}) by decile of "
                   f"the members' mean entropy on the test split (D1 = most certain), nats "
-                  f"per position; 'top share' = the share of the method's total gain at the "
+                  f"per {unit}; 'top share' = the share of the method's total gain at the "
                   f"top {100 * f['top_fraction']:.0f}% entropy positions.", "",
                   "| method | " + " | ".join(f"D{i + 1}" for i in range(10)) + " | top share |",
                   "|---|" + "---|" * 11]
@@ -310,7 +355,8 @@ def plots(out_dir: str, report: dict, phase_rows: list[dict], cross_scores: dict
     paths.append(plot_nll_ci(os.path.join(out_dir, "nll_by_method.png"),
                              [m["label"] for m in ms], [m["test"]["nll"] for m in ms],
                              [m["test"]["nll_ci"] for m in ms],
-                             "test NLL (nats per co-aligned position), 95% block-bootstrap CI"))
+                             f"test NLL (nats per {_UNIT_WORDS[unit(report)]}), 95% "
+                             "block-bootstrap CI"))
     paths.append(plot_phase_differences(os.path.join(out_dir, "phase_differences.png"),
                                         phase_rows))
     # Sweep curves.
@@ -344,7 +390,7 @@ def plots(out_dir: str, report: dict, phase_rows: list[dict], cross_scores: dict
     plt.close(fig)
     if report.get("forking"):
         paths.append(plot_gain_by_entropy(os.path.join(out_dir, "gain_by_entropy.png"),
-                                          report["forking"]))
+                                          report["forking"], unit=unit(report)))
     return paths
 
 
@@ -388,7 +434,7 @@ def plot_phase_differences(path: str, rows: list[dict]) -> str:
     return path
 
 
-def plot_gain_by_entropy(path: str, forking: dict) -> str:
+def plot_gain_by_entropy(path: str, forking: dict, unit: str = "position") -> str:
     """Gain over the best single member by entropy decile: the best BRF setting and the
     best baseline of each variant, with 95% CIs."""
     import matplotlib
@@ -410,7 +456,7 @@ def plot_gain_by_entropy(path: str, forking: dict) -> str:
         ax.set_title(f"{v}: gain over {f['reference']}", fontsize=9)
         ax.set_xlabel("decile of the members' mean entropy (1 = most certain)")
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("NLL gain (nats/position)")
+    axes[0][0].set_ylabel(f"NLL gain (nats/{unit})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

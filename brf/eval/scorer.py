@@ -65,6 +65,12 @@ def encode(tokenizer, model_cfg, text: str) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
+def prefix_ids(tokenizer, prefix: str) -> list[int]:
+    """A member's prefix as the tokens it reads between BOS and each segment (the byte
+    level reads the same ones, :mod:`brf.eval.byte_scorer`)."""
+    return list(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
+
+
 def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
     """id -> decoded bytes (b"" for special tokens and embedding rows past the tokenizer)."""
     from brf.align.vocab import token_table
@@ -74,8 +80,7 @@ def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
 
 def _job(member: Member, model, segments: Sequence[str]) -> _Job:
     """The member's token ids per segment, checked against its context."""
-    pre = (list(model.tokenizer.encode(member.prefix, add_special_tokens=False))
-           if member.prefix else [])
+    pre = prefix_ids(model.tokenizer, member.prefix)
     ids = [encode(model.tokenizer, model.cfg, s) for s in segments]
     b = 1 if model.cfg.bos_id is not None else 0
     if pre:

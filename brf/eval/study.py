@@ -18,12 +18,19 @@ What one run answers (``experiments/validate.py``; configs/validate.py):
 4. **Event-space sensitivity** (first corpus): the event space built from each
    member's top-``topk_sensitivity`` strings instead of top-``top_k``: does any
    verdict move?
+5. **Every byte** (``plan.bytes.enabled``): 1-3 again on every byte of every
+   corpus (each member's next-byte distributions, :mod:`brf.eval.byte_scorer`;
+   the default pair, the prefix pair, the same-model pair and the swarm, no
+   event-space check and no softmax-bottleneck rows), reported beside the
+   co-aligned verdicts with which of them moved (``report.json``'s ``bytes``).
+   Each corpus's byte-level reports, fits and plots go to ``<corpus>/bytes/``.
 
 Every scoring is stored per member and corpus under the run directory and
 reused, so an interrupted run resumes; fits and bottleneck rows are cached too.
 Multi-host (``plan.distributed``): every process scores its share of each
-scoring; process 0 merges the stores, analyses and reports; the others return
-None.
+token-level scoring; process 0 merges the stores, analyses and reports, and
+scores the byte level alone after the token level is done (its scoring is not
+shared); the others return None.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import time
 from typing import Any, Callable
 
 from brf import sharding
-from brf.eval import caches, compare, report as report_lib, scorer, study_report
+from brf.eval import byte_scorer, caches, compare, report as report_lib, scorer, study_report
 from brf.eval.analysis import AnalysisResult, analyse
 from brf.eval.events import Coverage, build_event_table
 from brf.eval.plan import Analysis, Corpus, Plan, calibration_segments, load_segments
@@ -55,8 +62,14 @@ class Outcome:
 def event_table(plan: Plan, analysis: Analysis, segments: list[str], run_dir: str,
                 load_model: Callable[[str], Any]):
     """Scores the analysis's members (reusing their stores) and builds its event table:
-    (table, coverage, member infos), or None on the processes that do not analyse."""
+    (table, coverage, member infos), or None on the processes that do not analyse.
+    At the byte level (``analysis.level == 'bytes'``) every byte is a row
+    (:func:`brf.eval.byte_scorer.event_table`; this process alone scores)."""
     os.makedirs(run_dir, exist_ok=True)
+    if analysis.level == "bytes":
+        return byte_scorer.event_table(analysis.members, segments, run_dir, load_model,
+                                       getattr(load_model, "byte_lm", None),
+                                       settings=plan.bytes, chunk=plan.scoring.chunk)
     scored = scorer.score_members(
         analysis.members, segments, run_dir, load_model, top_k=analysis.store_k,
         chunk=plan.scoring.chunk,
@@ -70,14 +83,15 @@ def event_table(plan: Plan, analysis: Analysis, segments: list[str], run_dir: st
 
 
 def study_tables(plan: Plan, load_model: Callable[[str], Any] | None = None, *,
-                 which: Callable[[str, Analysis], bool] = lambda corpus, analysis: True):
-    """The event tables of the plan's analyses that ``which(corpus label, analysis)``
-    selects, in the study's order (for benchmarks): yields (corpus label, analysis,
-    table, number of segments)."""
+                 which: Callable[[str, Analysis], bool] = lambda corpus, analysis: True,
+                 levels: tuple[str, ...] = ("tokens",)):
+    """The event tables of the plan's analyses at ``levels`` that ``which(corpus label,
+    analysis)`` selects, in the study's order (for benchmarks): yields (corpus label,
+    analysis, table, number of segments)."""
     loader = _loaded_once(load_model or scorer.registry_loader(plan.members, plan.mesh))
     for index, corpus in enumerate(plan.corpora):
         segments, _, _ = load_segments(plan, corpus)
-        for a in plan.analyses(index):
+        for a in (a for level in levels for a in plan.analyses(index, level)):
             if not which(corpus.label, a):
                 continue
             table, _, _ = event_table(plan, a, segments, os.path.join(plan.out_dir, corpus.label),
@@ -88,23 +102,30 @@ def study_tables(plan: Plan, load_model: Callable[[str], Any] | None = None, *,
 def run_analysis(plan: Plan, analysis: Analysis, segments: list[str], run_dir: str,
                  load_model: Callable[[str], Any]) -> Outcome | None:
     """Scores the analysis's members, builds its event table, analyses it and writes
-    its report into ``run_dir``. None on the processes that do not analyse."""
+    its report into ``run_dir`` (byte-level analyses: into ``run_dir/bytes``, beside
+    nothing of the token level's). None on the processes that do not analyse."""
     built = event_table(plan, analysis, segments, run_dir, load_model)
     if built is None:
         return None
     table, cov, infos = built
     k = analysis.top_k
+    tokens = analysis.level == "tokens"
     key = ", ".join(m.label for m in analysis.members)
     slug = "".join(ch if ch.isalnum() else "_" for ch in analysis.label.lower()).strip("_")
-    name = f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:8]}-k{k}"
+    name = f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:8]}" + (f"-k{k}" if tokens else "")
+    out_dir = run_dir if tokens else os.path.join(run_dir, "bytes")
+    os.makedirs(out_dir, exist_ok=True)
     result = analyse(plan, table, len(segments), variants=analysis.variants,
-                     cache_path=os.path.join(run_dir, f"fits-{name}.json"),
+                     cache_path=os.path.join(out_dir, f"fits-{name}.json"),
                      with_sweep=analysis.sweep, with_controls=analysis.controls)
-    rep = {"analysis": analysis.label, "members": [i.as_dict() for i in infos],
-           "top_k": k, "coverage": cov.as_dict(), **result.section()}
+    level = ({"top_k": k} if tokens else
+             {"beam": plan.bytes.beam, "threshold": plan.bytes.threshold})
+    rep = {"analysis": analysis.label, "level": analysis.level,
+           "members": [i.as_dict() for i in infos], **level, "coverage": cov.as_dict(),
+           **result.section()}
     rep["verdict"] = report_lib.verdicts(rep)
     text = "".join(segments)
-    report_lib.write_analysis(run_dir, name, rep, corpus={
+    report_lib.write_analysis(out_dir, name, rep, corpus={
         "source": analysis.label, "chars": len(text), "segments": len(segments),
         "sha256": hashlib.sha256(text.encode()).hexdigest()},
         figures=(result.coherence, result.cross["scores"]) if analysis.sweep else None)
@@ -156,24 +177,61 @@ def run(plan: Plan, *, load_model: Callable[[str], Any] | None = None) -> dict |
            "pooled_fair": compare.pooled([(label, o.result) for label, o in per_corpus],
                                          plan.variants, n_boot=st.n_boot, seed=st.seed,
                                          fair=True),
-           "prompts": prompts, "topk_sensitivity": sensitivity,
-           "seconds": time.time() - t0}
+           "prompts": prompts, "topk_sensitivity": sensitivity}
     rep["verdict"] = study_report.verdicts(rep)
+    if plan.bytes.enabled:
+        # The co-aligned report first: the byte level takes far longer.
+        study_report.write(plan.out_dir, {**rep, "seconds": time.time() - t0})
+        t1 = time.time()
+        rep["bytes"] = byte_level(plan, loader)
+        rep["bytes"]["moved"] = compare.level_moves(rep, rep["bytes"])
+        rep["bytes"]["seconds"] = time.time() - t1
+        rep["verdict"]["every byte"] = study_report.moved_sentence(rep["bytes"]["moved"])
+    rep["seconds"] = time.time() - t0
     study_report.write(plan.out_dir, rep)
     return rep
 
 
+def byte_level(plan: Plan, loader: Callable[[str], Any]) -> dict:
+    """The study on every byte (this process alone): each corpus's byte-level analyses,
+    pooled over corpora, the prompt study; report.json's ``bytes`` section but for
+    ``moved`` and ``seconds`` (:func:`run` adds them)."""
+    per_corpus, prompts, consistency = [], {}, {}
+    for index, corpus in enumerate(plan.corpora):
+        segments, _, _ = load_segments(plan, corpus)
+        run_dir = os.path.join(plan.out_dir, corpus.label)
+        done = {a.kind: run_analysis(plan, a, segments, run_dir, loader)
+                for a in plan.analyses(index, "bytes")}
+        per_corpus.append((corpus.label, done["corpus"]))
+        consistency[corpus.label] = {i.name: i.consistency for o in done.values()
+                                     for i in o.infos}
+        if "prefix" in done:
+            prompts[corpus.label] = _prompt_entry(plan, corpus, done, segments, run_dir,
+                                                  loader, bottleneck=False)
+    st = plan.stats
+    results = [(label, o.result) for label, o in per_corpus]
+    out = {"beam": plan.bytes.beam, "threshold": plan.bytes.threshold,
+           "per_corpus": {label: study_report.brief(o.report) for label, o in per_corpus},
+           "consistency": consistency,
+           "pooled": compare.pooled(results, plan.variants, n_boot=st.n_boot, seed=st.seed),
+           "pooled_fair": compare.pooled(results, plan.variants, n_boot=st.n_boot,
+                                         seed=st.seed, fair=True),
+           "prompts": prompts}
+    out["verdict"] = study_report.verdicts(out, unit="byte")
+    return out
+
+
 def _prompt_entry(plan: Plan, corpus: Corpus, done: dict[str, Outcome], segments, run_dir,
-                  loader) -> dict:
+                  loader, *, bottleneck: bool = True) -> dict:
     """The prompt study of one corpus: the prefix effect, the same-model pair (with its
-    softmax-bottleneck rows) and the swarm."""
+    softmax-bottleneck rows, when ``bottleneck``) and the swarm."""
     st = plan.stats
     entry = {"prefix": corpus.prefix, "with_prefix": study_report.brief(done["prefix"].report),
              "effect": compare.prefix_effect(done["corpus"].result, done["prefix"].result,
                                              n_boot=st.n_boot, seed=st.seed)}
     if "same_model" in done:
         entry["same_model"] = study_report.brief(done["same_model"].report)
-        if plan.bottleneck.positions > 0:
+        if bottleneck and plan.bottleneck.positions > 0:
             prefixes = tuple(m.prefix for m in done["same_model"].analysis.members)
             entry["bottleneck"] = bottleneck_rows(plan, plan.members[0].name, prefixes,
                                                   segments, run_dir, loader)
@@ -201,15 +259,25 @@ def bottleneck_rows(plan: Plan, model_name: str, prefixes, segments, run_dir: st
         what="bottleneck rows")
 
 
-def _loaded_once(load_model: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``load_model`` with each model loaded once, shared by every analysis."""
-    cache: dict[str, Any] = {}
+class _loaded_once:
+    """``load_model`` with each model loaded once, shared by every analysis; its
+    byte-level view (:meth:`byte_lm`) built once per model too."""
 
-    def load(name: str):
-        if name not in cache:
-            cache[name] = load_model(name)
-        return cache[name]
-    return load
+    def __init__(self, load_model: Callable[[str], Any]):
+        self._load = load_model
+        self._models: dict[str, Any] = {}
+        self._lms: dict[str, Any] = {}
+
+    def __call__(self, name: str):
+        if name not in self._models:
+            self._models[name] = self._load(name)
+        return self._models[name]
+
+    def byte_lm(self, name: str):
+        if name not in self._lms:
+            self._lms[name] = byte_scorer.byte_lm(self(name), name)
+        return self._lms[name]
 
 
-__all__ = ["Outcome", "bottleneck_rows", "event_table", "run", "run_analysis", "study_tables"]
+__all__ = ["Outcome", "bottleneck_rows", "byte_level", "event_table", "run", "run_analysis",
+           "study_tables"]

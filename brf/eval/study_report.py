@@ -15,7 +15,9 @@ import numpy as np
 from brf.eval import report as report_lib
 from brf.eval.caches import write_json
 
-STUDY_SCHEMA = "brf.study/2"
+# Version 3: the ``bytes`` section (the study on every byte, when the plan runs it)
+# and the "every byte" verdict; otherwise as version 2.
+STUDY_SCHEMA = "brf.study/3"
 
 
 def write(out_dir: str, rep: dict) -> None:
@@ -31,7 +33,7 @@ def brief(rep: dict | None) -> dict | None:
     None for None (a multi-process run's other processes analyse nothing)."""
     if rep is None:
         return None
-    keep = ("analysis", "members", "top_k", "coverage", "split", "nll_comparison",
+    keep = ("analysis", "level", "members", "top_k", "coverage", "split", "nll_comparison",
             "fair_summary", "phase_coherence", "cross_term", "verdict")
     out = {k: rep[k] for k in keep if k in rep}
     out["methods"] = [{"label": m["label"], "variant": m["variant"],
@@ -75,8 +77,9 @@ def bottleneck_words(b: dict) -> str:
                "back)." if skipped else ""))
 
 
-def verdicts(rep: dict) -> dict[str, str]:
-    """The study's answers, one paragraph each, from the numbers alone."""
+def verdicts(rep: dict, unit: str = "position") -> dict[str, str]:
+    """The study's answers, one paragraph each, from the numbers alone (differences in
+    nats per ``unit``: 'position' on co-aligned positions, 'byte' on every byte)."""
     out = {}
     for label, r in rep["per_corpus"].items():
         out[f"nll: {label}"] = r["verdict"]["nll"]
@@ -89,7 +92,7 @@ def verdicts(rep: dict) -> dict[str, str]:
             out[f"{'nll' if key == 'pooled' else 'fair'}: pooled ({v})"] = (
                 f"Pooled over {len(p['corpora'])} corpora (equal weight each), the best BRF "
                 f"setting minus {what}, {report_lib.VARIANT_WORDS.get(v, v)}: "
-                f"{p['mean_difference']:+.4f} nats/position, 95% CI [{lo:+.4f}, {hi:+.4f}]: "
+                f"{p['mean_difference']:+.4f} nats/{unit}, 95% CI [{lo:+.4f}, {hi:+.4f}]: "
                 "BRF is " + _side(p["ci"], "better", "worse", "not distinguishable from it")
                 + " on this evidence.")
     for label, pr in rep["prompts"].items():
@@ -130,6 +133,19 @@ def verdicts(rep: dict) -> dict[str, str]:
             + ("no verdict moves." if not s["moved"] else
                f"these verdicts move: {', '.join(s['moved'])}."))
     return out
+
+
+def moved_sentence(moved: dict) -> str:
+    """Which verdicts move from co-aligned positions to every byte, in one sentence
+    (:func:`brf.eval.compare.level_moves`)."""
+    rows = moved["rows"]
+    if not moved["moved"]:
+        return (f"On every byte, none of the {len(rows)} verdicts compared moves from its "
+                f"answer on co-aligned positions.")
+    return (f"On every byte, {len(moved['moved'])} of the {len(rows)} verdicts compared "
+            f"move from their answer on co-aligned positions: " + "; ".join(
+                f"{k} ({rows[k]['tokens']} -> {rows[k]['bytes']})" for k in moved["moved"])
+            + ".")
 
 
 def markdown(rep: dict) -> str:
@@ -185,10 +201,91 @@ def markdown(rep: dict) -> str:
                     f"saves {100 * g['calls_saved']:.0f}% of member calls.")
     lines += ["", "Plots: `gain_by_entropy.png` (this directory and each corpus's), "
               "`pooled.png`.", ""]
+    if rep.get("bytes"):
+        lines += bytes_markdown(rep)
     return "\n".join(lines)
 
 
+def bytes_markdown(rep: dict) -> list[str]:
+    """The study on every byte: coverage, each member's consistency, the byte-level
+    verdicts, the per-corpus comparison beside the co-aligned one, and which verdicts
+    moved."""
+    b = rep["bytes"]
+    lines = ["## Every byte", "",
+             f"The same analyses on every byte of every corpus: each member's distribution "
+             f"over the 257 byte events (256 bytes, end of text) at each byte, from all its "
+             f"tokenizations covering the text (beam {b['beam']}, prune threshold "
+             f"{b['threshold']:g}); NLL in nats per byte. Each corpus's byte-level reports "
+             f"are in its `bytes/` subdirectory.", "",
+             "### Coverage and consistency", "",
+             "Every byte is a row. Pruning drops hypotheses (the canonical tokenization "
+             "never): 'pruned' is the mean fraction of the prefix mass dropped per byte, "
+             "'dropped' the log-mass dropped (bits per byte, a bound on how much the "
+             "byte-level NLL may overstate the exact one). 'byte' and 'canonical' are the "
+             "member's bits per byte over every byte and of its canonical tokenization "
+             "alone; 'non-canonical' is their difference, the mass of the other "
+             "tokenizations.", "",
+             "| corpus | member | bytes | coverage | pruned | dropped (bits/B) | byte (bits/B) "
+             "| canonical (bits/B) | non-canonical (bits/B) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, r in b["per_corpus"].items():
+        cov = r["coverage"]
+        for name, c in b.get("consistency", {}).get(label, {}).items():
+            lines.append(f"| {label} | {name} | {c['bytes']} | "
+                         f"{100 * cov['fraction_of_bytes']:.1f}% | {c['pruned_mean']:.2e} | "
+                         f"{c['lost']:.2e} | {c['byte']:.4f} | {c['canonical']:.4f} | "
+                         f"{c['noncanonical']:+.4f} |")
+    lines += ["", "### Verdicts on every byte", ""]
+    for k, v in b.get("verdict", {}).items():
+        lines.append(f"- **{k}**: {v}")
+    lines += ["", "### Best BRF vs best baseline: co-aligned positions and every byte", "",
+              "| corpus | variant | co-aligned (nats/position) [95% CI] | every byte "
+              "(nats/byte) [95% CI] |", "|---|---|---|---|"]
+
+    def ci(c):
+        return f"{c['mean_difference']:+.4f} [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}]" if c else ""
+
+    for label, r in b["per_corpus"].items():
+        tok = rep["per_corpus"].get(label, {}).get("nll_comparison", {})
+        for v, c in r["nll_comparison"].items():
+            lines.append(f"| {label} | {v} | {ci(tok.get(v))} | {ci(c)} |")
+    for v, p in b.get("pooled", {}).items():
+        lines.append(f"| **pooled** | {v} | {ci(rep['pooled'].get(v))} | {ci(p)} |")
+    lines += ["", "### Forking bytes", ""]
+    for label, r in b["per_corpus"].items():
+        for v, f in r.get("forking", {}).items():
+            for kind, g in f["gated"].items():
+                share = f["by_method"][g["method"]]["top_share"]
+                lines.append(
+                    f"- {label} [{v}] {g['method']}: the top {100 * f['top_fraction']:.0f}% "
+                    f"entropy bytes carry {100 * share:.0f}% of the gain over "
+                    f"{f['reference']}; gated fusion keeps {100 * g['kept']:.0f}% of it and "
+                    f"saves {100 * g['calls_saved']:.0f}% of member calls.")
+    moved = b.get("moved")
+    if moved:
+        lines += ["", "### Which verdicts moved", "",
+                  "Each verdict's answer on co-aligned positions and on every byte (where "
+                  "its 95% CI lies, or the count it rests on); the numbers are in each "
+                  "level's units, so compare signs, not sizes.", "",
+                  "| verdict | co-aligned | every byte | moved |", "|---|---|---|---|"]
+        for k, r in moved["rows"].items():
+            lines.append(f"| {k} | {r['tokens']} ({r['tokens_value']:+.4g}) | {r['bytes']} "
+                         f"({r['bytes_value']:+.4g}) | {'**yes**' if r['moved'] else 'no'} |")
+    lines += ["", "Plots: `pooled_bytes.png`, `gain_by_entropy_bytes.png` (this directory), "
+              "each corpus's `bytes/`.", ""]
+    return lines
+
+
 def plots(out_dir: str, rep: dict) -> list[str]:
+    """pooled.png and gain_by_entropy.png; with a byte level also pooled_bytes.png and
+    gain_by_entropy_bytes.png."""
+    paths = _level_plots(out_dir, rep, "", "position")
+    if rep.get("bytes"):
+        paths += _level_plots(out_dir, rep["bytes"], "_bytes", "byte")
+    return paths
+
+
+def _level_plots(out_dir: str, rep: dict, suffix: str, unit: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -196,6 +293,8 @@ def plots(out_dir: str, rep: dict) -> list[str]:
     rows = [(label, v, c) for label, r in rep["per_corpus"].items()
             for v, c in r["nll_comparison"].items()]
     rows += [("pooled", v, p) for v, p in rep["pooled"].items()]
+    if not rows:
+        return paths
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
     y = np.arange(len(rows))
     m = np.array([r[2]["mean_difference"] for r in rows])
@@ -204,13 +303,13 @@ def plots(out_dir: str, rep: dict) -> list[str]:
     ax.axvline(0, color="grey", lw=0.7)
     ax.set_yticks(y, [f"{a} [{b}]" for a, b, _ in rows], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("best BRF minus best baseline, test NLL (nats/position); < 0: BRF better")
+    ax.set_xlabel(f"best BRF minus best baseline, test NLL (nats/{unit}); < 0: BRF better")
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, "pooled.png"))
+    paths.append(os.path.join(out_dir, f"pooled{suffix}.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     first = next(iter(rep["per_corpus"].values()))
     if first.get("forking"):
         paths.append(report_lib.plot_gain_by_entropy(
-            os.path.join(out_dir, "gain_by_entropy.png"), first["forking"]))
+            os.path.join(out_dir, f"gain_by_entropy{suffix}.png"), first["forking"], unit=unit))
     return paths
