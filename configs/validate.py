@@ -28,11 +28,14 @@ PI = math.pi
 HAMLET_PREFIX = "The following is the text of Hamlet, a tragedy by William Shakespeare.\n\n"
 SECOND_PREFIX = "Here is a passage of text.\n\n"
 # The byte-level study (brf/eval/byte_scorer.py): each member's beam (hypotheses kept
-# per byte) and prune threshold (hypotheses below this fraction of the prefix mass
-# are dropped; the mass they carried is reported). A placeholder until speed
-# measurements pick it.
+# per byte), prune threshold (hypotheses below this fraction of the prefix mass
+# are dropped; the mass they carried is reported) and merge lag (a hypothesis more
+# than this many canonical tokens behind is merged into the canonical one; the mass
+# merged is reported). The library's defaults: BENCHMARKS.md, "Every byte", shows
+# what they cost in speed and accuracy.
 BYTE_BEAM = 16
-BYTE_PRUNE_THRESHOLD = 1e-3
+BYTE_PRUNE_THRESHOLD = 3e-3
+BYTE_MAX_LAG = 2
 
 
 def get_config(arg=None):
@@ -130,9 +133,10 @@ def get_config(arg=None):
     # The study on every byte (README, "The study on every byte"): every member's
     # next-byte distributions over every byte of every corpus, the same analyses as
     # on co-aligned positions (default pair, prefix pair, same-model pair, swarm),
-    # and which verdicts move. beam >= 1, threshold in [0, 1).
+    # and which verdicts move. beam >= 1, threshold in [0, 1), max_lag >= 0 (0 =
+    # never merge; brf.bytes.lm.score_text).
     c.bytes = ml_collections.ConfigDict(dict(
-        enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD))
+        enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD, max_lag=BYTE_MAX_LAG))
     # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
     c.compilation_cache = True
     c.compilation_cache_dir = ""

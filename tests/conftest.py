@@ -9,12 +9,28 @@ settings.register_profile(
 settings.load_profile("brf")
 
 
+# Files whose tests load the real models (or their converted tokenizers). Under
+# pytest-xdist (pyproject.toml: `-n auto --dist loadgroup`) they run one after
+# another on one worker: two processes each holding Gemma 3 and its transformers
+# reference would not fit CI's memory, and one worker converts each checkpoint
+# once. Every other test spreads over the remaining workers.
+REAL_MODEL_FILES = frozenset({
+    "test_validate_real.py", "test_real_parity.py", "test_modules_real.py",
+    "test_models_real.py", "test_logit_csv.py", "test_notebooks.py",
+    "test_checkpoint_store.py", "test_gguf.py", "test_tokenizer_gguf.py"})
+
+
 def pytest_collection_modifyitems(config, items):
-    """`extended` tests (a second route to checks made elsewhere, minutes each)
-    run only with BRF_EXTENDED_TESTS=1, to keep CI within its time budget."""
+    """Real-model tests share one xdist group; `extended` tests (a second route to
+    checks made elsewhere, minutes each) run only with BRF_EXTENDED_TESTS=1, to
+    keep CI within its time budget."""
+    import pytest
+    real = pytest.mark.xdist_group("real_models")
+    for item in items:
+        if "slow" in item.keywords or item.path.name in REAL_MODEL_FILES:
+            item.add_marker(real)
     if os.environ.get("BRF_EXTENDED_TESTS") == "1":
         return
-    import pytest
     skip = pytest.mark.skip(reason="extended test; set BRF_EXTENDED_TESTS=1 to run it")
     for item in items:
         if "extended" in item.keywords:

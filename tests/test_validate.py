@@ -364,7 +364,8 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     import brf.bytes.scoring
     from brf.eval import byte_scorer
     from brf.eval.fitting import Fitted, evaluate
-    cfg = _cfg(tmp_path, text, bytes__enabled=True, bytes__beam=2, bytes__threshold=0.2)
+    cfg = _cfg(tmp_path, text, bytes__enabled=True, bytes__beam=2, bytes__threshold=0.2,
+               bytes__max_lag=1)
     cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
                   'temperature=fit(1.0))'
     cfg.phase_maps = 'constant(label="hellinger (equal phases)", fixed=True), tanh'
@@ -406,7 +407,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
         assert os.path.getsize(os.path.join(cfg.out_dir, name)) > 0, name
     # The byte level.
     b = data["bytes"]
-    assert (b["beam"], b["threshold"]) == (2, 0.2)
+    assert (b["beam"], b["threshold"], b["max_lag"]) == (2, 0.2, 1)
     assert set(b["per_corpus"]) == {"first", "second"}
     plan = plan_lib.from_config(cfg)
     for corpus in plan.corpora:
@@ -497,13 +498,14 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     for r in (rep, rep2):
         r["bytes"].pop("seconds")
     assert rep2["bytes"] == rep["bytes"]
-    # Another beam or threshold, other segments: another store key, rescored.
+    # Another beam, threshold or merge lag, other segments: another store key, rescored.
     segs = [s.encode() for s in plan_lib.load_segments(plan, plan.corpora[0])[0]]
     meta = {"corpus": hashlib.sha256(b"\x00".join(segs)).hexdigest()[:16]}
     path = byte_scorer.store_path(os.path.join(cfg.out_dir, "first"), plan_lib.Member("tiny-a"))
-    same = plan_lib.ByteSettings(True, 2, 0.2)
+    same = plan_lib.ByteSettings(True, 2, 0.2, 1)
     assert byte_scorer._stored(path, "tiny-a", segs, [], same, meta) is not None
-    for other in (plan_lib.ByteSettings(True, 3, 0.2), plan_lib.ByteSettings(True, 2, 0.1)):
+    for other in (plan_lib.ByteSettings(True, 3, 0.2, 1), plan_lib.ByteSettings(True, 2, 0.1, 1),
+                  plan_lib.ByteSettings(True, 2, 0.2, 0)):
         assert byte_scorer._stored(path, "tiny-a", segs, [], other, meta) is None
     assert byte_scorer._stored(path, "tiny-a", segs[:-1], [], same, meta) is None
 
@@ -520,6 +522,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     (dict(bytes__beam=0), r"config.bytes.beam must be an integer >= 1; got 0"),
     (dict(bytes__threshold=1.0), r"config.bytes.threshold must lie in \[0, 1\); got 1.0"),
     (dict(bytes__threshold=-0.1, bytes__enabled=True), r"bytes.threshold .* got -0.1"),
+    (dict(bytes__max_lag=-1), r"config.bytes.max_lag must be an integer >= 0; got -1"),
 ])
 def test_bad_study_config_is_refused_before_any_model_runs(tmp_path, text, change, match):
     cfg = _cfg(tmp_path, text, **change)

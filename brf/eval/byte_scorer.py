@@ -85,7 +85,7 @@ def _stored(path: str, name: str, data: Sequence[bytes], prefix: Sequence[int],
     if not os.path.isfile(path):
         return None
     full = dict(meta, member=name, beam=int(settings.beam), threshold=float(settings.threshold),
-                prefix=tuple(int(i) for i in prefix), n_segments=len(data),
+                max_lag=int(settings.max_lag), prefix=tuple(int(i) for i in prefix), n_segments=len(data),
                 version=getattr(byte_scoring, "STORE_VERSION", None))
     rows = byte_scoring.load_partial(path, data, full)
     return byte_scoring.assemble(data, rows) if len(rows) == len(data) else None
@@ -104,7 +104,7 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
       load_model: name -> model (``.cfg``, ``.params``, ``.tokenizer``).
       load_lm: name -> its ByteLM (default: built from ``load_model(name)``); called
         only for a member whose store is incomplete.
-      settings: the beam and prune threshold.
+      settings: the beam, prune threshold and merge lag.
       chunk: tokens per canonical forward pass.
 
     Returns:
@@ -123,7 +123,8 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
         sc = _stored(path, m.name, data, pre, settings, meta)
         if sc is None:
             sc = score_segments(load_lm(m.name), data, prefix_ids=pre, beam=settings.beam,
-                                threshold=settings.threshold, chunk=chunk, store_path=path,
+                                threshold=settings.threshold, max_lag=settings.max_lag,
+                                chunk=chunk, store_path=path,
                                 meta=meta, desc=f"byte scoring {m.label[:40]}")
         c = {k: (int(v) if k == "bytes" else float(v)) for k, v in consistency(sc).items()}
         scores.append(sc)

@@ -116,11 +116,13 @@ class BottleneckSettings:
 class ByteSettings:
     """The study on every byte: on or off, and each member's pruning
     (`brf.bytes.lm.score_text`: at most ``beam`` hypotheses per byte, those below
-    ``threshold`` of the prefix mass dropped). The defaults live in
-    configs/validate.py."""
+    ``threshold`` of the prefix mass dropped, hypotheses that fall more than
+    ``max_lag`` canonical tokens behind merged into the canonical one). The
+    defaults live in configs/validate.py."""
     enabled: bool
     beam: int
     threshold: float
+    max_lag: int = 0
 
 
 BYTES_OFF = ByteSettings(enabled=False, beam=1, threshold=0.0)  # a config without c.bytes
@@ -367,12 +369,15 @@ def _byte_settings(section) -> ByteSettings:
     if section is None:
         return BYTES_OFF
     beam, threshold = section.beam, section.threshold
+    max_lag = section.get("max_lag", 0)
     if isinstance(beam, bool) or not isinstance(beam, (int, np.integer)) or beam < 1:
         raise ValidationError(f"config.bytes.beam must be an integer >= 1; got {beam!r}")
     if (isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating))
             or not 0.0 <= threshold < 1.0):
         raise ValidationError(f"config.bytes.threshold must lie in [0, 1); got {threshold!r}")
-    return ByteSettings(bool(section.enabled), int(beam), float(threshold))
+    if isinstance(max_lag, bool) or not isinstance(max_lag, (int, np.integer)) or max_lag < 0:
+        raise ValidationError(f"config.bytes.max_lag must be an integer >= 0; got {max_lag!r}")
+    return ByteSettings(bool(section.enabled), int(beam), float(threshold), int(max_lag))
 
 
 def _plain(x):

@@ -119,7 +119,8 @@ def run_analysis(plan: Plan, analysis: Analysis, segments: list[str], run_dir: s
                      cache_path=os.path.join(out_dir, f"fits-{name}.json"),
                      with_sweep=analysis.sweep, with_controls=analysis.controls)
     level = ({"top_k": k} if tokens else
-             {"beam": plan.bytes.beam, "threshold": plan.bytes.threshold})
+             {"beam": plan.bytes.beam, "threshold": plan.bytes.threshold,
+              "max_lag": plan.bytes.max_lag})
     rep = {"analysis": analysis.label, "level": analysis.level,
            "members": [i.as_dict() for i in infos], **level, "coverage": cov.as_dict(),
            **result.section()}
@@ -211,6 +212,7 @@ def byte_level(plan: Plan, loader: Callable[[str], Any]) -> dict:
     st = plan.stats
     results = [(label, o.result) for label, o in per_corpus]
     out = {"beam": plan.bytes.beam, "threshold": plan.bytes.threshold,
+           "max_lag": plan.bytes.max_lag,
            "per_corpus": {label: study_report.brief(o.report) for label, o in per_corpus},
            "consistency": consistency,
            "pooled": compare.pooled(results, plan.variants, n_boot=st.n_boot, seed=st.seed),

@@ -215,25 +215,28 @@ def bytes_markdown(rep: dict) -> list[str]:
              f"The same analyses on every byte of every corpus: each member's distribution "
              f"over the 257 byte events (256 bytes, end of text) at each byte, from all its "
              f"tokenizations covering the text (beam {b['beam']}, prune threshold "
-             f"{b['threshold']:g}); NLL in nats per byte. Each corpus's byte-level reports "
+             f"{b['threshold']:g}, merge lag {b.get('max_lag', 0)}); NLL in nats per byte. Each corpus's byte-level reports "
              f"are in its `bytes/` subdirectory.", "",
              "### Coverage and consistency", "",
              "Every byte is a row. Pruning drops hypotheses (the canonical tokenization "
              "never): 'pruned' is the mean fraction of the prefix mass dropped per byte, "
              "'dropped' the log-mass dropped (bits per byte, a bound on how much the "
-             "byte-level NLL may overstate the exact one). 'byte' and 'canonical' are the "
+             "byte-level NLL may overstate the exact one). 'merged' is the mean fraction of "
+             "the prefix mass merged into the canonical hypothesis per byte (hypotheses "
+             "more than the merge lag behind it: their mass is kept, their own future "
+             "is approximated by the canonical one's). 'byte' and 'canonical' are the "
              "member's bits per byte over every byte and of its canonical tokenization "
              "alone; 'non-canonical' is their difference, the mass of the other "
              "tokenizations.", "",
-             "| corpus | member | bytes | coverage | pruned | dropped (bits/B) | byte (bits/B) "
-             "| canonical (bits/B) | non-canonical (bits/B) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| corpus | member | bytes | coverage | pruned | dropped (bits/B) | merged "
+             "| byte (bits/B) | canonical (bits/B) | non-canonical (bits/B) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in b["per_corpus"].items():
         cov = r["coverage"]
         for name, c in b.get("consistency", {}).get(label, {}).items():
             lines.append(f"| {label} | {name} | {c['bytes']} | "
                          f"{100 * cov['fraction_of_bytes']:.1f}% | {c['pruned_mean']:.2e} | "
-                         f"{c['lost']:.2e} | {c['byte']:.4f} | {c['canonical']:.4f} | "
+                         f"{c['lost']:.2e} | {c.get('merged_mean', 0.0):.2e} | {c['byte']:.4f} | {c['canonical']:.4f} | "
                          f"{c['noncanonical']:+.4f} |")
     lines += ["", "### Verdicts on every byte", ""]
     for k, v in b.get("verdict", {}).items():
