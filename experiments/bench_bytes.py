@@ -103,8 +103,13 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
 
 
 def bench_generate(beam: int, threshold: float) -> dict:
-    from configs import generate as gen_config
+    import importlib.util
+    import pathlib
     from brf.ensemble.run import run
+    path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_config", path)
+    gen_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_config)
 
     out = {}
     for level in ("tokens", "bytes"):
@@ -138,11 +143,17 @@ def main(argv):
         data = text.encode("utf-8")[FLAGS.skip_bytes:FLAGS.skip_bytes + FLAGS.n_bytes]
         warm = text.encode("utf-8")[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
         segs = segments_of(data, FLAGS.segment)
-        res["score"] = [bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag)
-                        for m in FLAGS.models]
+        res["score"] = []
+        for m in FLAGS.models:
+            res["score"].append(bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag))
+            _write(res)  # each part as soon as it is measured
     if "generate" in FLAGS.parts:
         res["generate"] = bench_generate(FLAGS.beam, threshold)
+        _write(res)
     print(json.dumps(res, indent=1))
+
+
+def _write(res: dict) -> None:
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(res, f, indent=1)
