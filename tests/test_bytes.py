@@ -217,7 +217,6 @@ def test_every_method_fuses_byte_distributions(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_models_equal_brute_force(name):
     """The real members, short strings (<= 8 bytes), float64: byte-level prefix
