@@ -11,12 +11,22 @@ tokenizations' tree-attention tokens), the wall time of each and their ratio,
 the trie's memory, the pruned mass and the consistency numbers (bits per byte:
 byte level, canonical tokenization, their gap = the non-canonical mass).
 
+Accuracy (--parts=accuracy): one member (the first of --models) scores the
+corpus's bytes [--skip_bytes, --skip_bytes + --n_bytes) once per --settings
+entry (threshold:beam:max_lag; the first is the reference): time, extra
+forward tokens per canonical token, bits per byte and its difference from the
+reference's, the total variation between each byte's distribution and the
+reference's (mean and 99th percentile), the pruned log-mass (nats) and the
+merged mass.
+
 Generation (--parts=generate): the default pair (configs/generate.py: SmolLM2 +
 Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte level
 (`max_new_bytes`), each after a warm-up run; generated UTF-8 bytes per second.
 
   python experiments/bench_bytes.py --corpus=hamlet --n_bytes=4096
   python experiments/bench_bytes.py --parts=score --models=gemma3-270m --threshold=1e-2
+  python experiments/bench_bytes.py --parts=accuracy --n_bytes=1000 --skip_bytes=3000 \
+      --settings=1e-3:16:0,3e-3:16:2,1e-2:16:0
 """
 
 import json
@@ -28,7 +38,7 @@ from absl import flags
 from brf import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("parts", ["score", "generate"], "score, generate")
+flags.DEFINE_list("parts", ["score", "generate"], "score, generate, accuracy")
 flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "members")
 flags.DEFINE_string("corpus", "hamlet", "a brf.eval.corpus.CORPORA name")
 flags.DEFINE_integer("skip_bytes", 0, "bytes of the corpus skipped first")
@@ -37,6 +47,8 @@ flags.DEFINE_integer("segment", 1024, "bytes per segment")
 flags.DEFINE_integer("beam", 16, "hypotheses kept per byte")
 flags.DEFINE_float("threshold", None, "prune threshold (default: brf.bytes.DEFAULT_THRESHOLD)")
 flags.DEFINE_integer("max_lag", None, "merge lag (default: brf.bytes.DEFAULT_MAX_LAG; 0: never)")
+flags.DEFINE_list("settings", ["1e-3:16:0", "3e-3:16:2"],
+                  "accuracy: threshold:beam:max_lag per run, the first the reference")
 flags.DEFINE_integer("new_tokens", 48, "generation: tokens at the token level")
 flags.DEFINE_integer("new_bytes", 192, "generation: bytes at the byte level")
 flags.DEFINE_string("out", "", "write the results as JSON here")
@@ -102,6 +114,34 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
                 merged_mean=cons["merged_mean"], hyp_mean=cons["hyp_mean"])
 
 
+def bench_accuracy(name: str, data: bytes, warm: bytes, settings: list[str]) -> list[dict]:
+    import numpy as np
+    from brf.bytes.lm import ByteLM, score_text
+    lm = ByteLM.load(name)
+    score_text(lm, warm[:400], beam=16, threshold=1e-3)  # compile
+    gold = np.frombuffer(data, np.uint8)
+    rows, ref = [], None
+    for setting in settings:
+        thr, beam, lag = setting.split(":")
+        t0 = time.perf_counter()
+        s = score_text(lm, data, beam=int(beam), threshold=float(thr), max_lag=int(lag))
+        seconds = time.perf_counter() - t0
+        ref = ref or s
+        st, n = s.stats, len(data)
+        tv = 0.5 * np.abs(np.exp(s.logp) - np.exp(ref.logp)).sum(1)
+        bpb = -st["byte_ll"] / n / np.log(2)
+        rows.append(dict(member=name, setting=setting, bytes=n, seconds=seconds,
+                         extra_per_canonical=st["extra_tokens"] / st["canonical_tokens"],
+                         bpb=bpb, dbpb=bpb + ref.stats["byte_ll"] / n / np.log(2),
+                         bpb_canonical=-st["canonical_ll"] / n / np.log(2),
+                         tv_mean=float(tv.mean()), tv_p99=float(np.quantile(tv, 0.99)),
+                         lost_nats=float(st["lost"]), merged=float(st["merged"]),
+                         gold_logp_sum=float(s.logp[np.arange(n), gold].sum()),
+                         max_hyp=int(st["max_hyp"])))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def bench_generate(beam: int, threshold: float) -> dict:
     import importlib.util
     import pathlib
@@ -147,6 +187,12 @@ def main(argv):
         for m in FLAGS.models:
             res["score"].append(bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag))
             _write(res)  # each part as soon as it is measured
+    if "accuracy" in FLAGS.parts:
+        text = CORPORA.get(FLAGS.corpus)()[0].encode("utf-8")
+        data = segments_of(text[FLAGS.skip_bytes:], FLAGS.n_bytes)[0]
+        warm = text[:FLAGS.skip_bytes] or text[-1000:]
+        res["accuracy"] = bench_accuracy(FLAGS.models[0], data, warm, FLAGS.settings)
+        _write(res)
     if "generate" in FLAGS.parts:
         res["generate"] = bench_generate(FLAGS.beam, threshold)
         _write(res)

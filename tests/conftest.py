@@ -9,11 +9,11 @@ settings.register_profile(
 settings.load_profile("brf")
 
 
-# Files whose tests load the real models (or their converted tokenizers). Under
-# pytest-xdist (pyproject.toml: `-n auto --dist loadgroup`) they run one after
-# another on one worker: two processes each holding Gemma 3 and its transformers
-# reference would not fit CI's memory, and one worker converts each checkpoint
-# once. Every other test spreads over the remaining workers.
+# Files whose tests load the real models (or their converted tokenizers). With
+# pytest-xdist (`-n 2 --dist loadgroup`) they run one after another on one
+# worker, and one worker converts each checkpoint once. CI runs serially: two
+# workers grew to 10.4 and 8.7 GB and the first was killed for memory on this
+# 24 GB machine (a study was paused beside them, holding 4.8 GB).
 REAL_MODEL_FILES = frozenset({
     "test_validate_real.py", "test_real_parity.py", "test_modules_real.py",
     "test_models_real.py", "test_logit_csv.py", "test_notebooks.py",

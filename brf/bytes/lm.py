@@ -319,8 +319,8 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
         bytes' log-probs, nats); ``canonical_ll`` (log-prob of the canonical
         tokenization, conditioned on text + EOS tokens like the byte view) and
         ``canonical_ll_raw`` (the model's own, as token-level scoring reports
-        it); ``lost`` (-sum log(1 - pruned): a bound on the log-mass pruning
-        took); ``merged`` (the summed fractions of merged mass);
+        it); ``lost`` (-sum log(1 - pruned): how far the reported NLL may lie
+        below the exact one, at most); ``merged`` (the summed fractions of merged mass);
         ``canonical_tokens``, ``context_tokens``, ``extra_tokens`` (tokens of
         alternative tokenizations run), ``padded_tokens`` (every token a call
         ran, padding included), ``tree_calls``, ``compactions`` (of the

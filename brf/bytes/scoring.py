@@ -209,7 +209,9 @@ def consistency(scores: ByteScores) -> dict:
     the covering tokenizations other than the canonical one (log(P(x) /
     p(canonical)), per byte); ``special`` = canonical_raw - canonical: what the
     model gives control tokens other than EOS; ``lost``: the log-mass pruning
-    dropped (an upper bound of how much ``byte`` may overstate the exact NLL).
+    dropped (a bound on how far ``byte`` may lie below the exact NLL: the kept
+    hypotheses' mass bounds the prefix probability from below; how far above
+    it may lie depends on the dropped hypotheses' futures and is not bounded).
     """
     n = max(1, scores.n_bytes)
     bits = 1.0 / (n * np.log(2.0))

@@ -220,8 +220,9 @@ def bytes_markdown(rep: dict) -> list[str]:
              "### Coverage and consistency", "",
              "Every byte is a row. Pruning drops hypotheses (the canonical tokenization "
              "never): 'pruned' is the mean fraction of the prefix mass dropped per byte, "
-             "'dropped' the log-mass dropped (bits per byte, a bound on how much the "
-             "byte-level NLL may overstate the exact one). 'merged' is the mean fraction of "
+             "'dropped' the log-mass dropped (bits per byte: the byte-level NLL lies at most "
+             "this far below the exact one; how far above it may lie is not bounded). "
+             "'merged' is the mean fraction of "
              "the prefix mass merged into the canonical hypothesis per byte (hypotheses "
              "more than the merge lag behind it: their mass is kept, their own future "
              "is approximated by the canonical one's). 'byte' and 'canonical' are the "
