@@ -86,6 +86,15 @@ def save_partial(path: str, segments: Sequence[bytes], rows: list[dict], meta: d
     os.replace(tmp, path)
 
 
+def store_meta(meta: dict | None, member: str, segments: Sequence[bytes],
+               prefix_ids: Sequence[int], *, beam: int, threshold: float,
+               max_lag: int) -> dict:
+    """The key a store is made with: a store whose key differs is rescored."""
+    return dict(meta or {}, member=member, beam=int(beam), threshold=float(threshold),
+                max_lag=int(max_lag), prefix=tuple(int(i) for i in prefix_ids),
+                n_segments=len(segments), version=STORE_VERSION)
+
+
 def load_partial(path: str, segments: Sequence[bytes], meta: dict) -> list[dict]:
     """Per-segment results already in the store: [] when there is none, when it was
     made with other settings, or when it is damaged (then with a warning)."""
@@ -146,10 +155,8 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
     """
     check_bounds(beam, threshold, max_lag)
     data = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in segments]
-    meta = dict(meta or {}, member=lm.name, beam=int(beam), threshold=float(threshold),
-                max_lag=int(max_lag), prefix=tuple(int(i) for i in prefix_ids),
-                n_segments=len(data),
-                version=STORE_VERSION)
+    meta = store_meta(meta, lm.name, data, prefix_ids, beam=beam, threshold=threshold,
+                      max_lag=max_lag)
     done = load_partial(store_path, data, meta) if store_path else []
     ctx = len(lm.context(prefix_ids))
     # One KV-cache shape for every segment (one compilation): the longest, padded.

@@ -78,15 +78,13 @@ def byte_lm(model, name: str):
 
 def _stored(path: str, name: str, data: Sequence[bytes], prefix: Sequence[int],
             settings: ByteSettings, meta: dict):
-    """The member's ByteScores when its store holds every segment with these settings,
-    else None. Mirrors the store key of ``brf.bytes.scoring.score_segments``: if they
-    ever differ, this returns None and score_segments decides (with the model)."""
+    """The member's ByteScores when its store holds every segment with these settings
+    (the key of ``brf.bytes.scoring.score_segments``), else None."""
     from brf.bytes import scoring as byte_scoring
     if not os.path.isfile(path):
         return None
-    full = dict(meta, member=name, beam=int(settings.beam), threshold=float(settings.threshold),
-                max_lag=int(settings.max_lag), prefix=tuple(int(i) for i in prefix), n_segments=len(data),
-                version=getattr(byte_scoring, "STORE_VERSION", None))
+    full = byte_scoring.store_meta(meta, name, data, prefix, beam=settings.beam,
+                                   threshold=settings.threshold, max_lag=settings.max_lag)
     rows = byte_scoring.load_partial(path, data, full)
     return byte_scoring.assemble(data, rows) if len(rows) == len(data) else None
 

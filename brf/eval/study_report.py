@@ -190,20 +190,29 @@ def markdown(rep: dict) -> str:
     lines += ["", "Each analysis's report lists the per-token BRF row against each of its "
               "controls (phases shuffled, reshaping + pool, per-member power mean).", ""]
     lines += ["", "## Forking tokens", ""]
-    for label, r in rep["per_corpus"].items():
-        for v, f in r.get("forking", {}).items():
-            for kind, g in f["gated"].items():
-                share = f["by_method"][g["method"]]["top_share"]
-                lines.append(
-                    f"- {label} [{v}] {g['method']}: top {100 * f['top_fraction']:.0f}% entropy "
-                    f"positions carry {100 * share:.0f}% of the gain over "
-                    f"{f['reference']}; gated fusion keeps {100 * g['kept']:.0f}% of it and "
-                    f"saves {100 * g['calls_saved']:.0f}% of member calls.")
+    lines += _forking_lines(rep["per_corpus"], "top {}% entropy positions")
     lines += ["", "Plots: `gain_by_entropy.png` (this directory and each corpus's), "
               "`pooled.png`.", ""]
     if rep.get("bytes"):
         lines += bytes_markdown(rep)
     return "\n".join(lines)
+
+
+def _forking_lines(per_corpus: dict, top: str) -> list[str]:
+    """One line per corpus, variant and gated method of the forking summary; ``top``
+    names the high-entropy rows (a format string taking their percentage)."""
+    lines = []
+    for label, r in per_corpus.items():
+        for v, f in r.get("forking", {}).items():
+            for g in f["gated"].values():
+                share = f["by_method"][g["method"]]["top_share"]
+                rows = top.format(f"{100 * f['top_fraction']:.0f}")
+                lines.append(
+                    f"- {label} [{v}] {g['method']}: {rows} "
+                    f"carry {100 * share:.0f}% of the gain over "
+                    f"{f['reference']}; gated fusion keeps {100 * g['kept']:.0f}% of it and "
+                    f"saves {100 * g['calls_saved']:.0f}% of member calls.")
+    return lines
 
 
 def bytes_markdown(rep: dict) -> list[str]:
@@ -215,8 +224,8 @@ def bytes_markdown(rep: dict) -> list[str]:
              f"The same analyses on every byte of every corpus: each member's distribution "
              f"over the 257 byte events (256 bytes, end of text) at each byte, from all its "
              f"tokenizations covering the text (beam {b['beam']}, prune threshold "
-             f"{b['threshold']:g}, merge lag {b.get('max_lag', 0)}); NLL in nats per byte. Each corpus's byte-level reports "
-             f"are in its `bytes/` subdirectory.", "",
+             f"{b['threshold']:g}, merge lag {b['max_lag']}); NLL in nats per byte. Each "
+             f"corpus's byte-level reports are in its `bytes/` subdirectory.", "",
              "### Coverage and consistency", "",
              "Every byte is a row. Pruning drops hypotheses (the canonical tokenization "
              "never): 'pruned' is the mean fraction of the prefix mass dropped per byte, "
@@ -237,8 +246,8 @@ def bytes_markdown(rep: dict) -> list[str]:
         for name, c in b.get("consistency", {}).get(label, {}).items():
             lines.append(f"| {label} | {name} | {c['bytes']} | "
                          f"{100 * cov['fraction_of_bytes']:.1f}% | {c['pruned_mean']:.2e} | "
-                         f"{c['lost']:.2e} | {c.get('merged_mean', 0.0):.2e} | {c['byte']:.4f} | {c['canonical']:.4f} | "
-                         f"{c['noncanonical']:+.4f} |")
+                         f"{c['lost']:.2e} | {c['merged_mean']:.2e} | {c['byte']:.4f} | "
+                         f"{c['canonical']:.4f} | {c['noncanonical']:+.4f} |")
     lines += ["", "### Verdicts on every byte", ""]
     for k, v in b.get("verdict", {}).items():
         lines.append(f"- **{k}**: {v}")
@@ -256,15 +265,7 @@ def bytes_markdown(rep: dict) -> list[str]:
     for v, p in b.get("pooled", {}).items():
         lines.append(f"| **pooled** | {v} | {ci(rep['pooled'].get(v))} | {ci(p)} |")
     lines += ["", "### Forking bytes", ""]
-    for label, r in b["per_corpus"].items():
-        for v, f in r.get("forking", {}).items():
-            for kind, g in f["gated"].items():
-                share = f["by_method"][g["method"]]["top_share"]
-                lines.append(
-                    f"- {label} [{v}] {g['method']}: the top {100 * f['top_fraction']:.0f}% "
-                    f"entropy bytes carry {100 * share:.0f}% of the gain over "
-                    f"{f['reference']}; gated fusion keeps {100 * g['kept']:.0f}% of it and "
-                    f"saves {100 * g['calls_saved']:.0f}% of member calls.")
+    lines += _forking_lines(b["per_corpus"], "the top {}% entropy bytes")
     moved = b.get("moved")
     if moved:
         lines += ["", "### Which verdicts moved", "",
