@@ -213,3 +213,32 @@ def test_linked_phases_and_a_planted_tightening_are_recovered():
     assert ch["ci"][0] > 0  # the tightening is detected
     same = rbar_change(out[0]["diffs"], out[0]["diffs"], n_boot=100)
     assert same["estimate"] == 0 and same["ci"] == [0.0, 0.0]
+
+
+def test_per_token_phases_are_paired_on_the_positions_both_tables_list():
+    """A per-token map is read only where the gold is listed; two tables of the same
+    positions that list different golds are compared on the rows both list."""
+    from brf.eval import hypotheses
+    from brf.eval.compare import paired_diffs
+    rng = np.random.default_rng(3)
+    P, E = 40, 5
+    lp = _log_softmax(rng.normal(size=(P, 2, E))).astype(np.float32)
+    gold = rng.integers(0, E - 1, P).astype(np.int32)
+    rows = []
+    for unlisted in ([3, 7, 8], [7, 20]):
+        off = np.zeros(P)
+        off[unlisted] = -1.5
+        t = EventTable(lp, gold, np.ones((P, 2), np.float32), np.ones(P, np.int32),
+                       np.zeros(P, np.int32), gold_offset=off)
+        r = hypotheses.phase_coherence(t, {"tt": "token_tanh(scale=1.5, rate=0.5)"},
+                                       n_perm=20)[0]
+        want = np.setdiff1d(np.arange(P), unlisted)
+        np.testing.assert_array_equal(r["positions"], want)
+        assert r["n"] == len(want) == len(r["diffs"])
+        rows.append(r)
+    a, b = paired_diffs(*rows)
+    both = np.setdiff1d(np.arange(P), [3, 7, 8, 20])
+    assert len(a) == len(b) == len(both)
+    # the same table under both: the paired differences are the same numbers
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, rows[0]["diffs"][np.isin(rows[0]["positions"], both)])

@@ -37,6 +37,15 @@ def rbar_change(diff_a: np.ndarray, diff_b: np.ndarray, *, n_boot: int, block: i
     return {"estimate": est, "ci": [float(lo), float(hi)]}
 
 
+def paired_diffs(a: dict, b: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The phase differences of two coherence rows (of tables with the same positions)
+    at the rows both were taken at: a per-token map is read only where the gold is
+    listed, and a prefix can change which golds a member lists."""
+    _, ia, ib = np.intersect1d(a["positions"], b["positions"], assume_unique=True,
+                               return_indices=True)
+    return np.asarray(a["diffs"])[ia], np.asarray(b["diffs"])[ib]
+
+
 def _rbar(d: np.ndarray) -> float:
     return float(np.hypot(np.cos(d).mean(), np.sin(d).mean()))
 
@@ -52,7 +61,10 @@ def prefix_effect(plain: AnalysisResult, prefixed: AnalysisResult, *, n_boot: in
     """How a steadying prefix on each member changes the paper's quantities.
 
     Both analyses cover the same corpus, split and positions (a prefix does not move
-    token boundaries), so the changes are paired per position.
+    token boundaries), so the changes are paired per position. A per-token map's
+    phases exist only where the gold is listed, which can differ between the two
+    analyses: its R̄ change is taken on the positions where both list the gold
+    (``n_paired``), while ``rbar_plain`` and ``rbar_prefix`` are each analysis's own.
     """
     out: dict[str, Any] = {"phase_concentration": [], "cross_term": {}, "nll_gap": {}}
     same = _same_positions(plain, prefixed)
@@ -62,15 +74,17 @@ def prefix_effect(plain: AnalysisResult, prefixed: AnalysisResult, *, n_boot: in
         r1 = by1.get((r0["phase_map"], tuple(r0["pair"])))
         if r1 is None or not same:
             continue
-        ch = rbar_change(r0["diffs"], r1["diffs"], n_boot=min(n_boot, 1000), seed=seed)
+        d0, d1 = paired_diffs(r0, r1)
+        ch = rbar_change(d0, d1, n_boot=min(n_boot, 1000), seed=seed)
         ex_0 = r0["mean_resultant_length"] - r0["null_mean_resultant_length"]
         ex_1 = r1["mean_resultant_length"] - r1["null_mean_resultant_length"]
         dnull = r1["null_mean_resultant_length"] - r0["null_mean_resultant_length"]
         out["phase_concentration"].append({
             "phase_map": r0["phase_map"], "pair": r0["pair"],
             "rbar_plain": r0["mean_resultant_length"], "rbar_prefix": r1["mean_resultant_length"],
-            "rbar_change": ch["estimate"], "rbar_change_ci": ch["ci"],
-            "excess_plain": ex_0, "excess_prefix": ex_1, "excess_change": ex_1 - ex_0,
+            "n_paired": len(d0), "rbar_change": ch["estimate"], "rbar_change_ci": ch["ci"],
+            "excess_plain": ex_0, "excess_prefix": ex_1,
+            "excess_change": ch["estimate"] - dnull,  # on the paired positions, like its CI
             # the permutation nulls are treated as fixed: the excess change's CI is the
             # R̄ change's CI shifted by the change of the null's mean.
             "excess_change_ci": [ch["ci"][0] - dnull, ch["ci"][1] - dnull]})

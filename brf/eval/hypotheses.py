@@ -60,14 +60,17 @@ def phase_coherence(table: EventTable, phase_specs: Mapping[str, Any], *,
     Returns:
       One dict per (map, pair) with n, mean resultant length, mean direction,
       Rayleigh z and p, permutation p, and the phase differences themselves
-      (key "diffs", for plots).
+      (key "diffs", for plots and paired comparisons) with the table rows they
+      were taken at (key "positions": every row, or for a per-token map the rows
+      whose gold is listed).
     """
     n = table.logp.shape[1]
     out = []
     for label, spec in phase_specs.items():
         pm = phase_map(spec)
-        phi = member_phases(table.take(table.gold_listed) if pm.kind == "token" else table,
-                            pm)
+        rows = (np.flatnonzero(table.gold_listed) if pm.kind == "token"
+                else np.arange(table.n_positions))
+        phi = member_phases(table.take(rows), pm)
         for i, j in itertools.combinations(range(n), 2):
             diff = np.mod(phi[:, i] - phi[:, j] + np.pi, 2 * np.pi) - np.pi
             ray = stats.rayleigh_test(diff)
@@ -79,7 +82,7 @@ def phase_coherence(table: EventTable, phase_specs: Mapping[str, Any], *,
                 "mean_direction": float(ray.mean_direction), "rayleigh_z": float(ray.z),
                 "rayleigh_p": float(ray.p_value), "permutation_p": float(perm.p_value),
                 "null_mean_resultant_length": float(np.mean(perm.null_mean_resultant_length)),
-                "diffs": diff,
+                "diffs": diff, "positions": rows,
             })
     return out
 
