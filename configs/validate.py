@@ -135,8 +135,11 @@ def get_config(arg=None):
     # on co-aligned positions (default pair, prefix pair, same-model pair, swarm),
     # and which verdicts move. beam >= 1, threshold in [0, 1), max_lag >= 0 (0 =
     # never merge; brf.bytes.lm.score_text).
+    # swarm=False leaves the swarm out at the byte level only (four members on every
+    # byte: the study's longest fits, about an hour on a 2-core machine).
     c.bytes = ml_collections.ConfigDict(dict(
-        enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD, max_lag=BYTE_MAX_LAG))
+        enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD, max_lag=BYTE_MAX_LAG,
+        swarm=True))
     # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
     c.compilation_cache = True
     c.compilation_cache_dir = ""

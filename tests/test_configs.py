@@ -76,5 +76,11 @@ def test_validation_config_makes_a_plan(arg):
         assert {a.level for a in byte_level} == {"bytes"} and {a.top_k for a in byte_level} == {0}
         assert [a.members for a in byte_level] == [a.members for a in plan.analyses(0)
                                                    if a.kind != "topk"]
+        # bytes.swarm=False leaves the swarm out on bytes only.
+        cfg = mod.get_config(arg)
+        cfg.bytes.swarm = False
+        off = plan_lib.from_config(cfg)
+        assert [a.kind for a in off.analyses(0, "bytes")] == ["corpus", "prefix", "same_model"]
+        assert [a.kind for a in off.analyses(0)] == kinds
     # The linear-pool reference (one offset per member) has no four-member form.
     assert len(plan.phase_maps_for(4)) == len(plan.phase_maps) - 1

@@ -123,6 +123,7 @@ class ByteSettings:
     beam: int
     threshold: float
     max_lag: int = 0
+    swarm: bool = True  # the prompt study's swarm on every byte too (its fits are the longest)
 
 
 BYTES_OFF = ByteSettings(enabled=False, beam=1, threshold=0.0)  # a config without c.bytes
@@ -228,7 +229,8 @@ class Plan:
         """The analyses of corpus ``index`` at ``level``: the default pair (with the
         sweep), the event-space check (first corpus, tokens only), and the prompt
         study where the corpus has a prefix. At the byte level the same kinds but
-        the event-space check, none when ``bytes.enabled`` is off."""
+        the event-space check (and the swarm when ``bytes.swarm`` is off), none when
+        ``bytes.enabled`` is off."""
         if level not in LEVELS:
             raise ValueError(f"unknown level {level!r}; use one of {LEVELS}")
         if level == "bytes" and not self.bytes.enabled:
@@ -255,7 +257,7 @@ class Plan:
                                     (m0.with_prefix(c.prefix),
                                      m0.with_prefix(self.prompts.second_prefix)),
                                     k, store_k, aux, level=level))
-            if self.prompts.swarm:
+            if self.prompts.swarm and (tokens or self.bytes.swarm):
                 swarm = tuple(x for m in self.members for x in (m, m.with_prefix(c.prefix)))
                 out.append(Analysis("swarm", f"{c.label} swarm{tag}", swarm, k, store_k, aux,
                                     level=level))
@@ -377,7 +379,11 @@ def _byte_settings(section) -> ByteSettings:
         raise ValidationError(f"config.bytes.threshold must lie in [0, 1); got {threshold!r}")
     if isinstance(max_lag, bool) or not isinstance(max_lag, (int, np.integer)) or max_lag < 0:
         raise ValidationError(f"config.bytes.max_lag must be an integer >= 0; got {max_lag!r}")
-    return ByteSettings(bool(section.enabled), int(beam), float(threshold), int(max_lag))
+    swarm = section.get("swarm", True)
+    if not isinstance(swarm, bool):
+        raise ValidationError(f"config.bytes.swarm must be True or False; got {swarm!r}")
+    return ByteSettings(bool(section.enabled), int(beam), float(threshold), int(max_lag),
+                        swarm)
 
 
 def _plain(x):

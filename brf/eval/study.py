@@ -212,7 +212,7 @@ def byte_level(plan: Plan, loader: Callable[[str], Any]) -> dict:
     st = plan.stats
     results = [(label, o.result) for label, o in per_corpus]
     out = {"beam": plan.bytes.beam, "threshold": plan.bytes.threshold,
-           "max_lag": plan.bytes.max_lag,
+           "max_lag": plan.bytes.max_lag, "swarm": plan.bytes.swarm,
            "per_corpus": {label: study_report.brief(o.report) for label, o in per_corpus},
            "consistency": consistency,
            "pooled": compare.pooled(results, plan.variants, n_boot=st.n_boot, seed=st.seed),

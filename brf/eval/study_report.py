@@ -225,7 +225,10 @@ def bytes_markdown(rep: dict) -> list[str]:
              f"over the 257 byte events (256 bytes, end of text) at each byte, from all its "
              f"tokenizations covering the text (beam {b['beam']}, prune threshold "
              f"{b['threshold']:g}, merge lag {b['max_lag']}); NLL in nats per byte. Each "
-             f"corpus's byte-level reports are in its `bytes/` subdirectory.", "",
+             f"corpus's byte-level reports are in its `bytes/` subdirectory." +
+             ("" if b.get("swarm", True) else
+              " The swarm is analysed on co-aligned positions only (config.bytes.swarm "
+              "was off)."), "",
              "### Coverage and consistency", "",
              "Every byte is a row. Pruning drops hypotheses (the canonical tokenization "
              "never): 'pruned' is the mean fraction of the prefix mass dropped per byte, "
