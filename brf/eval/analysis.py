@@ -95,8 +95,7 @@ class AnalysisResult:
                       "test_positions": int(self.test.n_positions),
                       "test_gold_in_other": int(np.sum(~self.test.gold_listed))},
             "methods": [m.row() for m in self.methods],
-            "phase_coherence": [{k: v for k, v in r.items() if k not in ("diffs", "positions")}
-                                for r in self.coherence],
+            "phase_coherence": hypotheses.coherence_summary(self.coherence),
             "cross_term": {k: v for k, v in self.cross.items() if k != "scores"},
             "nll_comparison": self.comparisons,
             "fair_summary": self.fair,

@@ -87,6 +87,12 @@ def phase_coherence(table: EventTable, phase_specs: Mapping[str, Any], *,
     return out
 
 
+def coherence_summary(rows: list[dict]) -> list[dict]:
+    """The coherence rows without their per-position arrays ("diffs", "positions"):
+    what the reports keep."""
+    return [{k: v for k, v in r.items() if k not in ("diffs", "positions")} for r in rows]
+
+
 def cross_term_scores(table: EventTable, fitted: Fitted) -> dict[str, np.ndarray]:
     """Interference per event for gold and competitor events.
 
