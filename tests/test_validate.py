@@ -415,6 +415,9 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
         n = len(body.encode("utf-8"))
         tok, byt = data["per_corpus"][label], b["per_corpus"][label]
         assert tok["level"] == "tokens" and byt["level"] == "bytes"
+        # the forking verdict names the rows it is about
+        assert "forking_tokens" in tok["verdict"] and "forking_tokens" not in byt["verdict"]
+        assert "forking_bytes" in byt["verdict"]
         cov = byt["coverage"]
         # Every byte of the corpus is a row, split into calibration and test.
         assert cov["positions"] == cov["bytes_total"] == n and cov["fraction_of_bytes"] == 1.0

@@ -408,8 +408,7 @@ def sweep(curves: Sequence[SweepCurve], calib: EventTable, test: EventTable) -> 
 
 
 def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequence[str],
-            cache_path: str, with_sweep: bool = True,
-            with_controls: bool = True) -> AnalysisResult:
+            cache_path: str, with_sweep: bool = True) -> AnalysisResult:
     """Fits, evaluates and tests every method on one event table.
 
     Args:
@@ -419,12 +418,11 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
       variants: the method variants to fit.
       cache_path: the fit cache's file.
       with_sweep: compute the sweep curves.
-      with_controls: fit the controls (when the plan asks for them).
     """
     calib, test = split(plan.scoring, table, n_segments)
     n = table.logp.shape[1]
     methods = fit_all(plan, plan.method_specs(n, variants), calib, test, cache_path=cache_path)
-    if plan.controls and with_controls:
+    if plan.controls:
         methods += fit_all(plan, control_specs(methods, n, variants, seed=plan.stats.seed),
                            calib, test, cache_path=cache_path, desc="fitting controls",
                            before=methods)

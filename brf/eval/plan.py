@@ -147,11 +147,6 @@ class Analysis:
         0 at the byte level).
       variants: method variants fitted.
       sweep: draw the sweep curves and per-analysis plots.
-      controls: fit the controls of the best per-token BRF row (when the plan asks
-        for them). Off for the event-space check, which reruns the first corpus's
-        analysis on 256 events instead of 64 to see whether a verdict moves (its
-        eight controls cost about 15 minutes on this machine, more than the rest
-        of its fits; the same corpus on 64 events carries them).
       level: 'tokens' (co-aligned positions, an event space of top strings) or
         'bytes' (every byte, the 257 byte events; no event-space check there).
     """
@@ -162,7 +157,6 @@ class Analysis:
     store_k: int
     variants: tuple[str, ...]
     sweep: bool = False
-    controls: bool = True
     level: str = "tokens"
 
 
@@ -245,7 +239,7 @@ class Plan:
                         sweep=True, level=level)]
         if k2:
             out.append(Analysis("topk", f"{c.label} (top-{k2})", self.members, k2, k2,
-                                self.variants, controls=False))
+                                self.variants))
         if c.prefix and self.prompts.enabled:
             aux = self.prompts.variants
             out.append(Analysis("prefix", f"{c.label} + prefix{tag}",

@@ -39,7 +39,8 @@ nats per position of the analysis's event table:
                   "gated": {"brf"|"baseline": {"method", "threshold", "fused_fraction",
                             "gain_full", "gain_gated", "kept", "calls_saved"}}}},
       "sweep": [{"phase_map", "param", "values", "calib_nll", "test_nll"}],
-      "verdict": {"phase_coherence", "cross_term", "nll", "forking_tokens"}
+      "verdict": {"phase_coherence", "cross_term", "nll", "forking_tokens" (at the byte
+        level "forking_bytes")}
     }
 
 Version 3 (this one): one report per analysis, each method's role and fit
@@ -104,7 +105,7 @@ def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
         out["fair_summary"] = fair
     fk = forking_sentence(report.get("forking", {}), u)
     if fk:
-        out["forking_tokens"] = fk
+        out["forking_bytes" if u == "byte" else "forking_tokens"] = fk
     return out
 
 

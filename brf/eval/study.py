@@ -117,7 +117,7 @@ def run_analysis(plan: Plan, analysis: Analysis, segments: list[str], run_dir: s
     os.makedirs(out_dir, exist_ok=True)
     result = analyse(plan, table, len(segments), variants=analysis.variants,
                      cache_path=os.path.join(out_dir, f"fits-{name}.json"),
-                     with_sweep=analysis.sweep, with_controls=analysis.controls)
+                     with_sweep=analysis.sweep)
     level = ({"top_k": k} if tokens else
              {"beam": plan.bytes.beam, "threshold": plan.bytes.threshold,
               "max_lag": plan.bytes.max_lag})
