@@ -2,6 +2,17 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# One persistent JAX compilation cache for the test process and every process it
+# starts (mains run as subprocesses, notebook kernels, multi-process checks: they
+# read it from the environment). It lives under $BRF_CACHE beside the converted
+# checkpoints; .ci/run points that inside the clean clone, so the cache is shared
+# within a CI run, never across runs. BRF_TEST_COMPILATION_CACHE=0 turns it off.
+if os.environ.get("BRF_TEST_COMPILATION_CACHE", "1") != "0":
+    from brf.runtime import enable_compilation_cache
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=enable_compilation_cache(),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
 settings.register_profile(
     "brf", deadline=None, max_examples=int(os.environ.get("BRF_HYPOTHESIS_EXAMPLES", 40)),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -399,6 +399,10 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     assert pr["bottleneck"]["positions"] == 4 and len(pr["bottleneck"]["rows"]) == 6
     assert pr["same_model"]["coverage"]["fraction_of_member_positions"] == [1.0, 1.0]
     assert data["topk_sensitivity"]["top_k"] == [16, 32]
+    ts = data["topk_sensitivity"]
+    assert set(ts["rows"]) == {"nll[proposed]", "fair[proposed]", "cross_term",
+                               "phase_coherence"}
+    assert ts["moved"] == [k for k, r in ts["rows"].items() if r["a"] != r["b"]]
     for key in ("nll: first", "nll: pooled (proposed)", "prompts: first", "swarm: first",
                 "event space", "every byte"):
         assert key in data["verdict"], sorted(data["verdict"])
@@ -480,6 +484,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     assert pooled["bytes_value"] == pytest.approx(b["pooled"]["proposed"]["mean_difference"])
     assert data["verdict"]["every byte"].startswith("On every byte")
     md = open(os.path.join(cfg.out_dir, "report.md")).read()
+    assert "| first / top-32 events | proposed |" in md  # the event-space check's fair row
     for head in ("## Every byte", "### Coverage and consistency", "### Verdicts on every byte",
                  "### Forking bytes", "### Which verdicts moved"):
         assert head in md, head

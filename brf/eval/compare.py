@@ -158,16 +158,26 @@ def side(ci) -> str:
 
 
 def topk_moves(a: AnalysisResult, b: AnalysisResult) -> dict:
-    """Whether the verdicts of two analyses of the same corpus differ (event-space check)."""
+    """Whether the verdicts of two analyses of the same corpus differ (event-space check):
+    BRF against the named baselines (``nll[variant]``) and against every other row,
+    controls included (``fair[variant]``), per variant; the cross-term test; the count
+    of phase maps that link the members."""
     rows = {}
+
+    def moved(ca: dict, cb: dict, pair_a: list, pair_b: list) -> dict:
+        return {"a": side(ca["ci"]), "b": side(cb["ci"]), "a_difference": ca["mean_difference"],
+                "b_difference": cb["mean_difference"], "a_pair": pair_a, "b_pair": pair_b}
+
     for v, ca in a.comparisons.items():
         cb = b.comparisons.get(v)
         if cb:
-            rows[f"nll[{v}]"] = {"a": side(ca["ci"]), "b": side(cb["ci"]),
-                                 "a_difference": ca["mean_difference"],
-                                 "b_difference": cb["mean_difference"],
-                                 "a_pair": [ca["brf"], ca["baseline"]],
-                                 "b_pair": [cb["brf"], cb["baseline"]]}
+            rows[f"nll[{v}]"] = moved(ca, cb, [ca["brf"], ca["baseline"]],
+                                      [cb["brf"], cb["baseline"]])
+    for v, fa in a.fair.items():
+        fb = b.fair.get(v)
+        if fb:
+            rows[f"fair[{v}]"] = moved(fa, fb, [fa["brf"]["label"], fa["rival"]["label"]],
+                                       [fb["brf"]["label"], fb["rival"]["label"]])
     ra, rb = a.cross["rel"], b.cross["rel"]
     rows["cross_term"] = {"a": side([x - 0.5 for x in ra["ci"]]),
                           "b": side([x - 0.5 for x in rb["ci"]]),

@@ -178,6 +178,9 @@ def markdown(rep: dict) -> str:
     fair = [(label, r) for label, r in rep["per_corpus"].items()]
     fair += [(f"{label} / {key}", pr[key]) for label, pr in rep["prompts"].items()
              for key in ("with_prefix", "same_model", "swarm") if key in pr]
+    if rep.get("topk_sensitivity"):
+        s = rep["topk_sensitivity"]
+        fair.append((f"{s['corpus']} / top-{s['top_k'][1]} events", s["report"]))
     for label, r in fair:
         for v, c in r.get("fair_summary", {}).items():
             b, o = c["brf"], c["rival"]
