@@ -1,5 +1,9 @@
+import ctypes
+import ctypes.util
+import gc
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # One persistent JAX compilation cache for the test process and every process it
@@ -25,8 +29,25 @@ def pytest_collection_modifyitems(config, items):
     run only with BRF_EXTENDED_TESTS=1, to keep CI within its time budget."""
     if os.environ.get("BRF_EXTENDED_TESTS") == "1":
         return
-    import pytest
     skip = pytest.mark.skip(reason="extended test; set BRF_EXTENDED_TESTS=1 to run it")
     for item in items:
         if "extended" in item.keywords:
             item.add_marker(skip)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _return_freed_memory():
+    """After each test module, hands the memory its tests freed back to the system.
+
+    glibc keeps freed heap memory for reuse, so a process that once held a real
+    model in float64 (several GB) keeps that much resident for the rest of the
+    run; two test workers side by side then hold the high-water marks of every
+    module each has run. ``malloc_trim`` returns it.
+    """
+    yield
+    gc.collect()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
