@@ -33,8 +33,9 @@ def reference_model(path: str, attn: str = "eager", threads: int | None = None):
     else:
         saved = _convert(path)
         os.makedirs(os.path.dirname(stored), exist_ok=True)
-        torch.save(saved, stored + ".tmp")
-        os.replace(stored + ".tmp", stored)
+        tmp = f"{stored}.tmp-{os.getpid()}"  # test workers may convert the same file at once
+        torch.save(saved, tmp)
+        os.replace(tmp, stored)
     config = transformers.AutoConfig.for_model(**saved["config"])
     config._attn_implementation = attn
     with no_init_weights():  # every parameter is loaded below
