@@ -114,8 +114,11 @@ def get_config(arg=None):
         min_chars=2000,               # a corpus shorter than this is refused
         calibration_fraction=0.5,     # the first half of the segments fits, the rest tests
     ))
-    # Fits: full-batch L-BFGS on the calibration NLL (brf/eval/fitting.py).
-    c.fit = ml_collections.ConfigDict(dict(max_iter=200, ftol=1e-8, gtol=1e-5))
+    # Fits: full-batch L-BFGS on the calibration NLL (brf/eval/fitting.py). The
+    # calibrated variant's temperatures lie in [1/calib_range, calib_range] (0 =
+    # unbounded; README, "Fits").
+    c.fit = ml_collections.ConfigDict(dict(max_iter=200, ftol=1e-8, gtol=1e-5,
+                                           calib_range=1000.0))
     c.stats = ml_collections.ConfigDict(dict(
         n_boot=2000, n_perm=2000, seed=0,
         forking_top_fraction=0.2,     # the "forking tokens": top-20% entropy positions

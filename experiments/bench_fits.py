@@ -70,6 +70,8 @@ flags.DEFINE_string("reference", "64302e9",
                     "the commit whose fitter 'reference' runs (default: the host-driven "
                     "L-BFGS with one evaluation per call, before the chunked programs)")
 flags.DEFINE_string("out", "", "write the results as JSON here")
+flags.DEFINE_float("calib_range", None, "lbfgs's bound on the calibration temperatures, "
+                   "[1/r, r] (default: the study's, brf.eval.fitting.FitSettings)")
 
 
 # --------------------------------------------------------------------------- adam
@@ -225,6 +227,11 @@ def main(argv):
     cfg = mod.get_config()
     cfg.out_dir = FLAGS.run_dir
     plan = plan_lib.from_config(cfg)
+    if FLAGS.calib_range is not None:
+        if FLAGS.calib_range != 0 and FLAGS.calib_range <= 1:
+            raise UserError(f"--calib_range must be 0 (unbounded) or > 1; got {FLAGS.calib_range}")
+        plan = dataclasses.replace(
+            plan, fit=dataclasses.replace(plan.fit, calib_range=FLAGS.calib_range))
     bad = [f for f in FLAGS.fitters if f not in FITTERS]
     if bad:
         raise UserError(f"--fitters: unknown {bad}; use {', '.join(FITTERS)}")

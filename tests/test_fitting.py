@@ -100,10 +100,10 @@ def test_subsample_then_polish_reaches_the_full_optimum():
 
 def test_calibration_temperatures_stay_in_their_range():
     """The calibrated variant's temperatures lie in [1/r, r]; with r = 0 they are free
-    (and this table's optimum lies outside the default range)."""
+    (and this table's optimum lies outside [1/2, 2])."""
     t = _table()
     spec = {"label": "lin", "method": "linear", "variant": "calibrated"}
-    for r in (10.0, 2.0):
+    for r in (1000.0, 10.0, 2.0):
         f = fit_method(spec, t, settings=FitSettings(calib_range=r))
         temps = [f.params["calib.temperature"], *f.params["calib.member_temperature"]]
         assert all(1 / r - 1e-4 <= x <= r + 1e-4 for x in temps), (r, temps)
@@ -138,8 +138,9 @@ def test_specs_differing_in_float_values_share_one_compilation():
 
 
 def _corner(t):
-    """A calibrated born fit in the bound's corner: every member tempered to 10 and the
-    fused distribution sharpened to 1/10 (a local optimum of the calibrated objective)."""
+    """A calibrated born fit in a corner of the box [1/10, 10] (the study's bound before
+    it was widened): every member tempered to 10 and the fused distribution sharpened
+    to 1/10, a poor start that the fit must leave."""
     f = Fitted("h", "born", {"phase.offset": 0.0, "phase": "constant",
                              "calib.temperature": 0.1, "calib.member_temperature": [10.0, 10.0]},
                np.array([0.5, 0.5]), 0.0, {"converged": True})
@@ -148,8 +149,7 @@ def _corner(t):
 
 def test_several_starts_keep_the_best_basin():
     """With several starts the fit is the best of the fits from each start alone (a
-    cold start, and a start in the bound's corner that the box-constrained fit
-    leaves)."""
+    cold start, and a poor start in a corner of [1/10, 10], which the fit leaves)."""
     t = _table()
     spec = MethodSpec("h", "born", fixed={"phase.offset": 0.0}, phase="constant",
                       variant="calibrated")
@@ -186,9 +186,10 @@ def test_chunks_change_nothing(monkeypatch):
 def test_refining_a_fit_keeps_it_unless_another_start_is_better():
     """A second round from a converged fit and a start that ends in its basin keeps the
     fit as it is without polishing it again; from a fit in the bound's corner and a
-    start in a better basin it moves there."""
+    start in a better basin it moves there. (In the box [1/10, 10]: with a wider one
+    this table's calibrated optimum lies on the bound, where the objective is flat.)"""
     t = _table()
-    settings = FitSettings(subsample=300)
+    settings = FitSettings(subsample=300, calib_range=10.0)
     spec = MethodSpec("h", "born", fixed={"phase.offset": 0.0}, phase="constant",
                       variant="calibrated")
     lin = fit_method(dataclasses.replace(spec, method="linear", phase=None, fixed={}), t,

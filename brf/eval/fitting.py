@@ -338,7 +338,7 @@ class FitSettings:
     max_step: float = 1.0
     subsample: int = 1024
     polish: int = 2
-    calib_range: float = 10.0
+    calib_range: float = 1000.0
 
     def key(self) -> tuple:
         return dataclasses.astuple(self)

@@ -326,9 +326,12 @@ def from_config(cfg) -> Plan:
         raise ValidationError(f"topk_sensitivity ({k2}) must exceed scoring.top_k "
                               f"({scoring.top_k}), or be 0 (off)")
     fit = FitSettings(max_iter=int(cfg.fit.max_iter), ftol=float(cfg.fit.ftol),
-                      gtol=float(cfg.fit.gtol))
+                      gtol=float(cfg.fit.gtol), calib_range=float(cfg.fit.calib_range))
     if fit.max_iter < 1 or fit.ftol <= 0 or fit.gtol <= 0:
         raise ValidationError(f"fit: max_iter must be >= 1 and ftol, gtol > 0; got {fit}")
+    if fit.calib_range != 0 and not fit.calib_range > 1:
+        raise ValidationError(f"fit.calib_range must be 0 (unbounded) or > 1; "
+                              f"got {fit.calib_range}")
     st = cfg.stats
     stats = StatsSettings(int(st.n_boot), int(st.n_perm), int(st.seed),
                           float(st.forking_top_fraction))
