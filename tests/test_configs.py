@@ -84,3 +84,16 @@ def test_validation_config_makes_a_plan(arg):
         assert [a.kind for a in off.analyses(0)] == kinds
     # The linear-pool reference (one offset per member) has no four-member form.
     assert len(plan.phase_maps_for(4)) == len(plan.phase_maps) - 1
+
+
+@pytest.mark.parametrize("calib_range", [0.5, 1.0, -3.0])
+def test_a_calibration_box_that_is_not_a_box_is_refused(calib_range):
+    """fit.calib_range is 0 (unbounded) or > 1; anything else names the key."""
+    from brf.eval import plan as plan_lib
+    mod = _load(CONFIGS[[p.stem for p in CONFIGS].index("validate")])
+    cfg = mod.get_config("short")
+    cfg.fit.calib_range = calib_range
+    with pytest.raises(plan_lib.ValidationError, match="fit.calib_range"):
+        plan_lib.from_config(cfg)
+    cfg.fit.calib_range = 0.0
+    assert plan_lib.from_config(cfg).fit.calib_range == 0.0
