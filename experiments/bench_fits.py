@@ -71,7 +71,7 @@ flags.DEFINE_string("reference", "64302e9",
                     "L-BFGS with one evaluation per call, before the chunked programs)")
 flags.DEFINE_string("out", "", "write the results as JSON here")
 flags.DEFINE_float("calib_range", None, "lbfgs's bound on the calibration temperatures, "
-                   "[1/r, r] (default: the study's, brf.eval.fitting.FitSettings)")
+                   "[1/r, r] (default: the study's config.fit.calib_range)")
 
 
 # --------------------------------------------------------------------------- adam
@@ -226,12 +226,9 @@ def main(argv):
     spec.loader.exec_module(mod)
     cfg = mod.get_config()
     cfg.out_dir = FLAGS.run_dir
+    if FLAGS.calib_range is not None:  # checked with the rest of the plan
+        cfg.fit.calib_range = FLAGS.calib_range
     plan = plan_lib.from_config(cfg)
-    if FLAGS.calib_range is not None:
-        if FLAGS.calib_range != 0 and FLAGS.calib_range <= 1:
-            raise UserError(f"--calib_range must be 0 (unbounded) or > 1; got {FLAGS.calib_range}")
-        plan = dataclasses.replace(
-            plan, fit=dataclasses.replace(plan.fit, calib_range=FLAGS.calib_range))
     bad = [f for f in FLAGS.fitters if f not in FITTERS]
     if bad:
         raise UserError(f"--fitters: unknown {bad}; use {', '.join(FITTERS)}")
