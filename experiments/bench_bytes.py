@@ -19,12 +19,19 @@ reference's, the total variation between each byte's distribution and the
 reference's (mean and 99th percentile), the pruned log-mass (nats) and the
 merged mass.
 
+Memory (--parts=memory): each of --models scores the same segments one at a
+time, first keeping freed heap memory (`score_segments(release=False)`), then
+returning it after each segment (the default); the process's resident memory
+(RSS) after each segment, its starting point and the peak of each pass.
+
 Generation (--parts=generate): the default pair (configs/generate.py: SmolLM2 +
 Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte level
 (`max_new_bytes`), each after a warm-up run; generated UTF-8 bytes per second.
 
   python experiments/bench_bytes.py --corpus=hamlet --n_bytes=4096
   python experiments/bench_bytes.py --parts=score --models=gemma3-270m --threshold=1e-2
+  python experiments/bench_bytes.py --parts=memory --models=gemma3-270m --corpus=ataturk-1920 \
+      --n_bytes=15000 --segment=1500
   python experiments/bench_bytes.py --parts=accuracy --n_bytes=1000 --skip_bytes=3000 \
       --settings=1e-3:16:0,3e-3:16:2,1e-2:16:0
 """
@@ -38,7 +45,7 @@ from absl import flags
 from brf import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("parts", ["score", "generate"], "score, generate, accuracy")
+flags.DEFINE_list("parts", ["score", "generate"], "score, generate, accuracy, memory")
 flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "members")
 flags.DEFINE_string("corpus", "hamlet", "a brf.eval.corpus.CORPORA name")
 flags.DEFINE_integer("skip_bytes", 0, "bytes of the corpus skipped first")
@@ -142,6 +149,32 @@ def bench_accuracy(name: str, data: bytes, warm: bytes, settings: list[str]) -> 
     return rows
 
 
+def _rss_gb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 1e9
+
+
+def bench_memory(name: str, segs: list[bytes], beam: int, threshold: float,
+                 max_lag: int) -> dict:
+    from brf.bytes.lm import ByteLM
+    from brf.bytes.scoring import score_segments
+    from brf.runtime import release_memory
+    lm = ByteLM.load(name)
+    width = -(-max(len(lm.context()) + len(lm.encode(s)) for s in segs) // 256) * 256
+    out = dict(member=name, bytes=sum(map(len, segs)), segments=len(segs))
+    for release in (False, True):
+        release_memory()
+        start, after = _rss_gb(), []
+        for seg in segs:
+            score_segments(lm, [seg], beam=beam, threshold=threshold, max_lag=max_lag,
+                           pad_to=width, release=release, desc=f"{name} release={release}")
+            after.append(_rss_gb())
+        key = "release" if release else "keep"
+        out[key] = dict(start_gb=start, after_segment_gb=after, peak_gb=max(after))
+        print(json.dumps({key: out[key]}), flush=True)
+    return out
+
+
 def bench_generate(beam: int, threshold: float) -> dict:
     import importlib.util
     import pathlib
@@ -187,6 +220,12 @@ def main(argv):
         for m in FLAGS.models:
             res["score"].append(bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag))
             _write(res)  # each part as soon as it is measured
+    if "memory" in FLAGS.parts:
+        data = CORPORA.get(FLAGS.corpus)()[0].encode("utf-8")
+        segs = segments_of(data[FLAGS.skip_bytes:FLAGS.skip_bytes + FLAGS.n_bytes], FLAGS.segment)
+        res["memory"] = [bench_memory(m, segs, FLAGS.beam, threshold, max_lag)
+                         for m in FLAGS.models]
+        _write(res)
     if "accuracy" in FLAGS.parts:
         text = CORPORA.get(FLAGS.corpus)()[0].encode("utf-8")
         data = segments_of(text[FLAGS.skip_bytes:], FLAGS.n_bytes)[0]

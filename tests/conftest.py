@@ -1,10 +1,9 @@
-import ctypes
-import ctypes.util
-import gc
 import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from brf.runtime import release_memory
 
 # One persistent JAX compilation cache for the test process and every process it
 # starts (mains run as subprocesses, notebook kernels, multi-process checks: they
@@ -35,9 +34,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else None
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _return_freed_memory():
     """After each test module, hands the memory its tests freed back to the system.
@@ -45,9 +41,7 @@ def _return_freed_memory():
     glibc keeps freed heap memory for reuse, so a process that once held a real
     model in float64 (several GB) keeps that much resident for the rest of the
     run; two test workers side by side then hold the high-water marks of every
-    module each has run. ``malloc_trim`` returns it.
+    module each has run (``brf.runtime.release_memory`` returns it).
     """
     yield
-    gc.collect()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
+    release_memory()

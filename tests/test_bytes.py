@@ -216,6 +216,20 @@ def test_every_method_fuses_byte_distributions(tmp_path):
                                    err_msg=f"{method} {phase}")
 
 
+def test_returning_freed_memory_changes_no_score():
+    """score_segments hands each segment's freed memory back to the system (the
+    default) or keeps it: the same scores either way, bit for bit."""
+    tok = byte_level_tokenizer()
+    cfg, params = tiny_model(len(tok), seed=3)
+    lm = ByteLM(params, cfg, tok, name="tiny")
+    texts = [b"ab the", " é€ ab".encode(), b"the a"]
+    kept = score_segments(lm, texts, beam=8, threshold=1e-4, chunk=16, release=False)
+    returned = score_segments(lm, texts, beam=8, threshold=1e-4, chunk=16)
+    assert kept.n_bytes == returned.n_bytes == sum(map(len, texts))
+    for name in ("logp", "gap", "pruned"):
+        np.testing.assert_array_equal(kept[name], returned[name], err_msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_models_equal_brute_force(name):
