@@ -73,6 +73,11 @@ def segments_of(data: bytes, size: int) -> list[bytes]:
     return out
 
 
+def _padded_width(lengths) -> int:
+    """The canonical pass's width for rows of these token lengths (chunks of 256)."""
+    return -(-max(lengths) // 256) * 256
+
+
 def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float,
                  max_lag: int) -> dict:
     import numpy as np
@@ -83,7 +88,7 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
     lm = ByteLM.load(name)
     ctx = lm.context()
     rows = [ctx + lm.encode(s) for s in [warm] + segs]
-    width = -(-max(map(len, rows)) // 256) * 256
+    width = _padded_width(map(len, rows))
 
     def token_level():  # each segment alone, in chunks of 256 (as the study scores)
         for row in rows[1:]:
@@ -160,7 +165,7 @@ def bench_memory(name: str, segs: list[bytes], beam: int, threshold: float,
     from brf.bytes.scoring import score_segments
     from brf.runtime import release_memory
     lm = ByteLM.load(name)
-    width = -(-max(len(lm.context()) + len(lm.encode(s)) for s in segs) // 256) * 256
+    width = _padded_width(len(lm.context()) + len(lm.encode(s)) for s in segs)
     out = dict(member=name, bytes=sum(map(len, segs)), segments=len(segs))
     for release in (False, True):
         release_memory()
@@ -211,23 +216,21 @@ def main(argv):
     res = dict(machine=platform.platform(), corpus=FLAGS.corpus, beam=FLAGS.beam,
                threshold=threshold, max_lag=max_lag, segment=FLAGS.segment,
                started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    needs_corpus = set(FLAGS.parts) - {"generate"}
+    text = CORPORA.get(FLAGS.corpus)()[0].encode("utf-8") if needs_corpus else b""
+    # score and memory: the corpus's bytes [skip_bytes, skip_bytes + n_bytes) in segments
+    segs = segments_of(text[FLAGS.skip_bytes:FLAGS.skip_bytes + FLAGS.n_bytes], FLAGS.segment)
     if "score" in FLAGS.parts:
-        text = CORPORA.get(FLAGS.corpus)()[0]
-        data = text.encode("utf-8")[FLAGS.skip_bytes:FLAGS.skip_bytes + FLAGS.n_bytes]
-        warm = text.encode("utf-8")[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
-        segs = segments_of(data, FLAGS.segment)
+        warm = text[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
         res["score"] = []
         for m in FLAGS.models:
             res["score"].append(bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag))
             _write(res)  # each part as soon as it is measured
     if "memory" in FLAGS.parts:
-        data = CORPORA.get(FLAGS.corpus)()[0].encode("utf-8")
-        segs = segments_of(data[FLAGS.skip_bytes:FLAGS.skip_bytes + FLAGS.n_bytes], FLAGS.segment)
         res["memory"] = [bench_memory(m, segs, FLAGS.beam, threshold, max_lag)
                          for m in FLAGS.models]
         _write(res)
     if "accuracy" in FLAGS.parts:
-        text = CORPORA.get(FLAGS.corpus)()[0].encode("utf-8")
         data = segments_of(text[FLAGS.skip_bytes:], FLAGS.n_bytes)[0]
         warm = text[:FLAGS.skip_bytes] or text[-1000:]
         res["accuracy"] = bench_accuracy(FLAGS.models[0], data, warm, FLAGS.settings)
