@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import gc
 import os
 
@@ -33,7 +33,13 @@ def enable_compilation_cache(path: str | None = None) -> str:
     return path
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else None
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None without one), looked up on first use: nothing at
+    import, where every main pays for it."""
+    if os.name != "posix":
+        return None
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols
 
 
 def release_memory() -> None:
@@ -45,5 +51,6 @@ def release_memory() -> None:
     collection where the C library has no ``malloc_trim``.
     """
     gc.collect()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -37,6 +37,7 @@ Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte lev
 """
 
 import json
+import os
 import platform
 import time
 
@@ -92,7 +93,7 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
 
     def token_level():  # each segment alone, in chunks of 256 (as the study scores)
         for row in rows[1:]:
-            w = -(-len(row) // 256) * 256
+            w = _padded_width([len(row)])
             toks = np.zeros((1, w), np.int32)
             toks[0, :len(row)] = row
             score_tokens(lm.params, lm.cfg, toks, np.arange(w)[None] < len(row))
@@ -155,8 +156,8 @@ def bench_accuracy(name: str, data: bytes, warm: bytes, settings: list[str]) -> 
 
 
 def _rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 1e9
+    with open("/proc/self/statm") as f:  # resident pages
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
 def bench_memory(name: str, segs: list[bytes], beam: int, threshold: float,

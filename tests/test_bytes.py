@@ -9,6 +9,8 @@ relative; every distribution (257 events) sums to 1 and its end-of-text event
 matches the brute-force mass of sequences that stop there.
 """
 
+import platform
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,6 +230,15 @@ def test_returning_freed_memory_changes_no_score():
     assert kept.n_bytes == returned.n_bytes == sum(map(len, texts))
     for name in ("logp", "gap", "pruned"):
         np.testing.assert_array_equal(kept[name], returned[name], err_msg=name)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_release_memory_finds_malloc_trim():
+    """On glibc the memory release really trims the heap (it is not the silent no-op
+    kept for other C libraries)."""
+    from brf import runtime
+    assert runtime._malloc_trim() is not None
+    runtime.release_memory()
 
 
 @pytest.mark.slow
