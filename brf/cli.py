@@ -13,7 +13,10 @@ Usage, at the bottom of a main::
   traceback. Any other exception is a bug and keeps its traceback;
 - absl and orbax INFO logging is turned off (set ``BRF_VERBOSE=1`` to keep it);
 - a bad ``--config`` override or flag value (absl's flag parser refuses it)
-  also ends in one line and exit status 2.
+  also ends in one line and exit status 2;
+- an interrupt (Ctrl-C, SIGINT) ends the program with one line
+  ``<program>: interrupted`` on stderr and exit status 130 (128 + SIGINT, as a
+  shell reports a program killed by it), no traceback.
 
 Mains call :func:`check_writable` on what they will write before the
 expensive work (loading a model, scoring, analysing), so a wrong output path
@@ -23,9 +26,11 @@ costs nothing.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import sys
 import tempfile
+import traceback
 from typing import Callable
 
 from absl import app, flags, logging
@@ -102,8 +107,24 @@ def _parse_flags(argv: list[str]) -> list[str]:
         fail(f"bad --config override ({args}): {type(e).__name__}: {e}")
 
 
+INTERRUPTED = 130  # exit status after Ctrl-C: 128 + SIGINT
+
+
+def interrupted(prog: str | None = None) -> None:
+    """Prints one line saying the program was interrupted and exits with status 130."""
+    prog = prog or os.path.basename(sys.argv[0] or "brf")
+    try:
+        sys.stdout.flush()  # what the program printed comes before the line
+    except (OSError, ValueError):
+        pass
+    # On a new line: Ctrl-C often lands in the middle of a progress bar.
+    print(f"\n{prog}: interrupted", file=sys.stderr)
+    sys.exit(INTERRUPTED)
+
+
 def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> None:
-    """``absl.app.run(main)`` with user errors as one line (exit 2) and quiet logs."""
+    """``absl.app.run(main)`` with user errors as one line (exit 2), an interrupt as
+    one line (exit 130) and quiet logs."""
 
     def wrapped(args):
         quiet()
@@ -112,4 +133,11 @@ def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> N
         except UserError as e:
             fail(str(e))
 
-    app.run(wrapped, argv=argv, flags_parser=_parse_flags)
+    try:
+        app.run(wrapped, argv=argv, flags_parser=_parse_flags)
+    except KeyboardInterrupt as e:  # Ctrl-C while parsing flags or running main
+        # What the interrupted frames held (a progress bar) is closed now, so that
+        # its last redraw comes before the line, not after it.
+        traceback.clear_frames(e.__traceback__)
+        gc.collect()
+        interrupted()

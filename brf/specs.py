@@ -136,6 +136,8 @@ def parse_spec(text: str, what: str = "spec") -> tuple[str, dict[str, Any]]:
     for kw in call.keywords:
         if kw.arg is None:
             raise SpecError(f"{what} spec {text!r}: '**' is not allowed")
+        if kw.arg in params:
+            raise SpecError(f"{what} spec {text!r}: {kw.arg!r} is given twice")
         params[kw.arg] = _value(kw.value, source)
     return name, params
 
@@ -177,7 +179,8 @@ def parse_call(text: str, what: str = "value") -> tuple[str, list[Any], dict[str
     or ``criterion=grid("max_prob", "gap")`` in a validation method spec.
 
     Raises:
-        SpecError: not a call of a plain name, or a value that is not a literal.
+        SpecError: not a call of a plain name, a value that is not a literal, or a
+            key given twice.
     """
     source = str(text).strip()
     try:
@@ -189,5 +192,9 @@ def parse_call(text: str, what: str = "value") -> tuple[str, list[Any], dict[str
     if any(isinstance(a, ast.Starred) for a in call.args) or any(
             kw.arg is None for kw in call.keywords):
         raise SpecError(f"{what} {source!r}: '*' and '**' are not allowed")
-    return (call.func.id, [_value(a, source) for a in call.args],
-            {kw.arg: _value(kw.value, source) for kw in call.keywords})
+    kwargs = {}
+    for kw in call.keywords:
+        if kw.arg in kwargs:
+            raise SpecError(f"{what} {source!r}: {kw.arg!r} is given twice")
+        kwargs[kw.arg] = _value(kw.value, source)
+    return call.func.id, [_value(a, source) for a in call.args], kwargs

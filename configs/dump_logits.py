@@ -45,7 +45,7 @@ def get_config(arg=None):
     c.chunk = 256                 # tokens per forward pass
     # Generate mode.
     c.prompts = "Write one sentence about the sea.\nWhat is the capital of France?"  # one per line
-    c.prompts_file = ""
+    c.prompts_file = ""           # one prompt a line, or JSONL {"prompt": ...}; replaces prompts
     c.chat = True                 # wrap prompts in the tokenizer's chat template
     c.template = ""               # or a format string with {prompt} (Gemma: no chat template)
     c.sampler = "greedy"          # brf.fusion.Sampler spec

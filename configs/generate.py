@@ -32,6 +32,7 @@ next-byte distribution).
 
 import ml_collections
 
+from brf.bytes import DEFAULT_BEAM, DEFAULT_THRESHOLD
 from brf.errors import UserError
 from brf.specs import format_spec
 
@@ -70,7 +71,9 @@ def get_config(arg=None):
     c.aligner = "auto"            # identity when the vocabularies agree, else union
     c.aligner_params = {"k": 16}  # passed to aligners that declare them (topk_union: k)
     c.mode = "mixture_exact" if "me" in flags else "fuse"
-    c.method = "born"             # a brf.fusion.METHODS spec, e.g. loglinear(temperature=0.8)
+    # A brf.fusion.METHODS spec, e.g. loglinear(temperature=0.8); the mixture modes
+    # sample the members' linear pool, so there it must be 'linear'.
+    c.method = "linear" if "me" in flags else "born"
     c.phase = "tanh(rate=0.5, offset=[0, 0.5])"  # for methods with a phase map (born); '' = default
     c.method_params = {}
     # '' = the members' weights; 'perplexity(temperature=1.0)' = PackLLM weights
@@ -84,7 +87,7 @@ def get_config(arg=None):
     c.dtype = "float32"
     c.prompts = ("Write one sentence about the sea.",
                  "What is the capital of France?")
-    c.prompts_file = ""
+    c.prompts_file = ""           # one prompt a line, or JSONL {"prompt": ...}; replaces prompts
     c.output = ""                 # '' prints; a path writes JSONL
     c.stream = True
     # Devices (brf/sharding.py): each member's weights split over 'model', the
@@ -94,12 +97,13 @@ def get_config(arg=None):
     # 'bytes': fuse the members' next-byte distributions (257 events), every
     # member keeping its tokenizations of the text (brf/bytes/generate.py). On
     # bytes: beam and threshold bound each member's hypotheses (beam >= 1,
-    # 0 <= threshold < 1; threshold=0 with a large beam is exact),
+    # 0 <= threshold < 1; threshold=0 with a large beam is exact; the defaults are
+    # brf.bytes', as for byte-level scoring and brf.bytes.generate),
     # max_new_bytes bounds the text, utf8 keeps it valid UTF-8; the aligner,
     # max_new_tokens, weighting and mesh are not used.
     c.level = "bytes" if "bytes" in flags else "tokens"
-    c.beam = 16
-    c.threshold = 1e-3
+    c.beam = DEFAULT_BEAM
+    c.threshold = DEFAULT_THRESHOLD
     c.max_new_bytes = 192
     c.utf8 = True
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, placement="shared"))

@@ -16,6 +16,7 @@ import math
 
 import ml_collections
 
+from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
 from brf.errors import UserError
 from brf.specs import format_spec
 
@@ -31,11 +32,11 @@ SECOND_PREFIX = "Here is a passage of text.\n\n"
 # per byte), prune threshold (hypotheses below this fraction of the prefix mass
 # are dropped; the mass they carried is reported) and merge lag (a hypothesis more
 # than this many canonical tokens behind is merged into the canonical one; the mass
-# merged is reported). The library's defaults: BENCHMARKS.md, "Every byte", shows
-# what they cost in speed and accuracy.
-BYTE_BEAM = 16
-BYTE_PRUNE_THRESHOLD = 3e-3
-BYTE_MAX_LAG = 2
+# merged is reported). The library's defaults (brf.bytes, their one home):
+# BENCHMARKS.md, "Every byte", shows what they cost in speed and accuracy.
+BYTE_BEAM = DEFAULT_BEAM
+BYTE_PRUNE_THRESHOLD = DEFAULT_THRESHOLD
+BYTE_MAX_LAG = DEFAULT_MAX_LAG
 
 
 def get_config(arg=None):

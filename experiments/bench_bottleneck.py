@@ -17,12 +17,22 @@ Parts (all in one process, same problems, ratios side by side):
     solved by HiGHS), the effect on the answer of (a) restricting p to the top-K
     support, (b) truncating the basis to singular values above rank_rtol,
     (c) warm-starting each position from the previous one's solution.
+  * ``lsq``: least squares on the simplex (``bottleneck_lsq``'s solver) on
+    SmolLM2's own next-token distributions at every position of a short text
+    under two prefixes (the study's two Hamlet prefixes), support 2 x top_k,
+    as ``brf.fuse`` builds it: brf's solver against the one before issue 37
+    (:func:`lsq_before_issue_37`, in the same process), iterations, convergence
+    and time per position, and scipy's NNLS (a heavy sum row keeps it on the
+    simplex) with the float64 minimum over the affine hull (a lower bound) as
+    the reference. Not part of the default run.
 
   python experiments/bench_bottleneck.py                    # everything
   python experiments/bench_bottleneck.py --parts=speed --K=4096 --kinds=lp,qp
   python experiments/bench_bottleneck.py --quick            # small smoke run
+  python experiments/bench_bottleneck.py --parts=lsq        # least squares, real positions
 """
 
+import functools
 import os
 import platform
 import time
@@ -31,7 +41,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.optimize import linprog
+from scipy.optimize import linprog, nnls
 
 from brf import cli
 from brf.benchmark import markdown_table, memory_bandwidth, time_call
@@ -46,6 +56,14 @@ flags.DEFINE_integer("highs_positions", 3, "positions HiGHS solves (per-position
 flags.DEFINE_integer("sub_vocab", 8192, "V' of the tractability part's full problem")
 flags.DEFINE_list("kinds", ["lp", "qp"], "solvers timed in the speed part (HiGHS solves the LP)")
 flags.DEFINE_float("tol", bn.DEFAULT_TOL, "brf's certified relative objective tolerance")
+flags.DEFINE_string("lsq_text", "Who's there?\nNay, answer me: stand, and unfold yourself.",
+                    "lsq part: the text whose positions are solved")
+# lsq part: the two members' prefixes (configs/validate.py's HAMLET_PREFIX, SECOND_PREFIX).
+flags.DEFINE_string("lsq_prefix_1", "The following is the text of Hamlet, a tragedy by "
+                    "William Shakespeare.\n\n", "lsq part: the first member's prefix")
+flags.DEFINE_string("lsq_prefix_2", "Here is a passage of text.\n\n",
+                    "lsq part: the second member's prefix")
+flags.DEFINE_integer("lsq_top_k", 512, "lsq part: support of 2 x top_k tokens (brf.fuse's rule)")
 
 
 def smollm2_unembedding():
@@ -232,6 +250,140 @@ def part_tractability(W, rng, out):
          "converged"], rows))
 
 
+@functools.partial(jax.jit, static_argnames=("dims", "max_iters", "check_every"))
+def lsq_before_issue_37(W_KxM, b_M, weights_n, *, dims, lipschitz, p0_K, tol,
+                        max_iters=20000, check_every=20):
+    """brf's least-squares solver before issue 37 (commit 536356a), the baseline:
+    FISTA with gradient restart, step 1 / (2 lipschitz) with ``_solve_one``'s bound
+    ``max_i w_i sigma_max(A~)^2``, stopping on the Frank–Wolfe gap at p alone.
+    Returns (p, objective, Frank–Wolfe gap, iterations, converged)."""
+    with jax.enable_x64(True):
+        m = sum(dims)
+        W = W_KxM.astype(jnp.float64)
+        b = b_M.astype(jnp.float64)[:m]
+        wrow = jnp.concatenate([jnp.full((d,), weights_n[i], jnp.float64)
+                                for i, d in enumerate(dims)])
+        Wd = W * wrow[None, :]
+        H, q, const = Wd @ W.T, Wd @ b, jnp.sum(wrow * b * b)
+        step = 1.0 / (2.0 * lipschitz)
+        floor = bn.OBJECTIVE_FLOOR * const
+
+        def certificate(p):
+            Hp = H @ p
+            f = jnp.maximum(p @ Hp - 2.0 * q @ p + const, 0.0)
+            g = 2.0 * (Hp - q)
+            return f, g @ p - jnp.min(g)
+
+        def fista(_, s):
+            p, y, t = s
+            pn = bn.project_simplex(y - step * 2.0 * (H @ y - q))
+            tn = 0.5 * (1.0 + jnp.sqrt(1.0 + 4.0 * t * t))
+            restart = jnp.dot(y - pn, pn - p) > 0
+            tn = jnp.where(restart, 1.0, tn)
+            yn = jnp.where(restart, pn, pn + ((t - 1.0) / tn) * (pn - p))
+            return pn, yn, tn
+
+        def body(state):
+            p, y, t, it, _ = state
+            p, y, t = jax.lax.fori_loop(0, check_every, fista, (p, y, t))
+            f, G = certificate(p)
+            return p, y, t, it + check_every, G <= jnp.maximum(tol * (f - G), floor)
+
+        p0 = bn.project_simplex(p0_K.astype(jnp.float64))
+        f0, G0 = certificate(p0)
+        init = (p0, p0, jnp.ones((), jnp.float64), jnp.zeros((), jnp.int32),
+                G0 <= jnp.maximum(tol * (f0 - G0), floor))
+        p, _, _, it, ok = jax.lax.while_loop(
+            lambda s: (s[3] < max_iters) & ~s[4], body, init)
+        f, G = certificate(p)
+        return p, f, G, it, ok
+
+
+def two_prefix_logits(text, prefixes):
+    """SmolLM2's logits at every position of ``text`` after BOS + each prefix:
+    [positions, 2, V] (the distribution of the token after each text token)."""
+    from brf.checkpoints import registry
+    from brf.models.transformer import forward
+    m = registry.load("smollm2-135m-instruct", progress=False)
+    bos = [m.cfg.bos_id] if m.cfg.bos_id is not None else []
+    x = list(m.tokenizer.encode(text, add_special_tokens=False))
+    out = []
+    for pre in prefixes:
+        p = list(m.tokenizer.encode(pre, add_special_tokens=False)) if pre else []
+        ids = bos + p + x
+        logits, _ = forward(m.params, m.cfg, np.asarray(ids, np.int32)[None])
+        out.append(np.asarray(logits[0, len(bos) + len(p):len(ids)], np.float32))
+    return np.stack(out, 1)
+
+
+def lsq_reference(WS, b, w):
+    """scipy NNLS on the simplex (a heavy sum row) and the float64 minimum of f over
+    the affine hull sum p = 1 (a lower bound on the simplex's optimum; equal to it
+    where the members' common image is met on the simplex)."""
+    A = np.vstack([np.sqrt(w[i]) * WS.T for i in range(len(w))])
+    y = np.concatenate([np.sqrt(w[i]) * b[i] for i in range(len(w))])
+    big = 1e3 * np.linalg.norm(A, 2)
+    x = nnls(np.vstack([A, big * np.ones(A.shape[1])]), np.append(y, big),
+             maxiter=50 * A.shape[1])[0]
+    x /= x.sum()
+    f_nnls = float(np.sum((A @ x - y) ** 2))
+    K = A.shape[1]
+    N = np.linalg.svd(np.ones((1, K)))[2][1:].T  # an orthonormal basis of sum d = 0
+    c = np.linalg.lstsq(A @ N, y - A.sum(1) / K, rcond=None)[0]
+    f_hull = float(np.sum((A @ (np.full(K, 1.0 / K) + N @ c) - y) ** 2))
+    return f_nnls, f_hull
+
+
+def part_lsq(W, out):
+    lg = two_prefix_logits(FLAGS.lsq_text, (FLAGS.lsq_prefix_1, FLAGS.lsq_prefix_2))
+    P, K = lg.shape[0], 2 * FLAGS.lsq_top_k
+    w = np.array([0.5, 0.5])
+    Wf, dims = bn.stack_unembeddings([W, W])
+    print(f"# lsq: {P} positions, support K={K}, tol {FLAGS.tol:g}", flush=True)
+    rows, before_t, after_t = [], [], []
+    for i in range(-1, P):  # -1: position 0 once more first, to compile both solvers
+        j = max(i, 0)
+        with jax.enable_x64(True):
+            logp = jax.nn.log_softmax(jnp.asarray(lg[j]), -1)  # float32, as brf.fuse
+            S = jax.lax.top_k(jnp.max(logp, 0), K)[1]
+            basis = jax.block_until_ready(bn.constraint_basis(Wf[S], S))
+            ph = np.exp(np.asarray(jax.nn.log_softmax(jnp.asarray(lg[j], jnp.float64), -1)))
+            b = bn.rhs(basis, Wf, jnp.asarray(ph), dims)
+            x0 = w @ ph[:, np.asarray(S)]
+            lip = np.max(w) * float(basis.sigma_q[0]) ** 2
+            t0 = time.perf_counter()
+            old = jax.block_until_ready(lsq_before_issue_37(
+                Wf[S], b, jnp.asarray(w), dims=dims, lipschitz=lip,
+                p0_K=jnp.asarray(x0 / x0.sum()), tol=FLAGS.tol))
+            t_old = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            new = jax.block_until_ready(bn.solve("lsq", basis, Wf, dims, ph[None], w[None],
+                                                 tol=FLAGS.tol)[0])
+            t_new = time.perf_counter() - t0
+        if i < 0:
+            continue
+        WS = W[np.asarray(S)].astype(np.float64)
+        f_nnls, f_hull = lsq_reference(WS, ph @ W.astype(np.float64), w)
+        f_new = float(new.objective[0])
+        p_new = np.asarray(new.p_K[0], np.float64)
+        f_new64 = sum(w[k] * np.sum((WS.T @ p_new - ph[k] @ W.astype(np.float64)) ** 2)
+                      for k in range(2))
+        before_t.append(t_old)
+        after_t.append(t_new)
+        rows.append([j, int(old[3]), bool(old[4]), f"{t_old:.2f}",
+                     int(new.iters[0]), bool(new.converged[0]), f"{float(new.gap[0]):.1e}",
+                     f"{t_new:.2f}", f"{f_new:.6e}", f"{(f_new64 - f_nnls) / f_nnls:+.1e}",
+                     f"{(f_nnls - f_hull) / f_nnls:.1e}"])
+        print(rows[-1], flush=True)
+    out.append(markdown_table(
+        ["position", "before: iters", "before: converged", "before: s", "after: iters",
+         "after: converged", "after: certified gap", "after: s", "objective",
+         "(f - f_NNLS) / f_NNLS", "(f_NNLS - f_hull) / f_NNLS"], rows))
+    out.append(f"before: {sum(r[2] for r in rows)} of {P} converged, "
+               f"{sum(before_t):.1f} s in all; after: {sum(r[5] for r in rows)} of {P}, "
+               f"{sum(after_t):.1f} s in all (solver only; the basis SVD aside)")
+
+
 def main(argv):
     del argv
     if FLAGS.quick:
@@ -254,6 +406,8 @@ def main(argv):
              "rel constraint residual"], rows))
     if "tractability" in FLAGS.parts:
         part_tractability(W, rng, tables)
+    if "lsq" in FLAGS.parts:
+        part_lsq(W, tables)
     print(f"# load average {os.getloadavg()[0]:.1f} at end")
     for t in tables:
         print(t)

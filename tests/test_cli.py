@@ -30,6 +30,7 @@ def bad_files(tmp_path_factory):
     (d / "notjson").mkdir()
     (d / "notjson" / "config.json").write_text("{not json")
     (d / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 2000)
+    (d / "blank.txt").write_text("\n  \n")
     return d
 
 
@@ -66,6 +67,27 @@ CASES = [
      "'phase' is given twice: in config.method 'born(phase=\"tanh(rate=1)\")' and in "
      "config.phase (set config.phase='' to use the method's)"),
     (G + ["--config.prompts_file={d}/missing.txt"], "missing.txt"),
+    # issue 37: argv bytes that are not UTF-8, an empty prompts file, a key given
+    # twice, a fusion method in the mixture modes
+    (G + ["--config.prompts=Tell me about caf\udcc3"],
+     "config.prompts: prompt 1 is not valid UTF-8 text (at character 17): "
+     "b'Tell me about caf\\xc3'"),
+    (G + ["--config.prompts_file={d}/blank.txt"], "prompts_file {d}/blank.txt holds no prompts"),
+    (G + ['--config.method=born(phase="tanh", phase="linear")'], "'phase' is given twice"),
+    (G + ["--config.members=random:smollm2-135m-instruct:0(weight=0.5, weight=1.0)"],
+     "'weight' is given twice"),
+    (["experiments/generate.py", "--config=configs/generate.py:tiny,me",
+      "--config.method=loglinear(temperature=0.3)"],
+     "config.method='loglinear(temperature=0.3)' is not used in mode 'mixture_exact'"),
+    (["experiments/generate.py", "--config=configs/generate.py:tiny,bytes,me",
+      "--config.method=loglinear(temperature=0.3)"],
+     "config.method='loglinear(temperature=0.3)' is not used in mode 'mixture_exact'"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny,generate",
+      "--config.output={d}/gen.csv", "--config.prompts_file={d}/blank.txt",
+      "--config.compilation_cache=False"], "prompts_file {d}/blank.txt holds no prompts"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny,generate",
+      "--config.output={d}/gen.csv", "--config.prompts=caf\udcc3",
+      "--config.compilation_cache=False"], "config.prompts: prompt 1 is not valid UTF-8"),
     # convert: bad files and names
     (["experiments/convert.py", "--source={d}/junk.gguf", "--out={d}/o1"], "junk.gguf"),
     (["experiments/convert.py", "--source={d}/hf", "--out={d}/o2"], "config.json"),
@@ -124,3 +146,76 @@ def test_library_info_chatter_stays_quiet(tmp_path):
     res = _run(["experiments/demo.py", "--config=configs/demo.py"], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert not [ln for ln in res.stderr.splitlines() if ln.startswith("I")], res.stderr
+
+
+
+class _Started:
+    """A main started as from a terminal, its stderr read as it comes (progress bars
+    redraw with carriage returns, no newlines). SIGINT is at its default in the child,
+    so Python turns it into KeyboardInterrupt wherever the test runs."""
+
+    def __init__(self, args):
+        import signal
+        import threading
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env.pop("BRF_VERBOSE", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.err = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for chunk in iter(lambda: self.proc.stderr.read(1), ""):
+            self.err.append(chunk)
+
+    def wait_for(self, needle, where="stdout", timeout=300):
+        import time
+        deadline = time.monotonic() + timeout
+        if where == "stdout":
+            assert self.proc.stdout.readline().strip() == needle
+            return
+        while needle not in "".join(self.err):
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                "".join(self.err)[-3000:]
+            time.sleep(0.2)
+
+    def interrupt(self, prog):
+        """Sends SIGINT; checks one line naming the program, exit status 130, no
+        traceback; returns stderr's lines (each as a terminal leaves it)."""
+        import signal
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=120)
+        self.reader.join(timeout=30)
+        err = "".join(self.err)
+        lines = [ln.rsplit("\r", 1)[-1] for ln in err.splitlines()]
+        lines = [ln for ln in lines if ln.strip()]
+        assert self.proc.returncode == 130, (self.proc.returncode, err[-3000:])
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+        assert lines[-1] == f"{prog}: interrupted", err[-3000:]
+        assert sum("interrupted" in ln for ln in lines) == 1, err[-3000:]
+        return lines
+
+
+def test_an_interrupt_is_one_line_and_exit_130():
+    """Ctrl-C (SIGINT) while a main works ends it with one line on stderr and exit
+    status 130 (it ended in a KeyboardInterrupt traceback, issue 37)."""
+    code = ("import time\nfrom brf import cli\n"
+            "def main(argv):\n    print('working', flush=True)\n"
+            "    while True:\n        time.sleep(0.01)\n"
+            "cli.run(main)\n")
+    run = _Started(["-c", code])
+    run.wait_for("working")
+    assert run.interrupt("-c") == ["-c: interrupted"]
+
+
+def test_an_interrupt_while_scoring_is_one_line_and_exit_130(tmp_path):
+    """The same for a real main in the middle of scoring (dump_logits over the whole
+    default text, minutes of work), its progress bar left above the line."""
+    run = _Started(["experiments/dump_logits.py", "--config=configs/dump_logits.py",
+                    f"--config.output={tmp_path}/d.csv"])
+    run.wait_for("pos/s]", where="stderr")
+    lines = run.interrupt("dump_logits.py")
+    assert any(ln.startswith("dumping ") for ln in lines[:-1]), lines

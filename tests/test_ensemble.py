@@ -292,6 +292,18 @@ def test_catch_up_grows_the_cache_and_buckets_lengths(pair):
                reference_logp(m, "hi", list(range(3, 3 + slots))))
 
 
+def test_cache_is_never_sized_beyond_the_members_context(tok):
+    """Issue 37: the decoder asks for 2 * max_new_tokens slots; the cache is capped at
+    the context (a longer prompt bucket still fits) and grows on demand past it
+    only for catch-up padding, so a run that fills the context still decodes."""
+    short = tiny_member(0, tok, name="short", max_seq_len=32)
+    assert catchup.start(short, [short.prompt_ids("hi")], slots=4096).cache["pos"].shape[1] == 32
+    assert catchup.start(short, [[1] * 20], slots=4096).cache["pos"].shape[1] == 32
+    n = len(short.prompt_ids("hi"))
+    g = generate([short], ["hi"], sampler="greedy", max_new_tokens=32 - n)[0]
+    assert g.n_events == 32 - n or g.finish_reason in ("eos", "context"), g
+
+
 # ------------------------------------------------------------------ bad input
 
 def test_bad_inputs_fail_before_generation(pair, tok, monkeypatch):
@@ -443,6 +455,19 @@ def test_reencoding_merges_a_split_multibyte_character(cross_pair):
     assert tuple(pending[1]) == space.member_ids(1, 0)[len(prompts[1][0]):]
 
 
+@pytest.mark.parametrize("mode", ["fuse", "mixture_exact"])
+def test_cross_vocab_max_new_tokens_beyond_the_context_is_refused(cross_pair, mode,
+                                                                  monkeypatch):
+    """Issue 37: across vocabularies the context check got 0 new tokens, and a huge
+    max_new_tokens ran out of memory sizing the KV caches; refused before any prefill."""
+    calls = []
+    monkeypatch.setattr(catchup, "start", lambda *a, **k: calls.append(a))
+    with pytest.raises(EnsembleInputError, match=r"member 'a': prompt \(\d+ tokens\) \+ "
+                       r"max_new_tokens \(100000\) exceeds its context of 256 tokens"):
+        generate(cross_pair, PROMPTS, mode=mode, aligner="union", max_new_tokens=100_000)
+    assert calls == []
+
+
 def test_cross_vocab_bad_input(cross_pair):
     with pytest.raises(EnsembleInputError, match="mixture sampling needs|needs an event space"):
         generate(cross_pair, PROMPTS, mode="mixture_exact", aligner="topk_union")
@@ -473,6 +498,90 @@ def test_generate_config_files_and_tiny_run():
     c.max_new_tokens = 3
     rows = run(c)
     assert len(rows) == 1 and rows[0]["n_events"] >= 1 and rows[0]["aligner"] == "identity"
+
+
+def _generate_config_module():
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate_config", path)
+    cfg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg)
+    return cfg
+
+
+def test_prompts_file_replaces_config_prompts_and_an_empty_one_is_refused(tmp_path):
+    """Issue 37: a prompts file was added to the built-in prompts, and an empty one
+    ran them silently; generate and dump_logits alike."""
+    import ml_collections
+
+    from brf.ensemble.run import read_prompts
+    from brf.eval import dump
+    f = tmp_path / "p.txt"
+    f.write_text('from the file\n\n{"prompt": "a JSON one"}\n', encoding="utf-8")
+    assert read_prompts(("built-in", ""), "") == ["built-in"]
+    assert read_prompts(("built-in",), str(f)) == ["from the file", "a JSON one"]
+    c = ml_collections.ConfigDict(dict(prompts="built-in\nother", prompts_file=str(f)))
+    assert dump._prompts(c) == ["from the file", "a JSON one"]
+    (tmp_path / "blank.txt").write_text("\n  \n", encoding="utf-8")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    for name in ("blank.txt", "empty.txt"):
+        with pytest.raises(EnsembleInputError, match=f"prompts_file {tmp_path}/{name} holds "
+                                                     "no prompts"):
+            read_prompts(("built-in",), str(tmp_path / name))
+        c.prompts_file = str(tmp_path / name)
+        with pytest.raises(EnsembleInputError, match="holds no prompts"):
+            dump._prompts(c)
+
+
+def test_a_prompt_that_is_not_utf8_text_is_refused(tmp_path):
+    """Issue 37: a command-line prompt ending inside a UTF-8 character (argv gives a
+    surrogate-escaped str) crashed the tokenizer; refused naming the prompt, as a
+    prompts file with those bytes is. generate and dump_logits alike."""
+    import ml_collections
+
+    from brf.ensemble.run import read_prompts
+    from brf.eval import dump
+    with pytest.raises(EnsembleInputError, match=r"^config.prompts: prompt 2 is not valid "
+                       r"UTF-8 text \(at character 17\): b'Tell me about caf\\xc3'$"):
+        read_prompts(("ok", "", "Tell me about caf\udcc3"))  # as argv gives b"caf\xc3"
+    c = ml_collections.ConfigDict(dict(prompts="ok\ncaf\udcc3", prompts_file=""))
+    with pytest.raises(EnsembleInputError, match="prompt 2 is not valid UTF-8"):
+        dump._prompts(c)
+    (tmp_path / "j.txt").write_text('{"prompt": "x\\ud800"}\n', encoding="utf-8")
+    with pytest.raises(EnsembleInputError, match=r"j.txt, line 1: 'prompt' is not valid UTF-8"):
+        read_prompts((), str(tmp_path / "j.txt"))
+
+
+def test_mixture_modes_refuse_a_fusion_method_before_loading(monkeypatch):
+    """Issue 37: ME dropped config.method silently ("method": null). The mixture modes
+    sample the linear pool: their configs say 'linear'; anything else is refused,
+    naming the key, before any model loads (tokens and bytes)."""
+    from brf.ensemble import run as run_lib
+    from brf.ensemble.run import check_mixture_method, method_spec
+    cfg = _generate_config_module()
+
+    def checked(c):
+        check_mixture_method(c, *method_spec(c.method, c.method_params, c.phase))
+
+    for arg in ("me", "prompts,me", "bytes,me", "tiny,me", None, "bytes"):
+        checked(cfg.get_config(arg))  # the configs' own methods pass
+    monkeypatch.setattr(run_lib, "load_members", lambda *a, **k: pytest.fail("loaded"))
+    for arg in ("tiny,me", "tiny,bytes,me"):
+        c = cfg.get_config(arg)
+        c.method = "loglinear(temperature=0.3)"
+        with pytest.raises(EnsembleInputError, match=r"^config.method='loglinear\(temperature="
+                           r"0.3\)' is not used in mode 'mixture_exact': mixture sampling"):
+            run_lib.run(c)
+    c = cfg.get_config("tiny")
+    c.mode = "mixture_per_member"  # the fuse default 'born' left in place
+    with pytest.raises(EnsembleInputError, match="config.method='born' is not used in mode "
+                                                 "'mixture_per_member'"):
+        run_lib.run(c)
+    c = cfg.get_config("me")
+    c.method_params = {"temperature": 0.5}
+    with pytest.raises(EnsembleInputError, match=r"config.method_params=\{'temperature': "
+                                                 r"0.5\} is not used"):
+        checked(c)
 
 
 # ------------------------------------------------------------------ real models

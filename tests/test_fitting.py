@@ -183,6 +183,36 @@ def test_chunks_change_nothing(monkeypatch):
     assert many.calib_nll == pytest.approx(one.calib_nll, abs=1e-6)
 
 
+def test_a_warm_start_with_a_positive_parameter_at_0_is_used():
+    """Issue 37: a fit whose phase.scale ran off to 0 (its log coordinate below
+    float32's range) started the next fit at log(0) = -inf: RuntimeWarnings, NaN steps,
+    one iteration and the warm values returned unmoved. Floored at float32's smallest
+    normal, the start is finite, the same function, and L-BFGS moves from it."""
+    import warnings
+
+    from brf.eval import fitting
+    t = _table(P=600)
+    spec = MethodSpec("b", "born", phase="token_tanh",
+                      fit={"phase.scale": 1.0, "phase.rate": 1.0, "phase.offset": [0.0, 0.5]})
+    warm = Fitted("b", "born", {"phase.scale": 0.0, "phase.rate": 1.0,
+                                "phase.offset": [0.0, 0.5], "phase": "token_tanh"},
+                  np.array([0.5, 0.5]), 0.0, {"converged": True})
+    warm = dataclasses.replace(warm, calib_nll=float(np.mean(evaluate(warm, t)["nll"])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning fails the test
+        (x0,) = fitting._Problem(spec, t, FitSettings()).starts(warm, [])
+        f = fit_method(spec, t, warm=warm)
+    assert np.isfinite(x0).all()
+    assert np.exp(np.float32(x0.min())) > 0  # floored at a float32 normal, not rounded to 0
+    assert f.info["converged"] and f.info["iterations"] > 1
+    assert f.calib_nll < warm.calib_nll - 1e-3
+    assert np.abs(np.asarray(f.params["phase.offset"]) - [0.0, 0.5]).max() > 0.1
+    # The floored start is the warm fit's function: the same NLL (float32 resolution).
+    at_start = fitting._Problem(spec, t, FitSettings())
+    assert at_start.value({}, x0, at_start.data()) - float(np.mean(t.offset)) == pytest.approx(
+        warm.calib_nll, abs=1e-6)
+
+
 def test_refining_a_fit_keeps_it_unless_another_start_is_better():
     """A second round from a converged fit and a start that ends in its basin keeps the
     fit as it is without polishing it again; from a fit in the bound's corner and a

@@ -417,6 +417,24 @@ def test_hand_written_csv_is_read_and_analysed(tmp_path):
     assert not any(m.startswith("bottleneck") for m in csv_analysis.default_methods())
 
 
+def test_missing_entropy_column_is_reported_as_not_available(tmp_path):
+    """A CSV without the optional entropy column: the summary says its mean entropy is
+    not available (it said nan, issue 37); a CSV with the column gives its mean."""
+    rng = np.random.default_rng(2)
+    paths, _ = _hand_pair(tmp_path, rng, n=40)
+    rep, _ = csv_analysis.analyze(paths, vocab_sizes=[50, 50], n_perm=20, n_boot=20)
+    assert all("entropy_mean" not in m for m in rep["inputs"])
+    md = csv_analysis.markdown(rep)
+    rows = [ln for ln in md.splitlines() if ln.startswith(("| 0: ", "| 1: "))]
+    assert len(rows) == 2, md
+    for row in rows:
+        assert row.endswith("| not available (no entropy column) |"), row
+        assert "nan" not in row.lower(), row
+    rep["inputs"][0]["entropy_mean"] = 1.23456
+    (row,) = [ln for ln in csv_analysis.markdown(rep).splitlines() if ln.startswith("| 0: ")]
+    assert row.endswith("| 1.235 |"), row
+
+
 def _two_tokenizer_pair(tmp_path, rng, n=60, k=5, sizes=(50, 60)):
     """Two metadata-less CSVs of one text by two 'tokenizers' that split it the same
     way (one letter per token) but number their tokens differently (vocabularies of

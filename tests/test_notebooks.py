@@ -52,23 +52,38 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch, tmp_path):
     assert not errors
 
 
-def _run_install_cell(path, monkeypatch, tmp_path, *, installed, repo=None):
+def _install_cell(path) -> str:
+    return nbformat.read(path, as_version=4).cells[1].source
+
+
+def test_every_notebook_has_the_same_install_cell():
+    """One install cell for every notebook (notebook 04's was an older one that took
+    only a git URL, through a shell, issue 37)."""
+    cells = {p.name: _install_cell(p) for p in NOTEBOOKS}
+    first = _install_cell(NOTEBOOKS[0])
+    assert len(cells) >= 4 and all(c == first for c in cells.values()), \
+        [name for name, c in cells.items() if c != first]
+
+
+def _run_install_cell(path, monkeypatch, tmp_path, *, installed, repo=None, really_run=False):
     """Executes a notebook's install cell with brf importable or not (as on Colab), with
-    subprocess.run and os.chdir recorded instead of run. Returns (calls, error)."""
+    os.chdir and (unless ``really_run``) subprocess.run recorded instead of run.
+    Returns (calls, error)."""
     import subprocess
     import sys
     calls = []
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: (
         None if name == "brf" and not installed else _FIND_SPEC(name, *a, **k)))
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(("run", a, k)))
+    if not really_run:
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(("run", a, k)))
     monkeypatch.setattr(os, "chdir", lambda d: calls.append(("chdir", d)))
     monkeypatch.setattr(sys, "path", list(sys.path))
     if repo is None:
         monkeypatch.delenv("BRF_REPO", raising=False)
     else:
         monkeypatch.setenv("BRF_REPO", repo)
-    source = nbformat.read(path, as_version=4).cells[1].source
+    source = _install_cell(path)
     try:
         exec(compile(source, f"{path.name}:install", "exec"), {})
     except (Exception, SystemExit) as e:  # the cell stops the notebook with a sentence
@@ -91,3 +106,26 @@ def test_install_cell_never_invents_a_repository(path, monkeypatch, tmp_path):
     assert repo in commands and "install.sh" in commands, calls
     calls, err = _run_install_cell(path, monkeypatch, tmp_path, installed=True)
     assert calls == [] and err is None, (calls, err)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_install_cell_installs_from_a_folder(path, monkeypatch, tmp_path):
+    """BRF_REPO set to a folder (relative, with a space in its name) runs that
+    checkout's install.sh there, for real, clones nothing, and makes brf importable
+    from it; a folder without install.sh stops the notebook with a sentence naming it."""
+    import sys
+    folder = tmp_path / "my brf checkout"
+    (folder / "notebooks").mkdir(parents=True)
+    (folder / "install.sh").write_text('echo "$PWD" > installed-here\n')
+    calls, err = _run_install_cell(path, monkeypatch, tmp_path, installed=False,
+                                   repo="my brf checkout", really_run=True)
+    assert err is None, repr(err)
+    assert (folder / "installed-here").read_text().strip() == str(folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my brf checkout"]  # no clone
+    assert sys.path[0] == str(folder)
+    assert calls == [("chdir", os.path.join("my brf checkout", "notebooks"))], calls
+    (folder / "install.sh").unlink()
+    calls, err = _run_install_cell(path, monkeypatch, tmp_path, installed=False,
+                                   repo="my brf checkout", really_run=True)
+    assert isinstance(err, SystemExit) and calls == [], (calls, err)
+    assert "BRF_REPO='my brf checkout'" in str(err) and "install.sh" in str(err), str(err)

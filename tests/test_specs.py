@@ -50,3 +50,30 @@ def test_line_breaks_inside_quoted_values_are_kept():
     assert parse_spec(text)[1]["template"] == "<start_of_turn>user\n{prompt}<end_of_turn>\n"
     with pytest.raises(SpecError):
         parse_spec("f(a=1\n b)")
+
+
+@pytest.mark.parametrize("text,what,key", [
+    ('born(phase="tanh", phase="linear")', "method", "phase"),
+    ('linear(label="a", label="b")', "method", "label"),
+    ("smollm2-135m-instruct(weight=0.5, weight=0.5)", "member", "weight"),
+    ("born(phase=tanh(rate=1, rate=2))", "method", "rate"),  # nested: when it is read
+])
+def test_a_key_given_twice_is_refused_by_name(text, what, key):
+    """Issue 37: the last value used to win silently, for every spec kind."""
+    from brf.fusion import FusionInputError, phase_map
+    if "tanh(" in text:  # a nested phase map is kept as text and read by brf.fusion.phase
+        nested = parse_spec(text, what)[1]["phase"]
+        with pytest.raises(FusionInputError, match=f"{key!r} is given twice"):
+            phase_map(nested)
+        return
+    with pytest.raises(SpecError, match=f"{what} spec .*: {key!r} is given twice"):
+        parse_spec(text, what)
+    with pytest.raises(SpecError, match=f"{key!r} is given twice"):
+        parse_list(f"other, {text}", what)
+
+
+def test_a_marker_call_with_a_key_given_twice_is_refused():
+    from brf.specs import parse_call
+    assert parse_call('grid("a", k=1)') == ("grid", ["a"], {"k": 1})
+    with pytest.raises(SpecError, match="'k' is given twice"):
+        parse_call("fit(1.0, k=1, k=2)")

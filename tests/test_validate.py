@@ -524,6 +524,9 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     (dict(corpora="hamlet(max_chars=2100)", scoring__segment_chars=3000), "at least 2"),
     (dict(corpora="hamlet(colour=1)"), "unknown parameter"),
     (dict(variants="proposed, tuned"), "unknown method variant"),
+    (dict(variants=""), r"^config.variants is empty; give one or more of the method variants "
+     r"proposed, calibrated \(comma-separated\)$"),
+    (dict(variants=" , "), r"^config.variants is empty; .* proposed, calibrated"),
     (dict(topk_sensitivity=8), "topk_sensitivity"),
     (dict(fit__max_iter=0), "max_iter"),
     (dict(stats__forking_top_fraction=1.5), "forking_top_fraction"),
@@ -627,6 +630,41 @@ def test_damaged_score_store_is_rescored_with_a_warning(tmp_path, text, members,
     for name in ("gold_logp", "topk_logp", "topk_ids"):
         np.testing.assert_array_equal(getattr(again, name), getattr(ref, name))
     assert len(load_partial(str(store), meta)) == len(ids)
+
+
+def test_damaged_byte_store_is_rescored_with_one_warning(tmp_path, text, members):
+    """A damaged byte store is reported once, naming it (the study read it twice and
+    warned twice, issue 37), and rescored: the same numbers, a sound store."""
+    import warnings
+    from brf.eval import byte_scorer
+    segments = plan_lib.split_segments(text[:700], 350)
+    member, settings = plan_lib.Member("tiny-a"), plan_lib.ByteSettings(True, 2, 0.2, 1)
+
+    def score():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # every warning, repeats included
+            (sc,), _ = byte_scorer.score_members([member], segments, str(tmp_path),
+                                                 members.__getitem__, settings=settings,
+                                                 chunk=128)
+        return sc, [str(w.message) for w in caught]
+
+    ref, said = score()
+    path = byte_scorer.store_path(str(tmp_path), member)
+
+    def damaged(said):
+        return [m for m in said if m.startswith(f"byte store {path} is damaged")]
+
+    assert not damaged(said), said
+    good = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(good[:len(good) // 2])
+    again, said = score()
+    assert len(damaged(said)) == 1 and "rescoring it" in damaged(said)[0], said
+    for name in ("gold", "logp", "gap"):
+        np.testing.assert_array_equal(again[name], ref[name])
+    data = [s.encode("utf-8") for s in segments]
+    meta = {"corpus": hashlib.sha256("\x00".join(segments).encode()).hexdigest()[:16]}
+    assert byte_scorer._stored(path, "tiny-a", data, [], settings, meta) is not None
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not JSON", "a list"])

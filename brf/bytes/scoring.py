@@ -135,7 +135,7 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
                    threshold: float = DEFAULT_THRESHOLD, max_lag: int = DEFAULT_MAX_LAG,
                    chunk: int = 256, store_path: str | None = None, meta: dict | None = None,
                    desc: str = "byte scoring", pad_to: int = 0,
-                   release: bool = True) -> ByteScores:
+                   release: bool = True, stored: Sequence[dict] | None = None) -> ByteScores:
     """Scores every byte of every segment (each read after BOS and the prefix tokens),
     resuming from and saving to ``store_path``.
 
@@ -154,6 +154,9 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
         release: hand the memory each segment freed back to the system
             (`brf.runtime.release_memory`); without it glibc keeps the heap's
             high-water mark, which grew a whole study past 24 GB.
+        stored: the segments already read from ``store_path`` with this key
+            (:func:`load_partial`'s rows), for a caller that read it first: the
+            store is then not read again (nor a damaged one reported twice).
 
     Returns:
         ByteScores over all segments.
@@ -162,7 +165,10 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
     data = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in segments]
     meta = store_meta(meta, lm.name, data, prefix_ids, beam=beam, threshold=threshold,
                       max_lag=max_lag)
-    done = load_partial(store_path, data, meta) if store_path else []
+    if stored is not None:
+        done = list(stored)
+    else:
+        done = load_partial(store_path, data, meta) if store_path else []
     ctx = len(lm.context(prefix_ids))
     # One KV-cache shape for every segment (one compilation): the longest, padded.
     longest = max([ctx + len(lm.encode(s)) for s in data] + [pad_to, 1])

@@ -89,7 +89,9 @@ def start(member, prompts_ids: Sequence[Sequence[int]], *, slots: int | None = N
         prompts_ids: per sequence, the member's prompt token ids (non-empty).
         slots: cache slots to allocate at least (the decoder asks for room
             for the tokens it expects; the cache grows on demand anyway).
-            Rounded up to a power of two, so few cache shapes are compiled.
+            Rounded up to a power of two, so few cache shapes are compiled,
+            and capped at the member's context (``cfg.max_seq_len``, or the
+            prompts' padded length if longer): it never reads more tokens.
         dtype: compute dtype.
         cache_dtype: KV cache dtype (default: dtype).
         smallest_bucket: the smallest prompt bucket.
@@ -98,7 +100,7 @@ def start(member, prompts_ids: Sequence[Sequence[int]], *, slots: int | None = N
         A MemberState with nothing pending and the logits after each prompt.
     """
     T = bucket(max(len(p) for p in prompts_ids), smallest_bucket)
-    slots = bucket(max(slots or 0, 2 * T))
+    slots = min(bucket(max(slots or 0, 2 * T)), max(member.cfg.max_seq_len, T))
     mesh = _data_mesh(member.params, len(prompts_ids))
     cache = sharding.shard_cache(
         model_cache.init_cache(member.cfg, len(prompts_ids), slots, cache_dtype or dtype), mesh)

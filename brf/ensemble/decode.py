@@ -258,9 +258,11 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
             "constraints are not defined. Use members with one vocabulary and "
             "aligner='identity'")
     prompt_ids = [[m.prompt_ids(p) for p in prompts] for m in members]
+    # Across vocabularies too: an event is at least one token for every member that
+    # reads every step (fuse), and for a mixture member drawn at every step.
     for m, ids in zip(members, prompt_ids):
         for p in ids:
-            check_prompt_fits(m, p, max_new_tokens if same_vocab else 0)
+            check_prompt_fits(m, p, max_new_tokens)
     space.start(prompt_ids)
     return _run(_Job(members=members, prompts=prompts, weights=w, mode=mode, method=method,
                      method_params=method_params, sampler=sampler,

@@ -106,10 +106,38 @@ def auto_aligner(members: Sequence[Member]) -> str:
     return "identity" if all(same_vocabulary(members[0], m) for m in members) else "union"
 
 
+def _check_prompt_text(prompt: str, where: str) -> None:
+    """Refuses a prompt that is not valid Unicode text: a command-line argument with
+    bytes that are not UTF-8 arrives surrogate-escaped, a JSON line may hold a lone
+    ``\\udXXX`` escape; neither can be tokenized."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        try:
+            shown = repr(prompt.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            shown = repr(prompt)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        raise EnsembleInputError(f"{where} is not valid UTF-8 text (at character "
+                                 f"{e.start}): {shown}") from None
+
+
 def read_prompts(prompts: Iterable[str], prompts_file: str = "") -> list[str]:
-    """Prompts from the config plus a file (one per line, or JSONL with a 'prompt' field)."""
-    out = [p for p in prompts if p]
-    if prompts_file:
+    """The prompts: those of a file if one is named (one per line, or JSONL with a
+    'prompt' field), which replace ``prompts``; else the non-empty ``prompts``.
+
+    Raises:
+        EnsembleInputError: no prompts (a prompts file without any is an error of
+            its own), a file that cannot be read, a bad JSON line, or a prompt that
+            is not valid UTF-8 text.
+    """
+    if not prompts_file:
+        out = [p for p in prompts if p]
+        for i, p in enumerate(out, 1):
+            _check_prompt_text(p, f"config.prompts: prompt {i}")
+    else:
+        out = []
         try:
             with open(prompts_file, encoding="utf-8") as f:
                 lines = f.read().splitlines()
@@ -128,9 +156,14 @@ def read_prompts(prompts: Iterable[str], prompts_file: str = "") -> list[str]:
                 if not isinstance(prompt, str):
                     raise EnsembleInputError(f"{prompts_file}, line {i}: 'prompt' must be a "
                                              "string")
+                _check_prompt_text(prompt, f"{prompts_file}, line {i}: 'prompt'")
                 out.append(prompt)
             else:
                 out.append(line)
+        if not out:
+            raise EnsembleInputError(f"prompts_file {prompts_file} holds no prompts (it is "
+                                     "empty or blank); a prompts file replaces "
+                                     "config.prompts")
     if not out:
         raise EnsembleInputError("no prompts: set config.prompts or config.prompts_file")
     return out
@@ -163,6 +196,27 @@ def method_spec(method: str, method_params: Mapping[str, Any] | None = None,
                                      f"config.method {method!r} and in {where}{hint}")
         params[key] = value
     return name, params
+
+
+def check_mixture_method(c, method: str, method_params: Mapping[str, Any]) -> None:
+    """Refuses a fusion method in the mixture modes, where it would mean nothing.
+
+    ``mixture_exact`` and ``mixture_per_member`` draw one member per step from the
+    members' linear pool, so ``config.method`` must stay ``'linear'`` there (as in
+    configs/generate.py:me) without parameters; ``config.phase`` is not read by it.
+    """
+    from brf.ensemble.decode import MODES
+    if c.mode == "fuse" or c.mode not in MODES:  # an unknown mode is refused by its checks
+        return
+    if method == "linear" and not method_params:
+        return
+    key, value = "config.method", c.method
+    if method == "linear" and not parse_spec(c.method, "method")[1]:
+        key, value = "config.method_params", dict(c.get("method_params", {}))
+    raise EnsembleInputError(f"{key}={value!r} is not used in mode {c.mode!r}: mixture "
+                             "sampling draws one member per step from the members' linear "
+                             "pool; set config.method='linear' without parameters (as "
+                             "configs/generate.py:me does) or mode='fuse'")
 
 
 def weighting_spec(weighting: str) -> float | None:
@@ -221,8 +275,7 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     specs = member_specs(c.members)
     method, method_params = method_spec(c.method, c.get("method_params", {}),
                                         c.get("phase", ""))
-    if c.mode != "fuse":
-        method, method_params = "linear", {}
+    check_mixture_method(c, method, method_params)
     temperature = weighting_spec(c.get("weighting", ""))
     meshes = None
     if c.get("mesh"):
@@ -288,8 +341,7 @@ def run_bytes(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     specs = member_specs(c.members)
     method, method_params = method_spec(c.method, c.get("method_params", {}),
                                         c.get("phase", ""))
-    if c.mode != "fuse":
-        method, method_params = "linear", {}
+    check_mixture_method(c, method, method_params)
     sampler = Sampler.parse(c.sampler)
     check_request(mode=c.mode, method=method, method_params=method_params, sampler=sampler,
                   beam=c.beam, threshold=c.threshold, max_bytes=c.max_new_bytes)

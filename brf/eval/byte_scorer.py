@@ -76,16 +76,25 @@ def byte_lm(model, name: str):
                   cache_dir=default_cache_dir())
 
 
+def _stored_rows(path: str, name: str, data: Sequence[bytes], prefix: Sequence[int],
+                 settings: ByteSettings, meta: dict) -> list[dict]:
+    """The segments the member's store holds with these settings (the key of
+    ``brf.bytes.scoring.score_segments``): [] when there is no store, it was made
+    with other settings, or it is damaged (``load_partial`` then warns, once)."""
+    from brf.bytes import scoring as byte_scoring
+    if not os.path.isfile(path):
+        return []
+    full = byte_scoring.store_meta(meta, name, data, prefix, beam=settings.beam,
+                                   threshold=settings.threshold, max_lag=settings.max_lag)
+    return byte_scoring.load_partial(path, data, full)
+
+
 def _stored(path: str, name: str, data: Sequence[bytes], prefix: Sequence[int],
             settings: ByteSettings, meta: dict):
     """The member's ByteScores when its store holds every segment with these settings
     (the key of ``brf.bytes.scoring.score_segments``), else None."""
     from brf.bytes import scoring as byte_scoring
-    if not os.path.isfile(path):
-        return None
-    full = byte_scoring.store_meta(meta, name, data, prefix, beam=settings.beam,
-                                   threshold=settings.threshold, max_lag=settings.max_lag)
-    rows = byte_scoring.load_partial(path, data, full)
+    rows = _stored_rows(path, name, data, prefix, settings, meta)
     return byte_scoring.assemble(data, rows) if len(rows) == len(data) else None
 
 
@@ -108,7 +117,7 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
     Returns:
       (ByteScores per member, ByteMemberInfo per member).
     """
-    from brf.bytes.scoring import consistency, score_segments
+    from brf.bytes.scoring import assemble, consistency, score_segments
     load_lm = load_lm or (lambda name: byte_lm(load_model(name), name))
     data = [s.encode("utf-8") for s in segments]
     meta = {"corpus": hashlib.sha256("\x00".join(segments).encode()).hexdigest()[:16]}
@@ -118,12 +127,16 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
         model = load_model(m.name)
         pre = scorer.prefix_ids(model.tokenizer, m.prefix)
         path = store_path(run_dir, m)
-        sc = _stored(path, m.name, data, pre, settings, meta)
-        if sc is None:
+        # The store is read once: a complete one without the model's byte view, a
+        # partial one resumed from these rows (a damaged one is warned about once).
+        rows = _stored_rows(path, m.name, data, pre, settings, meta)
+        if len(rows) == len(data):
+            sc = assemble(data, rows)
+        else:
             sc = score_segments(load_lm(m.name), data, prefix_ids=pre, beam=settings.beam,
                                 threshold=settings.threshold, max_lag=settings.max_lag,
-                                chunk=chunk, store_path=path,
-                                meta=meta, desc=f"byte scoring {m.label[:40]}")
+                                chunk=chunk, store_path=path, meta=meta, stored=rows,
+                                desc=f"byte scoring {m.label[:40]}")
         c = {k: (int(v) if k == "bytes" else float(v)) for k, v in consistency(sc).items()}
         scores.append(sc)
         infos.append(ByteMemberInfo(m.label, int(model.cfg.vocab_size), len(pre), sc.n_bytes, c))

@@ -179,9 +179,12 @@ def markdown(report: dict) -> str:
               "|---|---|---|---|---|---|"]
     for i, m in enumerate(report["inputs"]):
         prompt = m.get("system") or m.get("prefix") or ""
+        # The entropy column is optional in a CSV (another tool's may lack it).
+        entropy = (f"{m['entropy_mean']:.3f}" if "entropy_mean" in m
+                   else "not available (no entropy column)")
         lines.append(f"| {i}: `{os.path.basename(m['path'])}` | {m.get('model')} | "
                      f"{prompt[:40]!r} | {m['top_k_mass']:.4f} | {m['gap_mean']:.3f} | "
-                     f"{m.get('entropy_mean', float('nan')):.3f} |")
+                     f"{entropy} |")
     if report.get("top1_agreement") is not None:
         lines += ["", f"Top-1 agreement: {report['top1_agreement']:.3f}."]
     lines += ["", "## Phase coherence", "",

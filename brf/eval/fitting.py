@@ -284,16 +284,26 @@ def gold_nll(logq_PxE, gold_P):
     return -jnp.take_along_axis(logq_PxE, gold_P[:, None], axis=-1)[:, 0]
 
 
+# The smallest value a positive parameter starts from: float32's smallest normal. A
+# fit whose coordinate ran off towards -inf (the optimum at the parameter's 0) reports
+# exp of it rounded to 0 in float32; started from that fit, log(0) = -inf would make
+# every step NaN and waste the start. Floored, it starts from the same function.
+POSITIVE_FLOOR = float(np.finfo(np.float32).tiny)
+
+
 def _to_free(name, v, calib_range: float, xp=jnp):
     """A parameter value -> the coordinate it is fitted in: log space for positive
-    parameters (the calibration temperatures, when bounded to [1/calib_range,
-    calib_range], clipped to that box: see :func:`_bounds`). ``xp``: jnp (traced) or
-    np (float64 on the host)."""
+    parameters, floored at log(POSITIVE_FLOOR) (the calibration temperatures, when
+    bounded to [1/calib_range, calib_range], clipped to that box: see
+    :func:`_bounds`). ``xp``: jnp (traced) or np (float64 on the host)."""
     v = xp.asarray(v, xp.float32 if xp is jnp else xp.float64)
+    if name not in _POSITIVE:
+        return v
+    log_v = xp.log(xp.maximum(v, POSITIVE_FLOOR))
     if name in _BOUNDED and calib_range:
         r = math.log(calib_range)
-        return xp.clip(xp.log(v), -r, r)
-    return xp.log(v) if name in _POSITIVE else v
+        return xp.clip(log_v, -r, r)
+    return log_v
 
 
 def _from_free(name, v, xp=jnp):

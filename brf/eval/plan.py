@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
 from brf.errors import UserError
 from brf.eval import config_specs
 from brf.eval import corpus as corpus_lib
@@ -118,15 +119,17 @@ class ByteSettings:
     (`brf.bytes.lm.score_text`: at most ``beam`` hypotheses per byte, those below
     ``threshold`` of the prefix mass dropped, hypotheses that fall more than
     ``max_lag`` canonical tokens behind merged into the canonical one). The
-    defaults live in configs/validate.py."""
+    defaults are brf.bytes' (``DEFAULT_BEAM``, ``DEFAULT_THRESHOLD``,
+    ``DEFAULT_MAX_LAG``), here, in a config without those keys and in
+    configs/validate.py alike."""
     enabled: bool
-    beam: int
-    threshold: float
-    max_lag: int = 0
+    beam: int = DEFAULT_BEAM
+    threshold: float = DEFAULT_THRESHOLD
+    max_lag: int = DEFAULT_MAX_LAG
     swarm: bool = True  # the prompt study's swarm on every byte too (its fits are the longest)
 
 
-BYTES_OFF = ByteSettings(enabled=False, beam=1, threshold=0.0)  # a config without c.bytes
+BYTES_OFF = ByteSettings(enabled=False)  # a config without c.bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,8 +370,9 @@ def _byte_settings(section) -> ByteSettings:
     even when the byte level is off); no section: off."""
     if section is None:
         return BYTES_OFF
-    beam, threshold = section.beam, section.threshold
-    max_lag = section.get("max_lag", 0)
+    beam = section.get("beam", DEFAULT_BEAM)
+    threshold = section.get("threshold", DEFAULT_THRESHOLD)
+    max_lag = section.get("max_lag", DEFAULT_MAX_LAG)
     if isinstance(beam, bool) or not isinstance(beam, (int, np.integer)) or beam < 1:
         raise ValidationError(f"config.bytes.beam must be an integer >= 1; got {beam!r}")
     if (isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating))
@@ -431,9 +435,12 @@ def _phase_maps(value) -> list[PhaseMapEntry]:
 
 def _variants(value, where: str) -> tuple[str, ...]:
     names = tuple(_names(value))
+    if not names:
+        raise ValidationError(f"{where} is empty; give one or more of the method variants "
+                              f"{', '.join(VARIANTS)} (comma-separated)")
     bad = [v for v in names if v not in VARIANTS]
-    if bad or not names:
-        raise ValidationError(f"{where}: unknown method variant(s) {bad or list(names)}; "
+    if bad:
+        raise ValidationError(f"{where}: unknown method variant(s) {bad}; "
                               f"use a comma-separated subset of {list(VARIANTS)}")
     return names
 

@@ -8,16 +8,22 @@ three methods here keep one and remove the other; fitted like every other
 method, they tell the two apart.
 
 **Phase-shuffled BRF** (``born_shuffled``). The same per-token phase map, but
-each member's per-token phases are permuted at random across the events that
-member gives mass, independently per member and per position. Each member's
-multiset of phases at a position is kept (and with it everything the map's
-parameters control about their spread); their link to *which* token carries
-which phase is broken. Events a member rules out (-inf) carry no amplitude, so
-they neither give nor receive a phase. Interference that matters should lose
-its edge here; capacity alone would not care.
+the per-token phases are permuted at random across the events, one permutation
+per position shared by the members. Each member's multiset of phases at a
+position is kept (and with it everything the map's parameters control about
+their spread), and so is the multiset of the members' phase tuples (each event
+takes all members' phases from one other event: where the members agree, as
+identical members do everywhere, their phases still agree); their link to
+*which* token carries which phases is broken. Events a member rules out (-inf)
+carry no amplitude, so they neither give nor receive a phase: events are
+permuted within the class of events that the same members give mass. (Until
+issue 37 each member drew its own permutation; identical members then
+interfered destructively, down to zero mass on tokens both gave mass.)
+Interference that matters should lose its edge here; capacity alone would not
+care.
 
-The permutation is a deterministic function of ``seed``, the member's index
-and the member's *ranking* of its finite events (its logits sorted, ties broken
+The permutation is a deterministic function of ``seed`` and the members'
+*rankings* of their finite events (each member's logits sorted, ties broken
 by event index). A position therefore gets the same permutation wherever it
 sits in a batch (a fit's subsample included), whichever other rows are fused
 with it, with any number of -inf padding events appended, and under any
@@ -111,34 +117,49 @@ def shuffle_sources(logits: jax.Array, seed: int = 0) -> jax.Array:
 
     Returns:
       int32 [..., n, V]: ``src`` with ``phi_shuffled[..., i, t] = phi[..., i,
-      src[..., i, t]]``. For each member and position it permutes the member's
-      finite events at random among themselves and maps every -inf event to
-      itself. It depends only on ``seed``, the member index and the member's
-      ranking of the events (see the module docstring).
+      src[..., i, t]]``. Per position it is one random permutation shared by
+      the members: it permutes the events within each class of events that the
+      same members give mass (so each member's finite events among themselves)
+      and maps every event a member rules out to itself for that member. It
+      depends only on ``seed`` and the members' rankings of the events (see the
+      module docstring).
     """
     x = jax.lax.stop_gradient(logits)
     n, v = x.shape[-2], x.shape[-1]
     finite = jnp.isfinite(x)
     salt = _mix32(jnp.uint32(seed) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x632BE5AB))
     events = jnp.arange(v, dtype=jnp.uint32)
-    # A 32-bit fingerprint of the ranking of the finite events: sum_k order[k] c_k
-    # (mod 2^32) over the ranks k of finite events, odd c_k; events appended at -inf
-    # (padding) change neither it nor anything below.
+    # A 32-bit fingerprint of each member's ranking of its finite events:
+    # sum_k order[k] c_k (mod 2^32) over the ranks k of finite events, odd c_k;
+    # events appended at -inf (padding) change neither it nor anything below.
     order = jnp.argsort(-x, axis=-1, stable=True).astype(jnp.uint32)
     c = _mix32(events ^ salt) | jnp.uint32(1)
     ranked = events < jnp.sum(finite, axis=-1, keepdims=True).astype(jnp.uint32)
     fingerprint = jnp.sum(jnp.where(ranked, order * c, jnp.uint32(0)), axis=-1,
                           dtype=jnp.uint32)
-    member = jnp.arange(n, dtype=jnp.uint32)
-    row = _mix32(_mix32(fingerprint ^ salt) ^ _mix32(member + salt))
-    # One key per event: distinct within a row (mixing is a bijection), so
-    # sorting them draws a permutation; -inf events sort last.
+    # One permutation per position, shared by the members (issue 37): with one
+    # permutation per member, two members that agree on an event took the phases
+    # of two different events there, so their phases at it no longer matched. With
+    # identical members (where Born fusion returns the member) that is destructive
+    # interference that Born never has, down to exactly zero mass where the phases
+    # drawn differ by pi (two identical uniform members over V = 4 tokens plus a
+    # negligible OTHER event at phase ~pi: half the positions floored). Shared, each
+    # event keeps the members' phases as a tuple, taken from one other event.
+    row = salt
+    for i in range(n):
+        row = _mix32(row ^ _mix32(fingerprint[..., i] + _mix32(jnp.uint32(i) + salt)))
+    # One key per event: distinct within a row (mixing is a bijection), so sorting
+    # them draws a permutation.
     keys = _mix32(row[..., None] ^ _mix32(events + jnp.uint32(0x85EBCA6B)))
-    keys = jnp.where(finite, keys >> 1, jnp.uint32(0xFFFFFFFF))
-    by_key = jnp.argsort(keys, axis=-1, stable=True)  # the finite events first
-    place = jnp.clip(jnp.cumsum(finite, axis=-1) - 1, 0, v - 1)  # rank among finite
+    # Events are permuted within their class (the set of members finite there):
+    # sorted by class, then by key (the sources) or by index (the destinations).
+    ruled_out = [~finite[..., i, :] for i in range(n)]
+    index = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), keys.shape)
+    by_key = jax.lax.sort((*ruled_out, keys, index), num_keys=n + 1)[-1]
+    by_index = jax.lax.sort((*ruled_out, index), num_keys=n + 1)[-1]
+    place = jnp.argsort(by_index, axis=-1)  # each event's slot in the class order
     src = jnp.take_along_axis(by_key, place, axis=-1)
-    return jnp.where(finite, src, jnp.arange(v)).astype(jnp.int32)
+    return jnp.where(finite, src[..., None, :], jnp.arange(v)).astype(jnp.int32)
 
 
 @M.register(

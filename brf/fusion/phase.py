@@ -173,6 +173,10 @@ def _parse_string(spec: str) -> tuple[str, dict[str, Any]]:
         return tree.id, {}
     if (isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name)
             and not tree.args):
+        keys = [kw.arg for kw in tree.keywords]
+        twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+        if twice:
+            raise FusionInputError(f"phase map {spec!r}: {twice[0]!r} is given twice")
         return tree.func.id, {kw.arg: _literal(kw.value) for kw in tree.keywords}
     raise FusionInputError(
         f"cannot parse phase map {spec!r}; write e.g. 'tanh(scale=pi, rate=0.5)' "
