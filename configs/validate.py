@@ -16,7 +16,7 @@ import math
 
 import ml_collections
 
-from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
+from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE
 from brf.errors import UserError
 from brf.specs import format_spec
 
@@ -141,9 +141,15 @@ def get_config(arg=None):
     # never merge; brf.bytes.lm.score_text).
     # swarm=False leaves the swarm out at the byte level only (four members on every
     # byte: the study's longest fits, about an hour on a 2-core machine).
+    # check_bytes: the precision check (brf/eval/byte_precision.py): that many bytes of
+    # each corpus's first test segment rescored by each member with the reference
+    # settings (reference_beam, reference_threshold, no merging; brf.bytes.REFERENCE),
+    # the members' distance from them and how far it could move each byte-level
+    # verdict (0 = no check).
     c.bytes = ml_collections.ConfigDict(dict(
         enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD, max_lag=BYTE_MAX_LAG,
-        swarm=True))
+        swarm=True, check_bytes=1000, reference_beam=REFERENCE.beam,
+        reference_threshold=REFERENCE.threshold))
     # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
     c.compilation_cache = True
     c.compilation_cache_dir = ""

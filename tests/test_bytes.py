@@ -97,6 +97,45 @@ def test_pruning_reports_its_mass(member):
     assert pruned.stats["byte_ll"] - pruned.stats["lost"] <= exact.stats["byte_ll"] + 1e-9
 
 
+@pytest.mark.parametrize("bounds", [EXACT, dict(beam=2, threshold=0.05, max_lag=1, pad_to=16)])
+def test_scoring_a_slice_gives_the_whole_texts_first_rows(member, bounds):
+    """score_text(n_bytes=k) rescores the first k bytes of a text as reading the whole
+    text does (the precision check's slices): same rows, exact or pruned and merged."""
+    lm, _, texts = member
+    text = texts[1] + texts[0] + texts[-1]
+    whole = score_text(lm, text, **bounds)
+    for k in (0, 1, 3, len(text) - 1, len(text)):
+        part = score_text(lm, text, n_bytes=k, **bounds)
+        assert part.logp.shape == (k, N_EVENTS)
+        np.testing.assert_allclose(part.logp, whole.logp[:k], rtol=1e-9, atol=1e-12)
+        np.testing.assert_array_equal(part.pruned, whole.pruned[:k])
+    with pytest.raises(ValueError, match="n_bytes"):
+        score_text(lm, text, n_bytes=len(text) + 1, **bounds)
+
+
+def test_precision_compare_against_numpy():
+    """brf.bytes.precision.compare: bits per byte and per-byte total variation as float64
+    NumPy computes them by hand."""
+    from brf.bytes.precision import compare
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(50, N_EVENTS)) * 3
+    b = a + rng.normal(size=a.shape) * 0.1
+    a -= np.log(np.exp(a).sum(1, keepdims=True))
+    b -= np.log(np.exp(b).sum(1, keepdims=True))
+    gold = rng.integers(0, N_EVENTS, 50)
+    c = compare(a, b, gold)
+    tv = np.array([0.5 * sum(abs(np.exp(x) - np.exp(y)) for x, y in zip(ra, rb))
+                   for ra, rb in zip(a, b)])
+    assert c["bytes"] == 50
+    assert c["dbpb"] == pytest.approx((b[np.arange(50), gold] - a[np.arange(50), gold]).mean()
+                                      / np.log(2), rel=1e-12)
+    assert c["tv_mean"] == pytest.approx(tv.mean(), rel=1e-12)
+    assert c["tv_max"] == pytest.approx(tv.max(), rel=1e-12)
+    assert c["tv_p99"] == pytest.approx(np.quantile(tv, 0.99), rel=1e-12)
+    assert c["over_5e2"] == int((tv > 0.05).sum())
+    assert compare(a, a, gold)["tv_max"] == 0.0 == compare(a, a, gold)["dbpb"]
+
+
 def test_compacting_the_alternatives_region_changes_nothing(member, monkeypatch):
     """A small region for the alternatives' KV (compacted many times) gives the
     distributions a large one gives."""

@@ -365,7 +365,8 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     from brf.eval import byte_scorer
     from brf.eval.fitting import Fitted, evaluate
     cfg = _cfg(tmp_path, text, bytes__enabled=True, bytes__beam=2, bytes__threshold=0.2,
-               bytes__max_lag=1)
+               bytes__max_lag=1, bytes__check_bytes=120, bytes__reference_beam=8,
+               bytes__reference_threshold=1e-3)
     cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
                   'temperature=fit(1.0))'
     cfg.phase_maps = 'constant(label="hellinger (equal phases)", fixed=True), tanh'
@@ -460,6 +461,58 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
             assert r["test"]["nll"] == pytest.approx(ev["nll"].mean(), rel=1e-5)
             assert r["test"]["bits_per_byte"] == pytest.approx(ev["nll"].mean() / np.log(2),
                                                                rel=1e-5)
+    # The precision check: each member of the default pair rescored the first 120 bytes
+    # of the first test segment with the reference settings; the study's rows against
+    # them, as recomputed here; each comparison's shift between the two views.
+    from brf.bytes import Settings
+    from brf.bytes.lm import ByteLM, score_text
+    from brf.bytes.precision import compare
+    from brf.eval import byte_precision
+    p = b["precision"]
+    assert p["reference"] == Settings(8, 1e-3, 0).as_dict() and p["slice_bytes"] == 120
+    assert p["settings"] == Settings(2, 0.2, 1).as_dict()
+    for corpus in plan.corpora:
+        label = corpus.label
+        segs = plan_lib.load_segments(plan, corpus)[0]
+        c = p["per_corpus"][label]
+        assert (c["segment"], c["bytes"]) == (1, 120)  # segment 0 calibrates
+        text_b = segs[1].encode("utf-8")
+        gold = np.frombuffer(text_b[:120], np.uint8)
+        offset = len(segs[0].encode("utf-8"))
+        stored = [byte_scorer._stored(
+            byte_scorer.store_path(os.path.join(cfg.out_dir, label), plan_lib.Member(name)),
+            name, [x.encode() for x in segs], [], plan.bytes,
+            {"corpus": hashlib.sha256(b"\x00".join(x.encode() for x in segs)).hexdigest()[:16]})
+            for name in ("tiny-a", "tiny-b")]
+        refs = []
+        for name, sc in zip(("tiny-a", "tiny-b"), stored):
+            m = members[name]
+            lm = ByteLM(m.params, m.cfg, m.tokenizer, name=name)
+            ref = score_text(lm, text_b, beam=8, threshold=1e-3, max_lag=0, n_bytes=120)
+            refs.append(ref.logp)
+            want = compare(sc["logp"][offset:offset + 120], ref.logp, gold)
+            got = c["members"][name]
+            for k in ("dbpb", "tv_mean", "tv_p99", "tv_max"):
+                assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (label, name, k)
+            assert "merging" in got  # the study merges (max_lag 1)
+        for key, v in c["verdicts"].items():
+            assert key in ("nll [proposed]", "fair [proposed]")
+            assert v["holds"] == byte_precision.holds(v["ci"], v["shift"])
+            tables = [byte_precision.slice_table(
+                [sc["logp"][offset:offset + 120] for sc in stored], gold, 1),
+                byte_precision.slice_table(refs, gold, 1)]
+            (full,) = (pathlib.Path(cfg.out_dir) / label / "bytes").glob(
+                f"report-{label}__bytes-*.json")
+            rows = {m["label"]: m for m in json.load(open(full))["methods"]}
+            diffs = []
+            for t in tables:
+                nll = [evaluate(Fitted(r, rows[r]["method"], rows[r]["params"],
+                                       np.asarray(rows[r]["weights"]), 0.0), t)["nll"]
+                       for r in (v["brf"], v["other"])]
+                diffs.append(float(np.mean(nll[0] - nll[1])))
+            assert v["shift"] == pytest.approx(diffs[1] - diffs[0], abs=1e-5)
+    assert set(p["pooled"]) == {"nll [proposed]", "fair [proposed]"}
+    assert b["verdict"]["precision"].startswith("Each member's byte-level view")
     # Each member's consistency, prefixed members included.
     assert len(b["consistency"]["first"]) == 5 and len(b["consistency"]["second"]) == 2
     bp = b["prompts"]["first"]
@@ -486,7 +539,9 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     md = open(os.path.join(cfg.out_dir, "report.md")).read()
     assert "| first / top-32 events | proposed |" in md  # the event-space check's fair row
     for head in ("## Every byte", "### Coverage and consistency", "### Verdicts on every byte",
-                 "### Forking bytes", "### Which verdicts moved"):
+                 "### Forking bytes", "### Which verdicts moved",
+                 "### Precision of the members' byte-level views",
+                 "### The byte-level verdicts against the approximation"):
         assert head in md, head
     for name in ("pooled_bytes.png", "gain_by_entropy_bytes.png", "first/bytes/sweep.png"):
         assert os.path.getsize(os.path.join(cfg.out_dir, name)) > 0, name
@@ -534,6 +589,9 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     (dict(bytes__threshold=1.0), r"config.bytes.threshold must lie in \[0, 1\); got 1.0"),
     (dict(bytes__threshold=-0.1, bytes__enabled=True), r"bytes.threshold .* got -0.1"),
     (dict(bytes__max_lag=-1), r"config.bytes.max_lag must be an integer >= 0; got -1"),
+    (dict(bytes__check_bytes=-1), r"config.bytes.check_bytes must be an integer >= 0"),
+    (dict(bytes__reference_beam=0), r"config.bytes.reference_beam must be an integer >= 1"),
+    (dict(bytes__reference_threshold=1.0), r"config.bytes.reference_threshold must lie in"),
 ])
 def test_bad_study_config_is_refused_before_any_model_runs(tmp_path, text, change, match):
     cfg = _cfg(tmp_path, text, **change)

@@ -54,7 +54,8 @@ from brf.models import forward_tree, init_cache, prefill_donated
 from brf.models.cache import grow
 from brf.models.transformer import is_unstacked, unstack_layers
 
-TREE_BUCKETS = (16, 32, 64, 128, 256)  # tokens per tree-attention call (padded up to one of these)
+# Tokens per tree-attention call (padded up to one of these; each is one compiled program).
+TREE_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class ByteLM:
@@ -172,14 +173,16 @@ class _Runner:
         sizes are tree buckets: (how many of ``wanted`` the call took, in order, and
         its logits [T, V], whose first rows are theirs).
 
-        ``wanted`` is cut greedily into the largest buckets it fills; only the rest
-        is padded (to the smallest bucket that holds it). A sequence's parent must
-        be a canonical prefix, computed before, or earlier in ``wanted``.
+        ``wanted`` is cut into as few calls as the largest bucket allows, of equal
+        sizes, each padded up to the smallest bucket that holds it: a call's fixed
+        cost (reading every weight once) is several tokens' worth, so one padded
+        call beats two exact ones. A sequence's parent must be a canonical prefix,
+        computed before, or earlier in ``wanted``.
         """
         out, i = [], 0
-        while i < len(wanted):
-            left = len(wanted) - i
-            take = next((b for b in reversed(TREE_BUCKETS) if b <= left), left)
+        calls = -(-len(wanted) // TREE_BUCKETS[-1])
+        for c in range(calls):
+            take = -(-(len(wanted) - i) // (calls - c))
             out.append((take, self._call(seqs, wanted[i:i + take], wanted)))
             i += take
         return out
@@ -292,7 +295,7 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
                beam: int = DEFAULT_BEAM, threshold: float = DEFAULT_THRESHOLD,
                chunk: int = 256, pad_to: int = 0,
                max_lag: int = DEFAULT_MAX_LAG, window: int = 512,
-               max_speculation: int = 4) -> TextScores:
+               max_speculation: int = 4, n_bytes: int | None = None) -> TextScores:
     """The member's next-byte distribution at every byte of ``text``.
 
     Args:
@@ -313,6 +316,10 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
             one batched call (module docstring).
         max_speculation: at most this many tokens of a surviving alternative's
             canonical continuation are computed ahead in one go.
+        n_bytes: score only the first ``n_bytes`` bytes (None: all). The rows are
+            those of the whole text's first ``n_bytes`` rows with the same settings
+            (the canonical tokenization is the whole text's, cut after the token
+            that reaches byte ``n_bytes``): a slice of a scored text, rescored.
 
     Returns:
         TextScores. ``stats`` holds: ``bytes``; ``byte_ll`` (sum of the gold
@@ -335,8 +342,15 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
     check_bounds(beam, threshold, max_lag)
     ctx = lm.context(prefix_ids)
     canon = lm.encode(text)
-    tx = _Text(lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation, max_lag)
-    n, N = len(canon), len(text)
+    N = len(text) if n_bytes is None else int(n_bytes)
+    if not 0 <= N <= len(text):
+        raise ValueError(f"n_bytes must lie in [0, {len(text)}]; got {n_bytes!r}")
+    if N < len(text):  # the canonical tokens up to the one that reaches byte N
+        ends = np.cumsum([len(lm.codec.table.token_bytes[t]) for t in canon])
+        canon = canon[:int(np.searchsorted(ends, N)) + 1]
+    tx = _Text(lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation, max_lag,
+               stop=N)
+    n = len(canon)
     logp = np.zeros((N, N_EVENTS))
     pruned = np.zeros(N, np.float32)
     merged = np.zeros(N, np.float32)
@@ -373,8 +387,9 @@ class _Text:
     """One text's sequences, tables and forward passes (see the module docstring)."""
 
     def __init__(self, lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation,
-                 max_lag):
+                 max_lag, stop=None):
         self.lm, self.text, self.canon = lm, text, canon
+        self.stop = len(text) if stop is None else stop  # bytes the walk reads
         self.max_lag = max_lag
         self.beam, self.threshold, self.max_spec = beam, threshold, max_speculation
         self.speculated = 0  # sequences computed ahead as canonical continuations
@@ -419,7 +434,7 @@ class _Text:
         steps = min(self.max_spec, len(self.seqs.ext[seq]))
         if self.max_lag:  # a continuation that far in sync is dropped before its pass
             steps = min(steps, self.max_lag - 1 - self.seqs.synced[seq])
-        N = len(self.text)
+        N = self.stop
         for j in range(i, min(i + steps, len(self.canon))):
             end = self.seqs.end[j + 1]
             if end >= N:
@@ -462,7 +477,7 @@ class _Text:
         keeps (found by the next look-ahead).
         """
         needs, seen = [], set()
-        k0, N = state.offset, len(self.text)
+        k0, N = state.offset, self.stop
         for k in range(k0, min(N, k0 + window)):
             miss = [h for h in state.hyps if h.seq not in self.tables]
             if miss:

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
+from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE, Settings
 from brf.errors import UserError
 from brf.eval import config_specs
 from brf.eval import corpus as corpus_lib
@@ -121,12 +121,23 @@ class ByteSettings:
     ``max_lag`` canonical tokens behind merged into the canonical one). The
     defaults are brf.bytes' (``DEFAULT_BEAM``, ``DEFAULT_THRESHOLD``,
     ``DEFAULT_MAX_LAG``), here, in a config without those keys and in
-    configs/validate.py alike."""
+    configs/validate.py alike.
+
+    ``check_bytes``: the precision check's slice (:mod:`brf.eval.byte_precision`: that
+    many bytes of each corpus's first test segment rescored by each member of the
+    default pair with the ``reference`` settings; 0: no check)."""
     enabled: bool
     beam: int = DEFAULT_BEAM
     threshold: float = DEFAULT_THRESHOLD
     max_lag: int = DEFAULT_MAX_LAG
     swarm: bool = True  # the prompt study's swarm on every byte too (its fits are the longest)
+    check_bytes: int = 1000
+    reference: Settings = REFERENCE
+
+    @property
+    def settings(self) -> Settings:
+        """The members' byte-level settings in the study."""
+        return Settings(self.beam, self.threshold, self.max_lag)
 
 
 BYTES_OFF = ByteSettings(enabled=False)  # a config without c.bytes
@@ -383,8 +394,21 @@ def _byte_settings(section) -> ByteSettings:
     swarm = section.get("swarm", True)
     if not isinstance(swarm, bool):
         raise ValidationError(f"config.bytes.swarm must be True or False; got {swarm!r}")
+    check = section.get("check_bytes", ByteSettings.check_bytes)
+    if isinstance(check, bool) or not isinstance(check, (int, np.integer)) or check < 0:
+        raise ValidationError(f"config.bytes.check_bytes must be an integer >= 0 (0: no "
+                              f"precision check); got {check!r}")
+    ref_beam = section.get("reference_beam", REFERENCE.beam)
+    ref_threshold = section.get("reference_threshold", REFERENCE.threshold)
+    if isinstance(ref_beam, bool) or not isinstance(ref_beam, (int, np.integer)) or ref_beam < 1:
+        raise ValidationError(f"config.bytes.reference_beam must be an integer >= 1; got "
+                              f"{ref_beam!r}")
+    if (isinstance(ref_threshold, bool) or not isinstance(ref_threshold, (int, float, np.floating))
+            or not 0.0 <= ref_threshold < 1.0):
+        raise ValidationError(f"config.bytes.reference_threshold must lie in [0, 1); got "
+                              f"{ref_threshold!r}")
     return ByteSettings(bool(section.enabled), int(beam), float(threshold), int(max_lag),
-                        swarm)
+                        swarm, int(check), Settings(int(ref_beam), float(ref_threshold), 0))
 
 
 def _plain(x):

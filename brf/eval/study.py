@@ -41,6 +41,8 @@ import os
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from brf import sharding
 from brf.eval import byte_scorer, caches, compare, report as report_lib, scorer, study_report
 from brf.eval.analysis import AnalysisResult, analyse
@@ -197,7 +199,7 @@ def byte_level(plan: Plan, loader: Callable[[str], Any]) -> dict:
     """The study on every byte (this process alone): each corpus's byte-level analyses,
     pooled over corpora, the prompt study; report.json's ``bytes`` section but for
     ``moved`` and ``seconds`` (:func:`run` adds them)."""
-    per_corpus, prompts, consistency = [], {}, {}
+    per_corpus, prompts, consistency, precision = [], {}, {}, {}
     for index, corpus in enumerate(plan.corpora):
         segments, _, _ = load_segments(plan, corpus)
         run_dir = os.path.join(plan.out_dir, corpus.label)
@@ -206,6 +208,9 @@ def byte_level(plan: Plan, loader: Callable[[str], Any]) -> dict:
         per_corpus.append((corpus.label, done["corpus"]))
         consistency[corpus.label] = {i.name: i.consistency for o in done.values()
                                      for i in o.infos}
+        if plan.bytes.check_bytes:
+            precision[corpus.label] = byte_precision_check(plan, done["corpus"], segments,
+                                                           run_dir, loader)
         if "prefix" in done:
             prompts[corpus.label] = _prompt_entry(plan, corpus, done, segments, run_dir,
                                                   loader, bottleneck=False)
@@ -219,8 +224,54 @@ def byte_level(plan: Plan, loader: Callable[[str], Any]) -> dict:
            "pooled_fair": compare.pooled(results, plan.variants, n_boot=st.n_boot,
                                          seed=st.seed, fair=True),
            "prompts": prompts}
+    if precision:
+        from brf.eval import byte_precision
+        out["precision"] = {
+            "settings": plan.bytes.settings.as_dict(),
+            "reference": plan.bytes.reference.as_dict(), "slice_bytes": plan.bytes.check_bytes,
+            "per_corpus": precision,
+            "pooled": {**byte_precision.pooled_shifts(
+                {k: p["verdicts"] for k, p in precision.items()}, out["pooled"], "nll"),
+                **byte_precision.pooled_shifts(
+                {k: p["verdicts"] for k, p in precision.items()}, out["pooled_fair"], "fair")}}
     out["verdict"] = study_report.verdicts(out, unit="byte")
+    if precision:
+        out["verdict"]["precision"] = study_report.precision_sentence(out["precision"])
     return out
+
+
+def byte_precision_check(plan: Plan, outcome: Outcome, segments: list[str], run_dir: str,
+                         loader) -> dict:
+    """The precision check of one corpus's byte level (:mod:`brf.eval.byte_precision`):
+    each member of the default pair rescored on the slice with the reference settings
+    (and, when the study merges, without merging), against the study's rows, and the
+    shift each byte-level comparison takes between the two."""
+    from brf.bytes import Settings
+    from brf.eval import byte_precision as bp
+    b = plan.bytes
+    sl = bp.slice_of(segments, calibration_segments(plan.scoring, len(segments)),
+                     b.check_bytes)
+    text = segments[sl.segment].encode("utf-8")
+    gold = np.frombuffer(text[:sl.n_bytes], np.uint8).astype(np.int64)
+    test = outcome.result.test
+    study_rows, reference, unmerged = [], [], []
+    for i, m in enumerate(outcome.analysis.members):
+        pre = scorer.prefix_ids(loader(m.name).tokenizer, m.prefix)
+        study_rows.append(test.logp[sl.test_start:sl.test_start + sl.n_bytes, i])
+        base = os.path.basename(byte_scorer.store_path(run_dir, m))[len("bytes-"):]
+        for settings, tag, out in ((b.reference, "reference", reference),
+                                   (Settings(b.beam, b.threshold, 0), "unmerged", unmerged)):
+            if tag == "unmerged" and not b.max_lag:
+                continue
+            out.append(bp.reference_rows(
+                lambda: loader.byte_lm(m.name), m.name, text, sl.n_bytes, pre, settings,
+                os.path.join(run_dir, f"bytes-{tag}-{base}")))
+    return {"segment": sl.segment, "bytes": sl.n_bytes,
+            "members": bp.measure_members([m.label for m in outcome.analysis.members],
+                                          study_rows, reference, gold, unmerged or None),
+            "verdicts": bp.verdict_shifts(outcome.result,
+                                          bp.slice_table(study_rows, gold, sl.segment),
+                                          bp.slice_table(reference, gold, sl.segment))}
 
 
 def _prompt_entry(plan: Plan, corpus: Corpus, done: dict[str, Outcome], segments, run_dir,

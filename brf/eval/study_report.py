@@ -148,6 +148,28 @@ def moved_sentence(moved: dict) -> str:
             + ".")
 
 
+def precision_sentence(p: dict) -> str:
+    """The byte level's measured precision and the verdicts it could change, in one
+    paragraph (:mod:`brf.eval.byte_precision`)."""
+    s, r = p["settings"], p["reference"]
+    members = [m for c in p["per_corpus"].values() for m in c["members"].values()]
+    shifts = {f"{label}: {k}": v for label, c in p["per_corpus"].items()
+              for k, v in c["verdicts"].items()}
+    shifts.update({f"pooled: {k}": v for k, v in p.get("pooled", {}).items()})
+    weak = [k for k, v in shifts.items() if not v["holds"]]
+    return (f"Each member's byte-level view at the study's settings (beam {s['beam']}, "
+            f"threshold {s['threshold']:g}, merge lag {s['max_lag']}) against the "
+            f"reference (beam {r['beam']}, threshold {r['threshold']:g}, no merging) on "
+            f"the first {p['slice_bytes']} bytes of each corpus's first test segment: bits "
+            f"per byte within {max(abs(m['dbpb']) for m in members):.2g}, per-byte total "
+            f"variation {max(m['tv_mean'] for m in members):.2g} on average and "
+            f"{max(m['tv_p99'] for m in members):.2g} at the 99th percentile at worst "
+            f"(member and corpus). Moving each byte-level comparison by the shift that "
+            f"approximation gives it on the slice, {len(shifts) - len(weak)} of "
+            f"{len(shifts)} verdicts hold" + (f"; these could change: {', '.join(weak)}."
+                                             if weak else "."))
+
+
 def markdown(rep: dict) -> str:
     lines = ["# Born Rule Fusion: the study", "",
              "Each corpus has its full report (every method, the tests, the sweep, "
@@ -254,6 +276,8 @@ def bytes_markdown(rep: dict) -> list[str]:
                          f"{100 * cov['fraction_of_bytes']:.1f}% | {c['pruned_mean']:.2e} | "
                          f"{c['lost']:.2e} | {c['merged_mean']:.2e} | {c['byte']:.4f} | "
                          f"{c['canonical']:.4f} | {c['noncanonical']:+.4f} |")
+    if b.get("precision"):
+        lines += precision_markdown(b["precision"])
     lines += ["", "### Verdicts on every byte", ""]
     for k, v in b.get("verdict", {}).items():
         lines.append(f"- **{k}**: {v}")
@@ -284,6 +308,47 @@ def bytes_markdown(rep: dict) -> list[str]:
                          f"({r['bytes_value']:+.4g}) | {'**yes**' if r['moved'] else 'no'} |")
     lines += ["", "Plots: `pooled_bytes.png`, `gain_by_entropy_bytes.png` (this directory), "
               "each corpus's `bytes/`.", ""]
+    return lines
+
+
+def precision_markdown(p: dict) -> list[str]:
+    """The precision check's tables: each member against the reference, and each
+    byte-level verdict against the shift the approximation gives it."""
+    s, r = p["settings"], p["reference"]
+    lines = ["", "### Precision of the members' byte-level views", "",
+             f"Each member of the default pair rescored the first {p['slice_bytes']} bytes "
+             f"of each corpus's first test segment with the reference settings (beam "
+             f"{r['beam']}, threshold {r['threshold']:g}, no merging); the study's settings "
+             f"(beam {s['beam']}, threshold {s['threshold']:g}, merge lag {s['max_lag']}) "
+             "against them: the difference in bits per byte and each byte's total variation "
+             "between the two next-byte distributions. The reference is itself pruned (far "
+             "less), so these are distances from it, not from the exact distributions."
+             + (" 'merging alone': the study's settings against the same without merging."
+                if s["max_lag"] else ""), "",
+             "| corpus | member | bytes | Δ bits/byte | TV mean | TV p99 | TV max | "
+             "bytes with TV > 5% |" + (" merging alone: Δ bits/byte, TV mean |"
+                                       if s["max_lag"] else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if s["max_lag"] else "")]
+    for label, c in p["per_corpus"].items():
+        for name, m in c["members"].items():
+            row = (f"| {label} | {name} | {m['bytes']} | {m['dbpb']:+.2e} | {m['tv_mean']:.2e} "
+                   f"| {m['tv_p99']:.2e} | {m['tv_max']:.2e} | {m['over_5e2']} |")
+            if "merging" in m:
+                row += f" {m['merging']['dbpb']:+.2e}, {m['merging']['tv_mean']:.2e} |"
+            lines.append(row)
+    lines += ["", "### The byte-level verdicts against the approximation", "",
+              "Each comparison's fitted rows evaluated on the slice with the members' views "
+              "at the study's settings and at the reference: the shift is the change in "
+              "their mean paired difference (reference minus study, nats/byte). A verdict "
+              "holds when its 95% CI moved by |shift| either way lies where it lay.", "",
+              "| where | verdict | difference [95% CI] | shift | holds |", "|---|---|---|---|---|"]
+    rows = [(label, k, v) for label, c in p["per_corpus"].items()
+            for k, v in c["verdicts"].items()]
+    rows += [("pooled", k, v) for k, v in p.get("pooled", {}).items()]
+    for where, k, v in rows:
+        lines.append(f"| {where} | {k} | {v['difference']:+.4f} [{v['ci'][0]:+.4f}, "
+                     f"{v['ci'][1]:+.4f}] | {v['shift']:+.5f} | "
+                     f"{'yes' if v['holds'] else '**no**'} |")
     return lines
 
 
