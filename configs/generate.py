@@ -100,12 +100,17 @@ def get_config(arg=None):
     # 0 <= threshold < 1; threshold=0 with a large beam is exact; the defaults are
     # brf.bytes', as for byte-level scoring and brf.bytes.generate),
     # max_new_bytes bounds the text, utf8 keeps it valid UTF-8; the aligner,
-    # max_new_tokens, weighting and mesh are not used.
+    # max_new_tokens, weighting and mesh are not used. Generation never merges, so
+    # each member's kept mass lower-bounds its probability of the text (reported
+    # as 'lost', the pruned log-mass); check_precision=True also rescores the
+    # generated text at the reference settings (brf.bytes.REFERENCE; minutes per
+    # hundred bytes on a CPU) and reports each member's distance from them.
     c.level = "bytes" if "bytes" in flags else "tokens"
     c.beam = DEFAULT_BEAM
     c.threshold = DEFAULT_THRESHOLD
     c.max_new_bytes = 192
     c.utf8 = True
+    c.check_precision = False
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, placement="shared"))
     if "tiny" in flags:
         c.members = ", ".join(

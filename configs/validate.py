@@ -16,7 +16,7 @@ import math
 
 import ml_collections
 
-from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE
+from brf.bytes import CHECK_BYTES, DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE
 from brf.errors import UserError
 from brf.specs import format_spec
 
@@ -138,7 +138,7 @@ def get_config(arg=None):
     # next-byte distributions over every byte of every corpus, the same analyses as
     # on co-aligned positions (default pair, prefix pair, same-model pair, swarm),
     # and which verdicts move. beam >= 1, threshold in [0, 1), max_lag >= 0 (0 =
-    # never merge; brf.bytes.lm.score_text).
+    # never merge, the default: merging keeps no bound; brf.bytes.lm.score_text).
     # swarm=False leaves the swarm out at the byte level only (four members on every
     # byte: the study's longest fits, about an hour on a 2-core machine).
     # check_bytes: the precision check (brf/eval/byte_precision.py): that many bytes of
@@ -148,7 +148,7 @@ def get_config(arg=None):
     # verdict (0 = no check).
     c.bytes = ml_collections.ConfigDict(dict(
         enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD, max_lag=BYTE_MAX_LAG,
-        swarm=True, check_bytes=1000, reference_beam=REFERENCE.beam,
+        swarm=True, check_bytes=CHECK_BYTES, reference_beam=REFERENCE.beam,
         reference_threshold=REFERENCE.threshold))
     # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
     c.compilation_cache = True

@@ -13,7 +13,7 @@ import json
 from ml_collections import config_flags
 
 from brf import cli
-from brf.ensemble.run import print_stream, read_prompts, run
+from brf.ensemble.run import precision_line, print_stream, read_prompts, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py")
 
@@ -33,6 +33,9 @@ def main(argv):
     elif not c.stream:
         for row in rows:
             print(json.dumps(row, ensure_ascii=False))
+    for row in rows:  # what the byte-level views rest on
+        if row.get("level") == "bytes":
+            print(precision_line(row))
 
 
 if __name__ == "__main__":

@@ -302,3 +302,33 @@ def test_real_models_equal_brute_force(name):
             P, _ = bf.prefix_prob(data)
             np.testing.assert_allclose(gold.sum(), np.log(P), rtol=1e-6, err_msg=text)
             assert r.stats["byte_ll"] >= r.stats["canonical_ll"] - 1e-9
+
+
+# Indented prose: the alternative splits of a run of spaces keep real mass for
+# words after it, which the old defaults (beam 16, threshold 3e-3, merge lag 2)
+# merged into the canonical hypothesis.
+INDENTED = b"Notes.\n   It is\n   important that every line\n   is indented,\n   as it was.\n"
+
+
+@pytest.mark.slow
+def test_defaults_near_the_reference_on_indented_text():
+    """Issue 38: on indented text SmolLM2's views at the old defaults (merging at lag
+    2) lay 0.11 bits per byte and up to 48% total variation from the reference;
+    the defaults (no merging) stay within 0.005 bits per byte and 5% per byte (not
+    the 1e-3 the issue asks for: BENCHMARKS.md, "Precision of the byte-level
+    views", measures what that would cost)."""
+    from brf.bytes import DEFAULT, REFERENCE, Settings
+    from brf.bytes.precision import compare
+    from brf.checkpoints import registry
+    try:
+        lm = ByteLM.load("smollm2-135m-instruct")
+    except registry.ModelSourceError as e:
+        pytest.skip(str(e))
+    gold = np.frombuffer(INDENTED, np.uint8).astype(np.int64)
+    ref = score_text(lm, INDENTED, **REFERENCE._asdict())
+    got = score_text(lm, INDENTED, **DEFAULT._asdict())
+    old = score_text(lm, INDENTED, **Settings(16, 3e-3, 2)._asdict())
+    now, was = compare(got.logp, ref.logp, gold), compare(old.logp, ref.logp, gold)
+    assert was["tv_max"] > 0.2 and was["dbpb"] > 0.05, was  # what the issue saw
+    assert abs(now["dbpb"]) < 5e-3 and now["tv_max"] < 0.05, now
+    assert DEFAULT.max_lag == 0 and not got.merged.any()

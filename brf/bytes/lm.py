@@ -295,7 +295,8 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
                beam: int = DEFAULT_BEAM, threshold: float = DEFAULT_THRESHOLD,
                chunk: int = 256, pad_to: int = 0,
                max_lag: int = DEFAULT_MAX_LAG, window: int = 512,
-               max_speculation: int = 4, n_bytes: int | None = None) -> TextScores:
+               max_speculation: int = 4, n_bytes: int | None = None,
+               context_ids: Sequence[int] | None = None) -> TextScores:
     """The member's next-byte distribution at every byte of ``text``.
 
     Args:
@@ -320,6 +321,8 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
             those of the whole text's first ``n_bytes`` rows with the same settings
             (the canonical tokenization is the whole text's, cut after the token
             that reaches byte ``n_bytes``): a slice of a scored text, rescored.
+        context_ids: the whole context, BOS included (None: BOS and ``prefix_ids``),
+            e.g. the chat-templated prompt a generation was read after.
 
     Returns:
         TextScores. ``stats`` holds: ``bytes``; ``byte_ll`` (sum of the gold
@@ -340,7 +343,11 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
         UnexpressibleByteError: a byte the vocabulary cannot produce (named).
     """
     check_bounds(beam, threshold, max_lag)
-    ctx = lm.context(prefix_ids)
+    if context_ids is not None and prefix_ids:
+        raise ValueError("give prefix_ids or context_ids, not both")
+    ctx = lm.context(prefix_ids) if context_ids is None else [int(i) for i in context_ids]
+    if not ctx:
+        raise ByteInputError(f"{lm.name}: an empty context; the first byte needs one")
     canon = lm.encode(text)
     N = len(text) if n_bytes is None else int(n_bytes)
     if not 0 <= N <= len(text):

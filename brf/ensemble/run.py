@@ -333,7 +333,8 @@ def run_bytes(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     the generated text is read by every member as bytes. Settings are checked
     before any model loads.
     """
-    from brf.bytes.generate import check_request, generate_bytes
+    from brf.bytes import REFERENCE, Settings
+    from brf.bytes.generate import check_request, generate_bytes, measure_precision
     from brf.bytes.lm import ByteLM
     from brf.align.union import default_cache_dir
     from brf.fusion import Sampler
@@ -348,6 +349,9 @@ def run_bytes(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     if c.get("weighting", ""):
         raise EnsembleInputError("config.weighting is token-level only; set it to '' with "
                                  "level='bytes'")
+    check = c.get("check_precision", False)
+    if not isinstance(check, bool):
+        raise EnsembleInputError(f"config.check_precision must be True or False; got {check!r}")
     prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
     members = load_members(specs)
     views: dict[int, ByteLM] = {}
@@ -364,12 +368,19 @@ def run_bytes(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
         relay = None if on_piece is None else (
             lambda piece, b=b: on_piece(Piece(b, piece.text, piece.finished)))
         t0 = time.perf_counter()
-        g = generate_bytes(lms, [m.prompt_ids(prompt) for m in members], weights=weights,
+        contexts = [m.prompt_ids(prompt) for m in members]
+        g = generate_bytes(lms, contexts, weights=weights,
                            mode=c.mode, method=method, method_params=method_params,
                            sampler=sampler, max_bytes=c.max_new_bytes, stop=tuple(c.stop),
                            seed=c.seed, beam=c.beam, threshold=c.threshold, utf8=c.utf8,
-                           eos_ids=[sorted(m.eos_ids()) for m in members], on_piece=relay)
+                           eos_ids=[sorted(m.eos_ids()) for m in members], on_piece=relay,
+                           trace=check)
         seconds = time.perf_counter() - t0
+        precision = None
+        if check:
+            precision = dict(reference=REFERENCE.as_dict(),
+                             members=[dict(member=m.name, **got) for m, got in
+                                      zip(members, measure_precision(lms, contexts, g))])
         rows.append(dict(prompt=prompt, text=g.text, finish_reason=g.finish_reason,
                          n_bytes=len(g.data), members=[m.name for m in members],
                          level="bytes", mode=c.mode,
@@ -381,8 +392,28 @@ def run_bytes(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
                          max_hypotheses=[max(h, default=0) for h in g.n_hyp],
                          lost=[round(float(-np.log1p(-np.minimum(p, 1 - 1e-16)).sum()), 6)
                                for p in map(np.asarray, g.pruned)],
-                         seconds=round(seconds, 3)))
+                         settings=Settings(c.beam, c.threshold, 0).as_dict(),
+                         precision=precision, seconds=round(seconds, 3)))
     return rows
+
+
+def precision_line(row: Mapping[str, Any]) -> str:
+    """What a byte-level generation's member views rest on, in one line: the
+    settings, the pruned log-mass (one-sided) and, when measured, the distance from
+    the reference."""
+    s = row["settings"]
+    head = (f"byte level at beam {s['beam']}, threshold {s['threshold']:g}, no merging: "
+            "pruned log-mass " + ", ".join(f"{n} {x:.3g}" for n, x in
+                                           zip(row["members"], row["lost"]))
+            + " nats (each member's kept mass is a lower bound of its probability of the text)")
+    p = row.get("precision")
+    if not p:
+        return head + "; precision against the reference not measured (check_precision=True)"
+    r = p["reference"]
+    parts = [f"{m['member']} total variation mean {m['tv_mean']:.2g}, p99 {m['tv_p99']:.2g}, "
+             f"bits/byte {m['dbpb']:+.2g}" for m in p["members"] if "tv_mean" in m]
+    return (head + f"; against beam {r['beam']}, threshold {r['threshold']:g}: "
+            + ("; ".join(parts) or "nothing generated"))
 
 
 def print_stream(piece: Piece, n_prompts: int) -> None:

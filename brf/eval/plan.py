@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE, Settings
+from brf.bytes import (CHECK_BYTES, DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE,
+                       Settings)
 from brf.errors import UserError
 from brf.eval import config_specs
 from brf.eval import corpus as corpus_lib
@@ -131,7 +132,7 @@ class ByteSettings:
     threshold: float = DEFAULT_THRESHOLD
     max_lag: int = DEFAULT_MAX_LAG
     swarm: bool = True  # the prompt study's swarm on every byte too (its fits are the longest)
-    check_bytes: int = 1000
+    check_bytes: int = CHECK_BYTES
     reference: Settings = REFERENCE
 
     @property
