@@ -70,9 +70,12 @@ def reference_walk(lm, data: bytes, beam: int, threshold: float) -> dict:
 
 
 def replay(ref: dict, trie, beam: int, threshold: float, max_lag: int,
-           tables: dict | None = None) -> tuple[np.ndarray, int, int]:
+           tables: dict | None = None,
+           shares: dict | None = None) -> tuple[np.ndarray, int, int]:
     """One setting walked on the reference's tables: its rows, the alternative
-    sequences it read, and how many hypotheses needed a table the reference lacks."""
+    sequences it read, and how many hypotheses needed a table the reference lacks.
+    With ``shares``, each sequence's largest share of the kept mass after a byte is
+    recorded there."""
     from brf.bytes.state import ByteState, advance, initial_state, next_byte
     data, seqs = ref["data"], ref["seqs"]
     tables = ref["tables"] if tables is None else tables
@@ -86,23 +89,19 @@ def replay(ref: dict, trie, beam: int, threshold: float, max_lag: int,
         logp[k], _ = next_byte(state, tables)
         state, _ = advance(state, data[k], tables, trie, seqs, beam=beam, threshold=threshold,
                            max_lag=max_lag)
+        if shares is not None:
+            w = np.array([h.logp + (tables[h.seq].total(k + 1 - h.start, h.node)
+                                    if h.node else 0.0) for h in state.hyps])
+            for h, x in zip(state.hyps, np.exp(w - np.logaddexp.reduce(w))):
+                shares[h.seq] = max(shares.get(h.seq, 0.0), float(x))
     return logp, sum(1 for s in used if not seqs.is_protected(s)), miss
 
 
 def lineage_shares(ref: dict, trie, beam: int, threshold: float) -> dict[int, float]:
     """Per sequence, the largest share of the reference's mass it or any descendant held."""
-    from brf.bytes.state import ByteState, advance, initial_state
-    data, tables, seqs = ref["data"], ref["tables"], ref["seqs"]
-    state, share = initial_state(), {}
-    for k in range(len(data)):
-        state = ByteState(state.offset, tuple(h for h in state.hyps if h.seq in tables))
-        state, _ = advance(state, data[k], tables, trie, seqs, beam=beam, threshold=threshold,
-                           max_lag=0)
-        w = np.array([h.logp + (tables[h.seq].total(k + 1 - h.start, h.node) if h.node else 0.0)
-                      for h in state.hyps])
-        w = np.exp(w - np.logaddexp.reduce(w))
-        for h, x in zip(state.hyps, w):
-            share[h.seq] = max(share.get(h.seq, 0.0), float(x))
+    share: dict[int, float] = {}
+    replay(ref, trie, beam, threshold, 0, shares=share)
+    seqs = ref["seqs"]
     lineage = dict(share)
     for s in sorted(share, reverse=True):  # a child's id is larger than its parent's
         p = seqs.parent[s]

@@ -48,9 +48,14 @@ flags.DEFINE_string("out", "", "write the results as JSON here")
 
 
 def _genlm(name: str):
-    """genlm-bytes' language model over transformers' PyTorch model of the same GGUF."""
-    import torch
-    from genlm.backend.llm import AsyncTransformer
+    """genlm-bytes' language model over transformers' PyTorch model of the same GGUF.
+    The peer and torch come from the benchmark extra; brf itself never imports them."""
+    try:
+        import torch
+        from genlm.backend.llm import AsyncTransformer
+    except ImportError as e:
+        raise cli.UserError(f"{e.name or e} is missing: this benchmark needs the benchmark "
+                            "extra, pip install -e \".[bench]\"") from None
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from brf.checkpoints import registry
     from tests.pt_reference import reference_model

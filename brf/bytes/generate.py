@@ -508,8 +508,7 @@ def measure_precision(members: Sequence[ByteLM], contexts: Sequence[Sequence[int
     text = bytes(prompt) + generation.data
     out = []
     for j, (lm, ctx) in enumerate(zip(members, contexts)):
-        ref = score_text(lm, text, context_ids=ctx, beam=reference.beam,
-                         threshold=reference.threshold, max_lag=0).logp[len(prompt):]
+        ref = score_text(lm, text, context_ids=ctx, **reference._asdict()).logp[len(prompt):]
         rows = np.stack([t["member_logp"][j] for t in generation.trace[:n]])
         out.append(compare(rows, ref, gold))
     return out

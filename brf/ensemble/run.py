@@ -380,7 +380,8 @@ def run_bytes(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
         if check:
             precision = dict(reference=REFERENCE.as_dict(),
                              members=[dict(member=m.name, **got) for m, got in
-                                      zip(members, measure_precision(lms, contexts, g))])
+                                      zip(members, measure_precision(
+                                          lms, contexts, g, reference=REFERENCE))])
         rows.append(dict(prompt=prompt, text=g.text, finish_reason=g.finish_reason,
                          n_bytes=len(g.data), members=[m.name for m in members],
                          level="bytes", mode=c.mode,
