@@ -64,6 +64,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("run_dir", "runs/validate", "a study's run directory (its score stores)")
 flags.DEFINE_string("config", "configs/validate.py", "the study's config file")
 flags.DEFINE_list("tables", [], "corpus/analysis pairs to fit (default: every table)")
+flags.DEFINE_list("levels", ["tokens"], "the study's levels whose tables are fitted: tokens, "
+                  "bytes (the byte level reads the run's byte stores)")
 flags.DEFINE_list("fitters", ["adam", "reference", "lbfgs"],
                   f"which fitters to run, in this order ({', '.join(FITTERS)})")
 flags.DEFINE_string("reference", "64302e9",
@@ -237,9 +239,14 @@ def main(argv):
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
     which = lambda corpus, a: not FLAGS.tables or f"{corpus}/{a.kind}" in FLAGS.tables
     tables = []
-    for corpus, analysis, table, n_seg in study.study_tables(plan, which=which):
+    bad = [lv for lv in FLAGS.levels if lv not in plan_lib.LEVELS]
+    if bad:
+        raise UserError(f"--levels: unknown {bad}; use {', '.join(plan_lib.LEVELS)}")
+    for corpus, analysis, table, n_seg in study.study_tables(
+            plan, which=which, level_names=tuple(FLAGS.levels)):
         calib, _ = plan_lib.split(plan.scoring, table, n_seg)
-        tables.append((f"{corpus}/{analysis.kind}", calib,
+        tag = "" if analysis.level == "tokens" else f" ({analysis.level})"
+        tables.append((f"{corpus}/{analysis.kind}{tag}", calib,
                        plan.method_specs(table.logp.shape[1], analysis.variants)))
     results = [{"table": name, "positions": int(calib.n_positions),
                 "shape": list(calib.logp.shape), "specs": len(specs), "fitters": {}}

@@ -13,7 +13,7 @@ import json
 from ml_collections import config_flags
 
 from brf import cli
-from brf.ensemble.run import precision_line, print_stream, read_prompts, run
+from brf.ensemble.run import Request, precision_line, print_stream, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py")
 
@@ -23,8 +23,9 @@ def main(argv):
     c = _CONFIG.value
     if c.output:
         cli.check_writable(c.output, "config.output")
-    n = len(read_prompts(c.prompts, c.prompts_file))
-    rows = run(c, on_piece=(lambda p: print_stream(p, n)) if c.stream else None)
+    req = Request.from_config(c)  # every setting checked before any model loads
+    n = len(req.prompts)
+    rows = run(req, on_piece=(lambda p: print_stream(p, n)) if c.stream else None)
     if c.output:
         with open(c.output, "w", encoding="utf-8") as f:
             for row in rows:

@@ -20,7 +20,8 @@ import pytest
 
 from brf.eval.analysis import fit_specs
 from brf.eval.controls import ParamCount, controls_for, free_parameters
-from brf.eval.fitting import EventTable, FitSettings, MethodSpec, evaluate, fit_method
+from brf.event_table import EventTable
+from brf.eval.fitting import FitSettings, MethodSpec, evaluate, fit_method
 
 import fusion_reference as ref
 

@@ -19,7 +19,7 @@ from scipy import stats
 
 import brf
 from brf.ensemble import EnsembleInputError, Member, catchup, generate, stream
-from brf.ensemble.text import TextStream, utf8_prefix
+from brf.text import TextStream, utf8_prefix
 from brf.models import forward
 
 from tiny_lm import tiny_member, tiny_tokenizer
@@ -561,7 +561,8 @@ def test_mixture_modes_refuse_a_fusion_method_before_loading(monkeypatch):
     cfg = _generate_config_module()
 
     def checked(c):
-        check_mixture_method(c, *method_spec(c.method, c.method_params, c.phase))
+        check_mixture_method(c.mode, *method_spec(c.method, c.method_params, c.phase),
+                             c.method, c.method_params)
 
     for arg in ("me", "prompts,me", "bytes,me", "tiny,me", None, "bytes"):
         checked(cfg.get_config(arg))  # the configs' own methods pass
@@ -684,7 +685,8 @@ def test_run_with_perplexity_weighting_gives_each_prompt_its_weights(pair, monke
         members="a, b", aligner="auto", aligner_params={}, mode="fuse",
         method="loglinear(temperature=0.9)", phase="", method_params={},
         weighting="perplexity(temperature=0.5)", sampler="temperature=0.8", choice="per_sequence",
-        max_new_tokens=5, stop=(), seed=3, dtype="float32", prompts=PROMPTS, prompts_file=""))
+        max_new_tokens=5, stop=(), seed=3, dtype="float32", prompts=PROMPTS, prompts_file="",
+        level="tokens", mesh=None))
     rows = run_lib.run(c)
     w, nll = perplexity_weight_table(pair, PROMPTS, 0.5)
     for b, row in enumerate(rows):

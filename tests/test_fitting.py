@@ -7,7 +7,8 @@ import pytest
 from scipy import optimize
 
 from brf.eval import lbfgs
-from brf.eval.fitting import EventTable, FitSettings, Fitted, MethodSpec, evaluate, fit_method
+from brf.event_table import EventTable
+from brf.eval.fitting import FitSettings, Fitted, MethodSpec, evaluate, fit_method
 
 
 def _log_softmax(x, axis=-1):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from brf.eval import forking, stats
-from brf.eval.fitting import EventTable, Fitted, context_nll, evaluate, fit_method
+from brf.event_table import EventTable
+from brf.eval.fitting import Fitted, context_nll, evaluate, fit_method
 
 
 def _log_softmax(x, axis=-1):

@@ -426,6 +426,8 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
         cov = byt["coverage"]
         # Every byte of the corpus is a row, split into calibration and test.
         assert cov["positions"] == cov["bytes_total"] == n and cov["fraction_of_bytes"] == 1.0
+        # and says nothing of co-aligned positions (no placeholders)
+        assert not {"member_positions", "bytes_covered"} & set(cov)
         assert byt["split"]["calibration_positions"] + byt["split"]["test_positions"] == n
         assert tok["coverage"]["bytes_total"] == n > tok["coverage"]["bytes_covered"]
         assert len(cov["pruned_mean"]) == len(cov["lost_bits_per_byte"]) == 2
@@ -601,7 +603,7 @@ def test_bad_study_config_is_refused_before_any_model_runs(tmp_path, text, chang
 
 
 def _ties_table(logp_PxNxE, gold=None):
-    from brf.eval.fitting import EventTable
+    from brf.event_table import EventTable
     p, n, _ = logp_PxNxE.shape
     return EventTable(np.asarray(logp_PxNxE, np.float32),
                       np.zeros(p, np.int64) if gold is None else np.asarray(gold),
@@ -695,6 +697,7 @@ def test_damaged_byte_store_is_rescored_with_one_warning(tmp_path, text, members
     warned twice, issue 37), and rescored: the same numbers, a sound store."""
     import warnings
     from brf.eval import byte_scorer
+    from brf.eval.levels import Views
     segments = plan_lib.split_segments(text[:700], 350)
     member, settings = plan_lib.Member("tiny-a"), plan_lib.ByteSettings(True, 2, 0.2, 1)
 
@@ -702,8 +705,8 @@ def test_damaged_byte_store_is_rescored_with_one_warning(tmp_path, text, members
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # every warning, repeats included
             (sc,), _ = byte_scorer.score_members([member], segments, str(tmp_path),
-                                                 members.__getitem__, settings=settings,
-                                                 chunk=128)
+                                                 Views(members.__getitem__),
+                                                 settings=settings, chunk=128)
         return sc, [str(w.message) for w in caught]
 
     ref, said = score()

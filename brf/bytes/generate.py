@@ -77,7 +77,7 @@ from brf.bytes.masses import EOT, N_EVENTS, logsumexp_rows
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
                              initial_state, next_byte, pending)
 from brf.bytes.trie import ROOT, ByteTrie, UnexpressibleByteError
-from brf.ensemble.text import TextStream, utf8_prefix
+from brf.text import TextStream, utf8_prefix
 from brf.fusion import Sampler, fuse
 from brf.fusion import methods as fusion_methods
 from brf.fusion.mixture import select_member

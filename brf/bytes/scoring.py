@@ -32,7 +32,7 @@ from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
 from brf.bytes.lm import ByteLM, score_text
 from brf.bytes.masses import N_EVENTS
 from brf.bytes.state import check_bounds
-from brf.eval.fitting import EventTable
+from brf.event_table import EventTable
 from brf.runtime import release_memory
 
 STORE_VERSION = 2

@@ -198,22 +198,26 @@ def method_spec(method: str, method_params: Mapping[str, Any] | None = None,
     return name, params
 
 
-def check_mixture_method(c, method: str, method_params: Mapping[str, Any]) -> None:
+def check_mixture_method(mode: str, method: str, method_params: Mapping[str, Any],
+                         given: str = "", given_params: Mapping[str, Any] | None = None
+                         ) -> None:
     """Refuses a fusion method in the mixture modes, where it would mean nothing.
 
     ``mixture_exact`` and ``mixture_per_member`` draw one member per step from the
-    members' linear pool, so ``config.method`` must stay ``'linear'`` there (as in
+    members' linear pool, so the method must stay ``'linear'`` there (as in
     configs/generate.py:me) without parameters; ``config.phase`` is not read by it.
+    ``given`` / ``given_params``: the config's ``method`` and ``method_params`` as
+    written (named in the error).
     """
     from brf.ensemble.decode import MODES
-    if c.mode == "fuse" or c.mode not in MODES:  # an unknown mode is refused by its checks
+    if mode == "fuse" or mode not in MODES:  # an unknown mode is refused by its checks
         return
     if method == "linear" and not method_params:
         return
-    key, value = "config.method", c.method
-    if method == "linear" and not parse_spec(c.method, "method")[1]:
-        key, value = "config.method_params", dict(c.get("method_params", {}))
-    raise EnsembleInputError(f"{key}={value!r} is not used in mode {c.mode!r}: mixture "
+    key, value = "config.method", given or method
+    if method == "linear" and not parse_spec(given or method, "method")[1]:
+        key, value = "config.method_params", dict(given_params or {})
+    raise EnsembleInputError(f"{key}={value!r} is not used in mode {mode!r}: mixture "
                              "sampling draws one member per step from the members' linear "
                              "pool; set config.method='linear' without parameters (as "
                              "configs/generate.py:me does) or mode='fuse'")
@@ -257,51 +261,124 @@ def place_members(members: Sequence[Member], mesh) -> list[Member]:
     return out
 
 
-def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
-    """Generates for a configs/generate.py config; returns one JSON-ready row per prompt.
+LEVELS = ("tokens", "bytes")
 
-    With ``c.weighting = 'perplexity(...)'`` every prompt gets its own PackLLM
-    weights (:mod:`brf.ensemble.packllm`), so prompts are generated one at a time.
-    ``c.mesh`` (optional): the members' weights are split over its 'model'
-    axis (tensor-parallel decoding), the prompts over 'data'; with
-    ``placement='apart'`` each member gets its own devices and the members run
-    at the same time (see :mod:`brf.sharding`).
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation run, read from a config (configs/generate.py) and checked once,
+    before any model loads (:meth:`from_config`).
+
+    Attributes:
+      level: 'tokens' (fused next-token distributions) or 'bytes' (fused next-byte
+        distributions, :mod:`brf.bytes.generate`).
+      members: member specs (:func:`member_specs`).
+      prompts: the prompts (``prompts``, or ``prompts_file`` when it is set).
+      mode, method, method_params, sampler, stop, seed, dtype: as configured, the
+        method's spec and ``phase`` folded into ``method`` / ``method_params``.
+      max_new: the most new tokens (tokens) or bytes (bytes) per prompt.
+      aligner, aligner_params, choice, weighting, temperature, mesh: the token level's
+        (``temperature``: the PackLLM weighting's, None for the members' weights).
+      beam, threshold, utf8, check_precision: the byte level's.
     """
-    level = c.get("level", "tokens")
-    if level == "bytes":
-        return run_bytes(c, on_piece)
-    if level != "tokens":
-        raise EnsembleInputError(f"unknown level {level!r}; use 'tokens' or 'bytes'")
-    specs = member_specs(c.members)
-    method, method_params = method_spec(c.method, c.get("method_params", {}),
-                                        c.get("phase", ""))
-    check_mixture_method(c, method, method_params)
-    temperature = weighting_spec(c.get("weighting", ""))
+    level: str
+    members: tuple
+    prompts: tuple[str, ...]
+    mode: str
+    method: str
+    method_params: Mapping[str, Any]
+    sampler: str
+    stop: tuple[str, ...]
+    seed: int
+    dtype: Any
+    max_new: int
+    aligner: str = "auto"
+    aligner_params: Mapping[str, Any] | None = None
+    choice: str = "per_sequence"
+    weighting: str = ""
+    temperature: float | None = None
+    mesh: Any = None
+    beam: int = 0
+    threshold: float = 0.0
+    utf8: bool = True
+    check_precision: bool = False
+
+    @classmethod
+    def from_config(cls, c) -> "Request":
+        """The request a config asks for; a UserError names what cannot be honoured."""
+        level = c.level
+        if level not in LEVELS:
+            raise EnsembleInputError(f"unknown level {level!r}; use 'tokens' or 'bytes'")
+        specs = tuple(member_specs(c.members))
+        method, params = method_spec(c.method, c.method_params, c.phase)
+        check_mixture_method(c.mode, method, params, c.method, c.method_params)
+        common = dict(level=level, members=specs, mode=c.mode, method=method,
+                      method_params=params, sampler=c.sampler, stop=tuple(c.stop),
+                      seed=c.seed, dtype=jnp.dtype(c.dtype))
+        if level == "tokens":
+            return cls(**common, prompts=tuple(read_prompts(c.prompts, c.prompts_file)),
+                       max_new=c.max_new_tokens, aligner=c.aligner,
+                       aligner_params=dict(c.aligner_params), choice=c.choice,
+                       weighting=c.weighting, temperature=weighting_spec(c.weighting),
+                       mesh=c.mesh)
+        from brf.bytes.generate import check_request
+        from brf.fusion import Sampler
+        check_request(mode=c.mode, method=method, method_params=params,
+                      sampler=Sampler.parse(c.sampler), beam=c.beam, threshold=c.threshold,
+                      max_bytes=c.max_new_bytes)
+        if c.weighting:
+            raise EnsembleInputError("config.weighting is token-level only; set it to '' "
+                                     "with level='bytes'")
+        if not isinstance(c.check_precision, bool):
+            raise EnsembleInputError(f"config.check_precision must be True or False; got "
+                                     f"{c.check_precision!r}")
+        return cls(**common, prompts=tuple(read_prompts(c.prompts, c.prompts_file)),
+                   max_new=c.max_new_bytes, beam=c.beam, threshold=c.threshold,
+                   utf8=c.utf8, check_precision=c.check_precision)
+
+
+def run(request, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
+    """Generates what ``request`` asks for (a :class:`Request`, or a configs/generate.py
+    config, read by :meth:`Request.from_config`); returns one JSON-ready row per prompt.
+
+    Tokens: with ``weighting = 'perplexity(...)'`` every prompt gets its own PackLLM
+    weights (:mod:`brf.ensemble.packllm`), so prompts are generated one at a time.
+    ``mesh`` (optional): the members' weights are split over its 'model' axis
+    (tensor-parallel decoding), the prompts over 'data'; with ``placement='apart'``
+    each member gets its own devices and the members run at the same time (see
+    :mod:`brf.sharding`). Bytes: :func:`_run_bytes`.
+    """
+    req = request if isinstance(request, Request) else Request.from_config(request)
+    return (_run_bytes if req.level == "bytes" else _run_tokens)(req, on_piece)
+
+
+def _run_tokens(req: Request, on_piece: Callable[[Piece], None] | None) -> list[dict]:
     meshes = None
-    if c.get("mesh"):
-        meshes = sharding.member_meshes(c.mesh, len(specs))
+    if req.mesh:
+        meshes = sharding.member_meshes(req.mesh, len(req.members))
         if sharding.on_one_device(meshes):
             meshes = None  # one device
-    members = place_members(load_members(specs, mesh=meshes), meshes)
-    prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
-    aligner = c.aligner if c.aligner != "auto" else auto_aligner(members)
-    weights = [m.get("weight") for m in specs]
+    members = place_members(load_members(req.members, mesh=meshes), meshes)
+    prompts = list(req.prompts)
+    aligner = req.aligner if req.aligner != "auto" else auto_aligner(members)
+    weights = [m.get("weight") for m in req.members]
     weights = None if all(w is None for w in weights) else weights
-    kwargs = dict(mode=c.mode, method=method,
-                  method_params=method_params if c.mode == "fuse" else None,
-                  sampler=c.sampler, max_new_tokens=c.max_new_tokens, stop=tuple(c.stop),
-                  seed=c.seed, aligner=aligner,
-                  aligner_params=aligner_params(aligner, c.get("aligner_params", {})),
-                  choice=c.choice, dtype=jnp.dtype(c.get("dtype", "float32")))
+    fuse = req.mode == "fuse"
+    kwargs = dict(mode=req.mode, method=req.method,
+                  method_params=req.method_params if fuse else None,
+                  sampler=req.sampler, max_new_tokens=req.max_new, stop=req.stop,
+                  seed=req.seed, aligner=aligner,
+                  aligner_params=aligner_params(aligner, req.aligner_params),
+                  choice=req.choice, dtype=req.dtype)
     t0 = time.perf_counter()
     nll = None
-    if temperature is None:
+    if req.temperature is None:
         gens: list[Generation] = generate(members, prompts, weights=weights,
                                           on_piece=on_piece, **kwargs)
         weights_B = [[m.weight for m in members]] * len(prompts)
     else:
         from brf.ensemble.packllm import perplexity_weight_table
-        w_Bxn, nll = perplexity_weight_table(members, prompts, temperature)
+        w_Bxn, nll = perplexity_weight_table(members, prompts, req.temperature)
         gens, weights_B = [], w_Bxn.tolist()
         for b, p in enumerate(prompts):
             relay = None if on_piece is None else (
@@ -312,88 +389,73 @@ def run(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
     for b, g in enumerate(gens):
         row = dict(prompt=g.prompt, text=g.text, finish_reason=g.finish_reason,
                    n_events=g.n_events, members=[m.name for m in members],
-                   members_run=g.members_run, mode=c.mode, aligner=aligner,
-                   method=method if c.mode == "fuse" else None,
-                   method_params={k: str(v) for k, v in method_params.items()}
-                   if c.mode == "fuse" else {},
-                   weights=weights_B[b], sampler=c.sampler, seed=c.seed,
-                   seconds_batch=round(seconds, 3))
+                   members_run=g.members_run, mode=req.mode, aligner=aligner,
+                   **_method_fields(req), weights=weights_B[b], sampler=req.sampler,
+                   seed=req.seed, seconds_batch=round(seconds, 3))
         if nll is not None:
-            row["weighting"] = c.weighting
+            row["weighting"] = req.weighting
             row["prompt_nll"] = [round(float(x), 4) for x in nll[b]]
         rows.append(row)
     return rows
 
 
-def run_bytes(c, on_piece: Callable[[Piece], None] | None = None) -> list[dict]:
-    """``run`` for ``c.level = 'bytes'``: the members' next-byte distributions fused and
-    sampled byte by byte (:mod:`brf.bytes.generate`), one prompt at a time.
+def _method_fields(req: Request) -> dict:
+    fuse = req.mode == "fuse"
+    return dict(method=req.method if fuse else None,
+                method_params={k: str(v) for k, v in req.method_params.items()} if fuse else {})
+
+
+def _run_bytes(req: Request, on_piece: Callable[[Piece], None] | None) -> list[dict]:
+    """The byte level: the members' next-byte distributions fused and sampled byte by
+    byte (:mod:`brf.bytes.generate`), one prompt at a time.
 
     Each member conditions on its own prompt tokens (prefix, chat template);
-    the generated text is read by every member as bytes. Settings are checked
-    before any model loads.
+    the generated text is read by every member as bytes.
     """
     from brf.bytes import REFERENCE, Settings
-    from brf.bytes.generate import check_request, generate_bytes, measure_precision
+    from brf.bytes.generate import generate_bytes, measure_precision
     from brf.bytes.lm import ByteLM
     from brf.align.union import default_cache_dir
     from brf.fusion import Sampler
 
-    specs = member_specs(c.members)
-    method, method_params = method_spec(c.method, c.get("method_params", {}),
-                                        c.get("phase", ""))
-    check_mixture_method(c, method, method_params)
-    sampler = Sampler.parse(c.sampler)
-    check_request(mode=c.mode, method=method, method_params=method_params, sampler=sampler,
-                  beam=c.beam, threshold=c.threshold, max_bytes=c.max_new_bytes)
-    if c.get("weighting", ""):
-        raise EnsembleInputError("config.weighting is token-level only; set it to '' with "
-                                 "level='bytes'")
-    check = c.get("check_precision", False)
-    if not isinstance(check, bool):
-        raise EnsembleInputError(f"config.check_precision must be True or False; got {check!r}")
-    prompts = read_prompts(c.prompts, c.get("prompts_file", ""))
-    members = load_members(specs)
+    members = load_members(req.members)
     views: dict[int, ByteLM] = {}
     for m in members:
         if id(m.params) not in views:
             views[id(m.params)] = ByteLM(m.params, m.cfg, m.tokenizer, name=m.name,
-                                         dtype=jnp.dtype(c.get("dtype", "float32")),
-                                         cache_dir=default_cache_dir())
+                                         dtype=req.dtype, cache_dir=default_cache_dir())
     lms = [views[id(m.params)] for m in members]
     weights = [m.weight for m in members]
     weights = None if all(w is None for w in weights) else weights
+    sampler = Sampler.parse(req.sampler)
     rows = []
-    for b, prompt in enumerate(prompts):
+    for b, prompt in enumerate(req.prompts):
         relay = None if on_piece is None else (
             lambda piece, b=b: on_piece(Piece(b, piece.text, piece.finished)))
         t0 = time.perf_counter()
         contexts = [m.prompt_ids(prompt) for m in members]
         g = generate_bytes(lms, contexts, weights=weights,
-                           mode=c.mode, method=method, method_params=method_params,
-                           sampler=sampler, max_bytes=c.max_new_bytes, stop=tuple(c.stop),
-                           seed=c.seed, beam=c.beam, threshold=c.threshold, utf8=c.utf8,
-                           eos_ids=[sorted(m.eos_ids()) for m in members], on_piece=relay,
-                           trace=check)
+                           mode=req.mode, method=req.method, method_params=req.method_params,
+                           sampler=sampler, max_bytes=req.max_new, stop=req.stop,
+                           seed=req.seed, beam=req.beam, threshold=req.threshold,
+                           utf8=req.utf8, eos_ids=[sorted(m.eos_ids()) for m in members],
+                           on_piece=relay, trace=req.check_precision)
         seconds = time.perf_counter() - t0
         precision = None
-        if check:
+        if req.check_precision:
             precision = dict(reference=REFERENCE.as_dict(),
                              members=[dict(member=m.name, **got) for m, got in
                                       zip(members, measure_precision(
                                           lms, contexts, g, reference=REFERENCE))])
         rows.append(dict(prompt=prompt, text=g.text, finish_reason=g.finish_reason,
                          n_bytes=len(g.data), members=[m.name for m in members],
-                         level="bytes", mode=c.mode,
-                         method=method if c.mode == "fuse" else None,
-                         method_params={k: str(v) for k, v in method_params.items()}
-                         if c.mode == "fuse" else {},
-                         weights=weights, sampler=c.sampler, seed=c.seed, beam=c.beam,
-                         threshold=c.threshold, tokens_run=g.tokens,
+                         level="bytes", mode=req.mode, **_method_fields(req),
+                         weights=weights, sampler=req.sampler, seed=req.seed, beam=req.beam,
+                         threshold=req.threshold, tokens_run=g.tokens,
                          max_hypotheses=[max(h, default=0) for h in g.n_hyp],
                          lost=[round(float(-np.log1p(-np.minimum(p, 1 - 1e-16)).sum()), 6)
                                for p in map(np.asarray, g.pruned)],
-                         settings=Settings(c.beam, c.threshold, 0).as_dict(),
+                         settings=Settings(req.beam, req.threshold, 0).as_dict(),
                          precision=precision, seconds=round(seconds, 3)))
     return rows
 

@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 from brf.eval import controls as controls_lib
 from brf.eval import forking, hypotheses, stats
 from brf.eval.caches import FitCache
-from brf.eval.fitting import (NLL_CAP, EventTable, FitSettings, Fitted, MethodSpec,
-                              evaluate, fit_method, precompile)
+from brf.event_table import EventTable
+from brf.eval.fitting import (NLL_CAP, FitSettings, Fitted, MethodSpec, evaluate, fit_method,
+                              precompile)
 from brf.eval.plan import Plan, SweepCurve, split
 from brf.fusion import PHASE_MAPS, phase_map
 

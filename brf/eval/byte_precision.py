@@ -37,7 +37,8 @@ import numpy as np
 
 from brf.bytes import Settings
 from brf.bytes.precision import compare
-from brf.eval.fitting import EventTable, evaluate
+from brf.event_table import EventTable
+from brf.eval.fitting import evaluate
 
 
 class Slice(NamedTuple):
@@ -171,5 +172,39 @@ def pooled_shifts(per_corpus: Mapping[str, Mapping[str, dict]],
     return out
 
 
-__all__ = ["Slice", "holds", "measure_members", "pooled_shifts", "reference_rows",
-           "slice_of", "slice_table", "verdict_shifts"]
+
+def check_corpus(plan, analysis, result, segments: Sequence[str], run_dir: str,
+                 views) -> dict:
+    """The precision check of one corpus's byte level: each member of the default pair
+    (``analysis``, fitted into ``result``) rescored on the slice with the reference
+    settings (and, when the study merges, without merging), against the study's rows,
+    and the shift each byte-level comparison takes between the two. ``views``: the
+    members' views (:class:`brf.eval.levels.Views`)."""
+    from brf.eval import byte_scorer, scorer
+    from brf.eval.plan import calibration_segments
+    b = plan.bytes
+    sl = slice_of(segments, calibration_segments(plan.scoring, len(segments)), b.check_bytes)
+    text = segments[sl.segment].encode("utf-8")
+    gold = np.frombuffer(text[:sl.n_bytes], np.uint8).astype(np.int64)
+    test = result.test
+    study_rows, reference, unmerged = [], [], []
+    for i, m in enumerate(analysis.members):
+        pre = scorer.prefix_ids(views.model(m.name).tokenizer, m.prefix)
+        study_rows.append(test.logp[sl.test_start:sl.test_start + sl.n_bytes, i])
+        base = os.path.basename(byte_scorer.store_path(run_dir, m))[len("bytes-"):]
+        for settings, tag, out in ((b.reference, "reference", reference),
+                                   (Settings(b.beam, b.threshold, 0), "unmerged", unmerged)):
+            if tag == "unmerged" and not b.max_lag:
+                continue
+            out.append(reference_rows(
+                lambda: views.byte_lm(m.name), m.name, text, sl.n_bytes, pre, settings,
+                os.path.join(run_dir, f"bytes-{tag}-{base}")))
+    return {"segment": sl.segment, "bytes": sl.n_bytes,
+            "members": measure_members([m.label for m in analysis.members], study_rows,
+                                       reference, gold, unmerged or None),
+            "verdicts": verdict_shifts(result, slice_table(study_rows, gold, sl.segment),
+                                       slice_table(reference, gold, sl.segment))}
+
+
+__all__ = ["Slice", "check_corpus", "holds", "measure_members", "pooled_shifts",
+           "reference_rows", "slice_of", "slice_table", "verdict_shifts"]

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from brf.eval import scorer
-from brf.eval.fitting import EventTable
+from brf.event_table import EventTable
 from brf.eval.plan import ByteSettings, Member
 
 
@@ -53,11 +53,8 @@ class ByteCoverage(NamedTuple):
     lost_bits_per_byte: tuple        # per member: log-mass pruning dropped, bits per byte
 
     def as_dict(self) -> dict:
-        n = len(self.pruned_mean)
-        return {"positions": self.positions, "member_positions": [self.positions] * n,
-                "bytes_covered": self.positions, "bytes_total": self.bytes_total,
+        return {"positions": self.positions, "bytes_total": self.bytes_total,
                 "fraction_of_bytes": self.positions / max(1, self.bytes_total),
-                "fraction_of_member_positions": [1.0] * n,
                 "pruned_mean": list(self.pruned_mean),
                 "lost_bits_per_byte": list(self.lost_bits_per_byte)}
 
@@ -99,18 +96,17 @@ def _stored(path: str, name: str, data: Sequence[bytes], prefix: Sequence[int],
 
 
 def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: str,
-                  load_model: Callable[[str], Any],
-                  load_lm: Callable[[str], Any] | None = None, *, settings: ByteSettings,
-                  chunk: int) -> tuple[list, list[ByteMemberInfo]]:
+                  views, *, settings: ByteSettings, chunk: int
+                  ) -> tuple[list, list[ByteMemberInfo]]:
     """Every member's byte-level scores of the segments (reusing their stores).
 
     Args:
       members: who to score.
       segments: the corpus, cut into segments (the token level's).
       run_dir: where the stores live.
-      load_model: name -> model (``.cfg``, ``.params``, ``.tokenizer``).
-      load_lm: name -> its ByteLM (default: built from ``load_model(name)``); called
-        only for a member whose store is incomplete.
+      views: the members' views (:class:`brf.eval.levels.Views`): ``model(name)``
+        (``.cfg``, ``.params``, ``.tokenizer``) and ``byte_lm(name)``, asked for only
+        by a member whose store is incomplete.
       settings: the beam, prune threshold and merge lag.
       chunk: tokens per canonical forward pass.
 
@@ -118,13 +114,12 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
       (ByteScores per member, ByteMemberInfo per member).
     """
     from brf.bytes.scoring import assemble, consistency, score_segments
-    load_lm = load_lm or (lambda name: byte_lm(load_model(name), name))
     data = [s.encode("utf-8") for s in segments]
     meta = {"corpus": hashlib.sha256("\x00".join(segments).encode()).hexdigest()[:16]}
     os.makedirs(run_dir, exist_ok=True)
     scores, infos = [], []
     for m in members:
-        model = load_model(m.name)
+        model = views.model(m.name)
         pre = scorer.prefix_ids(model.tokenizer, m.prefix)
         path = store_path(run_dir, m)
         # The store is read once: a complete one without the model's byte view, a
@@ -133,7 +128,7 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
         if len(rows) == len(data):
             sc = assemble(data, rows)
         else:
-            sc = score_segments(load_lm(m.name), data, prefix_ids=pre, beam=settings.beam,
+            sc = score_segments(views.byte_lm(m.name), data, prefix_ids=pre, beam=settings.beam,
                                 threshold=settings.threshold, max_lag=settings.max_lag,
                                 chunk=chunk, store_path=path, meta=meta, stored=rows,
                                 desc=f"byte scoring {m.label[:40]}")
@@ -143,15 +138,14 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
     return scores, infos
 
 
-def event_table(members: Sequence[Member], segments: Sequence[str], run_dir: str,
-                load_model: Callable[[str], Any], load_lm: Callable[[str], Any] | None = None,
+def event_table(members: Sequence[Member], segments: Sequence[str], run_dir: str, views,
                 *, settings: ByteSettings, chunk: int
                 ) -> tuple[EventTable, ByteCoverage, list[ByteMemberInfo]]:
     """The members' event table over every byte of the segments: (table, coverage,
-    member infos)."""
+    member infos); ``views`` as in :func:`score_members`."""
     from brf.bytes.scoring import byte_event_table
-    scores, infos = score_members(members, segments, run_dir, load_model, load_lm,
-                                  settings=settings, chunk=chunk)
+    scores, infos = score_members(members, segments, run_dir, views, settings=settings,
+                                  chunk=chunk)
     table = byte_event_table(scores)
     total = sum(len(s.encode("utf-8")) for s in segments)
     if table.n_positions != total:  # every byte is a row, or the store is not this corpus

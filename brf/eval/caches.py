@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 from absl import logging
 
-from brf.eval.fitting import EventTable, FitSettings, Fitted, MethodSpec
+from brf.event_table import EventTable
+from brf.eval.fitting import FitSettings, Fitted, MethodSpec
 
 
 def jsonable(x):

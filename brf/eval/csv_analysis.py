@@ -30,7 +30,8 @@ import numpy as np
 
 from brf.errors import UserError
 from brf.eval import hypotheses, report as report_lib
-from brf.eval.fitting import EventTable, Fitted, evaluate
+from brf.event_table import EventTable
+from brf.eval.fitting import Fitted, evaluate
 from brf.eval.logit_csv import (CsvError, LogitRun, align_bytes, align_positions, event_table,
                                 read_csv)
 from brf.fusion import METHODS, FusionInputError, phase_map

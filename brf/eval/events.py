@@ -45,7 +45,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from brf.eval.fitting import NLL_CAP, EventTable
+from brf.event_table import EventTable
+from brf.eval.fitting import NLL_CAP
 from brf.eval.scoring import MemberScores
 
 OTHER = b"\x00<OTHER>"

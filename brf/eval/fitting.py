@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.eval import lbfgs
+from brf.event_table import EventTable
 from brf.fusion import fuse, get_method, phase_map
 from brf.fusion.born import DEFAULT_Z_MIN, born_from_phases
 from brf.fusion.phase import PHASE_MAPS, position_gap, token_gap
@@ -46,49 +47,6 @@ TIE_TOL = 1e-5
 _POSITIVE = {"temperature", "threshold", "beta", "phase.rate", "phase.scale",
              "calib.temperature", "calib.member_temperature", "weighting.temperature"}
 VARIANTS = ("proposed", "calibrated")
-
-
-class EventTable(NamedTuple):
-    """Member log-probs over a shared event space, one row per position.
-
-    Attributes:
-      logp: [P, n, E] float32 log-probabilities (-inf: the member gives the
-        event no mass; padding events are -inf for every member).
-      gold: [P] int index of the gold event.
-      gap: [P, n] each member's true top-1 minus top-2 logit gap.
-      gold_bytes: [P] UTF-8 bytes of the gold event (for bits per byte).
-      segment: [P] corpus segment of each position.
-      gold_offset: [P] float64 log-probability added to the gold event's to score
-        the gold string: 0 where the gold is an event of its own, the log of its
-        share of OTHER where it is one of the strings OTHER stands for
-        (:mod:`brf.eval.events`); None: 0 everywhere. The same for every method,
-        so no fit sees it; such positions give no top-1 credit.
-    """
-    logp: np.ndarray
-    gold: np.ndarray
-    gap: np.ndarray
-    gold_bytes: np.ndarray
-    segment: np.ndarray
-    gold_offset: np.ndarray | None = None
-
-    def take(self, idx) -> "EventTable":
-        return EventTable(*(None if a is None else np.asarray(a)[idx] for a in self))
-
-    @property
-    def offset(self) -> np.ndarray:
-        """[P] float64 gold offsets (zeros when the table has none)."""
-        if self.gold_offset is None:
-            return np.zeros(self.n_positions)
-        return np.asarray(self.gold_offset, np.float64)
-
-    @property
-    def gold_listed(self) -> np.ndarray:
-        """[P] bool: the gold is an event of its own (not folded into OTHER)."""
-        return self.offset == 0.0
-
-    @property
-    def n_positions(self) -> int:
-        return int(self.logp.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)

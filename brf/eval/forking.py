@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from brf.eval.fitting import EventTable
+from brf.event_table import EventTable
 
 
 def member_entropy(table: EventTable) -> np.ndarray:

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.eval import stats
-from brf.eval.fitting import EventTable, Fitted, split_phase
+from brf.event_table import EventTable
+from brf.eval.fitting import Fitted, split_phase
 from brf.fusion import born_terms, phase_map
 from brf.fusion.phase import PhaseMap
 

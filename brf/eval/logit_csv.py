@@ -653,7 +653,7 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
       CsvError: a run lacks token_id/token_logit or its vocabulary size.
     """
     from brf.eval.events import fill_position
-    from brf.eval.fitting import EventTable
+    from brf.event_table import EventTable
     n = len(runs)
     sizes = _vocab_sizes(runs, vocab_sizes)
     p = rows_PxN.shape[0]

@@ -10,9 +10,10 @@ nats per position of the analysis's event table:
       "beam": int, "threshold": float,    # bytes only
       "members": [{"name", "vocab_size", "prefix_tokens", "positions"
                    (, "consistency": {...} at the byte level: brf.bytes.scoring.consistency)}],
-      "coverage": {"positions", "member_positions", "bytes_covered",
-                   "bytes_total", "fraction_of_bytes", "fraction_of_member_positions"
-                   (, "pruned_mean", "lost_bits_per_byte": per member, bytes only)},
+      "coverage": {"positions", "bytes_total", "fraction_of_bytes",
+                   tokens: "member_positions", "bytes_covered",
+                   "fraction_of_member_positions";
+                   bytes: "pruned_mean", "lost_bits_per_byte" (per member)},
       "split": {"calibration_positions", "test_positions"},
       "methods": [{"label", "method", "variant", "role", "params", "weights",
                    "calib_nll", "fit": {"iterations", "evaluations", "converged"},
