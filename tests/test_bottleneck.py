@@ -558,9 +558,12 @@ def test_real_rhs_is_the_same_alone_and_in_a_batch():
     Wf, dims = bn.stack_unembeddings([W, W])
     basis = bn.constraint_basis(Wf[:8], jnp.arange(8))  # rhs reads only its scale
     phat = jax.nn.softmax(jnp.asarray(lg), -1)
-    f = jax.jit(lambda p: bn.rhs(basis, Wf, p, dims))
-    alone = np.asarray(f(phat[0]))
-    batch = np.asarray(jax.jit(jax.vmap(lambda p: bn.rhs(basis, Wf, p, dims)))(phat))[0]
+    # The matrices are arguments, not closed over: XLA would fold a 226 MB constant
+    # (tens of seconds of compilation for nothing).
+    f = jax.jit(lambda b, W, p: bn.rhs(b, W, p, dims))
+    alone = np.asarray(f(basis, Wf, phat[0]))
+    batch = np.asarray(jax.jit(jax.vmap(lambda b, W, p: bn.rhs(b, W, p, dims),
+                                        in_axes=(None, None, 0)))(basis, Wf, phat))[0]
     want = np.concatenate([np.asarray(phat[0, i], np.float64) @ W.astype(np.float64)
                            for i in range(2)])
     for got in (alone, batch):
