@@ -7,7 +7,7 @@ JSON-able dict (``brf.eval.study_report`` states them in words).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -193,12 +193,54 @@ def topk_moves(a: AnalysisResult, b: AnalysisResult) -> dict:
 ALPHA = 0.05  # a phase map "links" the members when its permutation p is below this
 
 
-def _ci_answer(ci, value, low: str, high: str, neither: str = "not distinguishable") -> dict:
-    return {"answer": {"lower": low, "higher": high, "undecided": neither}[side(ci)],
-            "value": float(value), "ci": [float(x) for x in ci]}
+class Answer(NamedTuple):
+    """One verdict as an answer that compares across levels: the words, the number
+    behind them and, for a difference, its 95% CI (the forking answer: the share of
+    the gain at the top-entropy positions)."""
+    answer: str
+    value: float
+    ci: tuple[float, float] | None = None
+    top_share: float | None = None
 
 
-def answers(brief: dict) -> dict[str, dict]:
+class Move(NamedTuple):
+    """One verdict at both levels."""
+    tokens: str
+    bytes: str
+    tokens_value: float
+    bytes_value: float
+
+    @property
+    def moved(self) -> bool:
+        return self.tokens != self.bytes
+
+    def as_dict(self) -> dict:
+        return {**self._asdict(), "moved": self.moved}
+
+
+class LevelMoves(NamedTuple):
+    """Which verdicts move from co-aligned positions to every byte (:func:`level_moves`)."""
+    rows: dict[str, Move]
+
+    UNITS = ("values in each level's units (nats per co-aligned position; nats per byte): "
+             "compare their signs and CIs, not their sizes")
+
+    @property
+    def moved(self) -> list[str]:
+        return [k for k, r in self.rows.items() if r.moved]
+
+    def as_dict(self) -> dict:
+        """report.json's ``moved``."""
+        return {"rows": {k: r.as_dict() for k, r in self.rows.items()}, "moved": self.moved,
+                "units": self.UNITS}
+
+
+def _ci_answer(ci, value, low: str, high: str, neither: str = "not distinguishable") -> Answer:
+    return Answer({"lower": low, "higher": high, "undecided": neither}[side(ci)],
+                  float(value), (float(ci[0]), float(ci[1])))
+
+
+def answers(brief: dict) -> dict[str, Answer]:
     """The verdicts of one analysis (its brief report, ``study_report.brief``) as
     answers that can be compared across levels: key -> {"answer": words, "value":
     the number behind it}. A difference's answer is where its 95% CI lies
@@ -224,30 +266,30 @@ def answers(brief: dict) -> dict[str, dict]:
     if brief.get("phase_coherence") is not None:
         pc = brief["phase_coherence"]
         k = sum(r["permutation_p"] < ALPHA for r in pc)
-        out["phase coherence"] = {"answer": f"{k} of {len(pc)} linked", "value": float(k)}
+        out["phase coherence"] = Answer(f"{k} of {len(pc)} linked", float(k))
     for v, f in brief.get("forking", {}).items():
         g = f.get("gated", {}).get("brf")
         if not g:
             continue
         r = f["by_method"][g["method"]]
         where = "mostly at" if r["top_share"] > 0.5 else "less than half at"
-        out[f"forking [{v}]"] = {
-            "answer": (f"gain over the best member, {where} the top-entropy positions"
-                       if r["total_gain"] > 0 else "no gain over the best member"),
+        out[f"forking [{v}]"] = Answer(
+            (f"gain over the best member, {where} the top-entropy positions"
+             if r["total_gain"] > 0 else "no gain over the best member"),
             # the mean gain per position (the deciles are of equal size)
-            "value": float(np.mean(r["mean_gain"])), "top_share": float(r["top_share"])}
+            float(np.mean(r["mean_gain"])), top_share=float(r["top_share"]))
     return out
 
 
-def effect_answers(effect: dict) -> dict[str, dict]:
+def effect_answers(effect: dict) -> dict[str, Answer]:
     """The prefix effect (:func:`prefix_effect`) as comparable answers."""
     out = {}
     pcs = effect.get("phase_concentration", [])
     if pcs:
         up = sum(r["rbar_change_ci"][0] > 0 for r in pcs)
         down = sum(r["rbar_change_ci"][1] < 0 for r in pcs)
-        out["phase concentration"] = {"answer": f"{up} tightened, {down} loosened of {len(pcs)}",
-                                      "value": float(up - down)}
+        out["phase concentration"] = Answer(f"{up} tightened, {down} loosened of {len(pcs)}",
+                                            float(up - down))
     ct = effect.get("cross_term")
     if ct:
         out["cross-term AUROC change"] = _ci_answer(ct["auroc_change_ci"], ct["auroc_change"],
@@ -258,7 +300,7 @@ def effect_answers(effect: dict) -> dict[str, dict]:
     return out
 
 
-def level_moves(tokens: dict, by_bytes: dict) -> dict:
+def level_moves(tokens: dict, by_bytes: dict) -> LevelMoves:
     """Which verdicts move from co-aligned positions to every byte.
 
     Args:
@@ -267,20 +309,18 @@ def level_moves(tokens: dict, by_bytes: dict) -> dict:
       by_bytes: the same sections on every byte.
 
     Returns:
-      {"rows": {verdict: {"tokens", "bytes" (answers), "tokens_value",
-      "bytes_value", "moved"}}, "moved": [verdicts whose answer differs]}. Values
-      are in each level's units (nats per co-aligned position; nats per byte), so
-      only their signs and CIs compare; the answers say where each CI lies.
+      One :class:`Move` per verdict both levels give (``as_dict()``: report.json's
+      ``moved``). Values are in each level's units (nats per co-aligned position;
+      nats per byte), so only their signs and CIs compare; the answers say where
+      each CI lies.
     """
-    rows: dict[str, dict] = {}
+    rows: dict[str, Move] = {}
 
-    def add(where: str, a: dict, b: dict) -> None:
+    def add(where: str, a: dict[str, Answer], b: dict[str, Answer]) -> None:
         for k, rb in b.items():
             ra = a.get(k)
             if ra is not None:
-                rows[f"{where}: {k}"] = {"tokens": ra["answer"], "bytes": rb["answer"],
-                                         "tokens_value": ra["value"], "bytes_value": rb["value"],
-                                         "moved": ra["answer"] != rb["answer"]}
+                rows[f"{where}: {k}"] = Move(ra.answer, rb.answer, ra.value, rb.value)
 
     for label, r in by_bytes.get("per_corpus", {}).items():
         if label in tokens.get("per_corpus", {}):
@@ -300,6 +340,4 @@ def level_moves(tokens: dict, by_bytes: dict) -> dict:
                           ("swarm", "swarm")):
             if key in pa and key in pb:
                 add(f"{label} {what}", answers(pa[key]), answers(pb[key]))
-    return {"rows": rows, "moved": [k for k, r in rows.items() if r["moved"]],
-            "units": "values in each level's units (nats per co-aligned position; nats per "
-                     "byte): compare their signs and CIs, not their sizes"}
+    return LevelMoves(rows)

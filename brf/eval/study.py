@@ -139,7 +139,7 @@ def run(plan: Plan, *, load_model: Callable[[str], Any] | None = None) -> dict |
             rep = {"schema": study_report.STUDY_SCHEMA, "config": plan.config,
                    "corpora": [c.info() for c in corpora], **section}
         else:
-            section["moved"] = compare.level_moves(rep, section)
+            section["moved"] = compare.level_moves(rep, section).as_dict()
             section["seconds"] = time.time() - t1
             rep[level.name] = section
             rep["verdict"]["every byte"] = study_report.moved_sentence(section["moved"])
