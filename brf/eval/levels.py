@@ -121,6 +121,7 @@ class TokenLevel:
         from brf.eval.events import build_event_table
         from brf.eval.scoring import truncate_top_k
         plan = self.plan
+        os.makedirs(run_dir, exist_ok=True)
         scored = scorer.score_members(
             analysis.members, list(corpus.segments), run_dir, views.model,
             top_k=analysis.store_k, chunk=plan.scoring.chunk,
