@@ -314,10 +314,10 @@ class Request:
         check_mixture_method(c.mode, method, params, c.method, c.method_params)
         common = dict(level=level, members=specs, mode=c.mode, method=method,
                       method_params=params, sampler=c.sampler, stop=tuple(c.stop),
-                      seed=c.seed, dtype=jnp.dtype(c.dtype))
+                      seed=c.seed, dtype=jnp.dtype(c.dtype),
+                      prompts=tuple(read_prompts(c.prompts, c.prompts_file)))
         if level == "tokens":
-            return cls(**common, prompts=tuple(read_prompts(c.prompts, c.prompts_file)),
-                       max_new=c.max_new_tokens, aligner=c.aligner,
+            return cls(**common, max_new=c.max_new_tokens, aligner=c.aligner,
                        aligner_params=dict(c.aligner_params), choice=c.choice,
                        weighting=c.weighting, temperature=weighting_spec(c.weighting),
                        mesh=c.mesh)
@@ -332,8 +332,7 @@ class Request:
         if not isinstance(c.check_precision, bool):
             raise EnsembleInputError(f"config.check_precision must be True or False; got "
                                      f"{c.check_precision!r}")
-        return cls(**common, prompts=tuple(read_prompts(c.prompts, c.prompts_file)),
-                   max_new=c.max_new_bytes, beam=c.beam, threshold=c.threshold,
+        return cls(**common, max_new=c.max_new_bytes, beam=c.beam, threshold=c.threshold,
                    utf8=c.utf8, check_precision=c.check_precision)
 
 

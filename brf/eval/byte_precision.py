@@ -172,7 +172,6 @@ def pooled_shifts(per_corpus: Mapping[str, Mapping[str, dict]],
     return out
 
 
-
 def check_corpus(plan, analysis, result, segments: Sequence[str], run_dir: str,
                  views) -> dict:
     """The precision check of one corpus's byte level: each member of the default pair

@@ -57,7 +57,7 @@ class Views:
 class LoadedCorpus:
     """A corpus read once: its segments, where they came from, and one hash of them."""
     corpus: Corpus
-    segments: tuple[str, ...]
+    segments: list[str]   # a list, as load_segments gives it (cache keys hash its repr)
     source: str
     licence: str
     chars: int
@@ -67,7 +67,7 @@ class LoadedCorpus:
     def load(cls, plan: Plan, corpus: Corpus) -> "LoadedCorpus":
         segments, source, licence = load_segments(plan, corpus)
         text = "".join(segments)
-        return cls(corpus, tuple(segments), source, licence, len(text),
+        return cls(corpus, segments, source, licence, len(text),
                    hashlib.sha256(text.encode()).hexdigest())
 
     @property
@@ -104,16 +104,22 @@ class Outcome:
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenLevel:
-    """Co-aligned positions (README, "Scoring across tokenizers")."""
+class _Level:
+    """What both levels share: the plan, and its analyses at the level's name."""
     plan: Plan
+    name = ""
+
+    def analyses(self, index: int) -> list[Analysis]:
+        return self.plan.analyses(index, self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLevel(_Level):
+    """Co-aligned positions (README, "Scoring across tokenizers")."""
     name = "tokens"
     unit = "position"
     lead_only = False   # every process scores its share of each member's store
     bottleneck = True   # the same-model pair's softmax-bottleneck rows
-
-    def analyses(self, index: int) -> list[Analysis]:
-        return self.plan.analyses(index, self.name)
 
     def build(self, analysis: Analysis, corpus: LoadedCorpus, run_dir: str,
               views: Views) -> Built | None:
@@ -123,14 +129,14 @@ class TokenLevel:
         plan = self.plan
         os.makedirs(run_dir, exist_ok=True)
         scored = scorer.score_members(
-            analysis.members, list(corpus.segments), run_dir, views.model,
+            analysis.members, corpus.segments, run_dir, views.model,
             top_k=analysis.store_k, chunk=plan.scoring.chunk,
             meshes=scorer.member_meshes(plan.mesh, len(analysis.members)))
         if scored is None:  # multi-process: another process analyses
             return None
         k = analysis.top_k
         scores = [truncate_top_k(s, k) if s.topk_ids.shape[1] > k else s for s in scored.scores]
-        table, cov = build_event_table(scores, scored.token_bytes, list(corpus.segments))
+        table, cov = build_event_table(scores, scored.token_bytes, corpus.segments)
         return Built(table, cov, scored.infos)
 
     def fields(self, analysis: Analysis) -> dict:
@@ -170,25 +176,21 @@ class TokenLevel:
 
 
 @dataclasses.dataclass(frozen=True)
-class ByteLevel:
+class ByteLevel(_Level):
     """Every byte (README, "The study on every byte")."""
-    plan: Plan
     name = "bytes"
     unit = "byte"
     lead_only = True    # process 0 scores the byte level alone, after the token level
     bottleneck = False
 
-    def analyses(self, index: int) -> list[Analysis]:
-        return self.plan.analyses(index, self.name)
-
     def build(self, analysis: Analysis, corpus: LoadedCorpus, run_dir: str,
               views: Views) -> Built:
         table, cov, infos = byte_scorer.event_table(
-            analysis.members, list(corpus.segments), run_dir, views,
+            analysis.members, corpus.segments, run_dir, views,
             settings=self.plan.bytes, chunk=self.plan.scoring.chunk)
         return Built(table, cov, infos)
 
-    def fields(self, analysis: Analysis) -> dict:
+    def fields(self, analysis: Analysis | None = None) -> dict:
         s = self.plan.bytes
         return {"beam": s.beam, "threshold": s.threshold, "max_lag": s.max_lag}
 
@@ -199,9 +201,7 @@ class ByteLevel:
         return name
 
     def header(self) -> dict:
-        b = self.plan.bytes
-        return {"beam": b.beam, "threshold": b.threshold, "max_lag": b.max_lag,
-                "swarm": b.swarm}
+        return {**self.fields(), "swarm": self.plan.bytes.swarm}
 
     def corpus_extras(self, corpus: LoadedCorpus, done: dict[str, Outcome], run_dir: str,
                       views: Views) -> dict:
@@ -211,7 +211,7 @@ class ByteLevel:
         if self.plan.bytes.check_bytes:
             out["precision"] = byte_precision.check_corpus(
                 self.plan, done["corpus"].analysis, done["corpus"].result,
-                list(corpus.segments), run_dir, views)
+                corpus.segments, run_dir, views)
         return out
 
     def finish(self, section: dict, extras: dict[str, dict]) -> None:

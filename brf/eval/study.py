@@ -84,8 +84,7 @@ def run_level(plan: Plan, level: Level, corpora: list[LoadedCorpus], views: View
     on processes other than 0)."""
     per_corpus, prompts, extras = [], {}, {}
     for index, corpus in enumerate(corpora):
-        run_dir = os.path.join(plan.out_dir, corpus.label)
-        os.makedirs(run_dir, exist_ok=True)
+        run_dir = os.path.join(plan.out_dir, corpus.label)  # each level's build makes it
         # Every process makes the same run_analysis calls in the same order (their
         # scorings meet at barriers); only process 0 gets outcomes and analyses.
         done = {a.kind: run_analysis(plan, level, a, corpus, run_dir, views)
@@ -184,7 +183,7 @@ def _prompt_entry(plan: Plan, corpus: LoadedCorpus, done: dict[str, Outcome], ru
         if bottleneck and plan.bottleneck.positions > 0:
             prefixes = tuple(m.prefix for m in done["same_model"].analysis.members)
             entry["bottleneck"] = bottleneck_rows(plan, plan.members[0].name, prefixes,
-                                                  list(corpus.segments), run_dir, views.model)
+                                                  corpus.segments, run_dir, views.model)
     if "swarm" in done:
         entry["swarm"] = study_report.brief(done["swarm"].report)
     return entry
