@@ -1,4 +1,6 @@
+import json
 import os
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,15 +25,45 @@ settings.register_profile(
 settings.load_profile("brf")
 
 
+# Test files whose tests run the real models in processes of their own (a fresh
+# virtual environment's mains, notebook kernels): as heavy as the `slow` tests.
+REAL_MODEL_FILES = {"test_runtime_install.py", "test_notebooks.py"}
+
+
+def _work_unit(item) -> str:
+    """The xdist work unit of a test: its file, but one unit for every test that
+    holds a real model (``slow``, or in REAL_MODEL_FILES)."""
+    heavy = "slow" in item.keywords or item.path.name in REAL_MODEL_FILES
+    return "real models" if heavy else item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config, items):
     """`extended` tests (a second route to checks made elsewhere, minutes each)
-    run only with BRF_EXTENDED_TESTS=1, to keep CI within its time budget."""
-    if os.environ.get("BRF_EXTENDED_TESTS") == "1":
+    run only with BRF_EXTENDED_TESTS=1, to keep CI within its time budget.
+
+    A test worker also writes each test's work unit where the scheduler below reads it."""
+    units = os.environ.get("BRF_TEST_UNITS")
+    if units and hasattr(config, "workerinput"):
+        tmp = f"{units}.{config.workerinput['workerid']}"
+        with open(tmp, "w") as f:
+            json.dump({item.nodeid: _work_unit(item) for item in items}, f)
+        os.replace(tmp, units)  # every worker collects the same tests
+    if EXTENDED:
         return
     skip = pytest.mark.skip(reason="extended test; set BRF_EXTENDED_TESTS=1 to run it")
     for item in items:
         if "extended" in item.keywords:
             item.add_marker(skip)
+
+
+EXTENDED = os.environ.get("BRF_EXTENDED_TESTS") == "1"
+
+
+def extended_only(what: str) -> None:
+    """Skips the running test (one case of it) unless BRF_EXTENDED_TESTS=1: for a
+    parametrized case that is a second route where the mark cannot go on the case."""
+    if not EXTENDED:
+        pytest.skip(f"extended case ({what}); set BRF_EXTENDED_TESTS=1 to run it")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -45,3 +77,47 @@ def _return_freed_memory():
     """
     yield
     release_memory()
+
+
+# With ``--dist loadfile`` (README's test command), tests run file by file as xdist
+# does (module fixtures are built once), but every test that holds a real model goes
+# to one and the same worker, one at a time: two of them side by side (several GB
+# each in float64, a main's process beside them) can exhaust this machine's memory,
+# which ends a worker in an abort or a segmentation fault, not a clean failure.
+# (xdist's own loadgroup cannot be used: it renames node ids, which pytest 9 no
+# longer allows.) The workers write each test's unit (_work_unit) to a file the
+# scheduler reads once every worker has collected.
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # no xdist: tests run in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class _UnitScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self._units = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._units is None:
+                with open(os.environ["BRF_TEST_UNITS"]) as f:
+                    self._units = json.load(f)
+            return self._units.get(nodeid) or nodeid.split("::", 1)[0]
+
+    def pytest_configure(config):
+        if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "loadfile":
+            fd, path = tempfile.mkstemp(prefix="brf-test-units-", suffix=".json")
+            os.close(fd)
+            os.environ["BRF_TEST_UNITS"] = path  # the workers start after this
+
+    def pytest_unconfigure(config):
+        path = os.environ.get("BRF_TEST_UNITS")
+        if path and not hasattr(config, "workerinput"):
+            os.environ.pop("BRF_TEST_UNITS")
+            if os.path.exists(path):
+                os.remove(path)
+
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getoption("dist") == "loadfile" and os.environ.get("BRF_TEST_UNITS"):
+            return _UnitScheduling(config, log)
+        return None

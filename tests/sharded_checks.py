@@ -1,10 +1,10 @@
-"""Multi-device checks, each run in its own process by tests/test_sharding.py.
+"""Multi-device checks, run in a process of their own by tests/test_sharding.py.
 
-Every function here is called as ``python -c "import sharded_checks as s; s.<fn>(...)"``
+tests/test_sharding.py calls ``python -c "import sharded_checks as s; s.run_all(...)"``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set in the
 environment before JAX is imported (so the flag takes effect), so the process sees 8
-CPU devices. A failed assertion ends the process with a traceback; the test
-reports it.
+CPU devices. ``run_all`` runs each check in turn and reports each failed assertion's
+traceback under the check's name; the test reports it.
 
 The reference for every sharded number is the same computation on one
 device (float32 tolerance), which the tests of the single-device code
@@ -369,3 +369,20 @@ def dump_on_mesh() -> None:
         assert {s.data.shape[0] for s in model.params["lm_head"].addressable_shards} == \
             {272 // 4}
     print("ok")
+
+
+def run_all(calls: dict[str, str]) -> None:
+    """Runs every check named in ``calls`` (id -> call, as ``"scoring('data')"``) in
+    this one process and prints one JSON line: each id's "ok" or its traceback. One
+    process for all of them spares the start and the shared compilations of ten."""
+    import json
+    import traceback
+
+    results = {}
+    for name, call in calls.items():
+        try:
+            eval(call, globals())
+            results[name] = "ok"
+        except Exception:  # reported per check by the test; the others still run
+            results[name] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))

@@ -22,6 +22,7 @@ local layers' windows are exercised.
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import extended_only
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -131,7 +132,13 @@ def _greedy_ref(model, ids, n_new):
 
 
 def test_greedy_continuations_identical(pair):
+    """Greedy decoding (KV cache) equals transformers' token for token. Gemma 3's case
+    is extended: its logits are matched by test_logits_match, its cached decoding
+    by test_models_hf's decode-equals-forward checks, SmolLM2's case here covers the
+    rest."""
     name, ours, ref = pair
+    if name == "gemma3-270m":
+        extended_only("Gemma 3's greedy continuations")
     prompts_ids = [ours.tokenizer(p).input_ids for p in PROMPTS]
     got = _greedy_ours(ours, prompts_ids, N_NEW)
     for prompt, ids, mine in zip(PROMPTS, prompts_ids, got):

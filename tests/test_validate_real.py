@@ -45,7 +45,8 @@ def test_member_nll_matches_transformers(name):
     np.testing.assert_array_equal(scores.topk_ids[:, 0], logp[:-1].argmax(-1))
 
 
-def test_study_on_the_default_pair(tmp_path):
+@pytest.mark.extended  # test_runtime_install runs the study on the real pair, and
+def test_study_on_the_default_pair(tmp_path):  # test_validate its prompt study on tiny ones
     """The study's short variant on the real pair: one corpus slice with the prompt
     study (prefix pair, same-model pair, swarm of four) and the event-space check."""
     from brf.eval import study
