@@ -20,6 +20,10 @@ tokenizations of what was generated (brf/bytes/generate.py); any method, any
 sampler, mode 'me' too, for members with any tokenizers:
   python experiments/generate.py --config=configs/generate.py:bytes \
       --config.beam=16 --config.threshold=1e-3 --config.max_new_bytes=200
+Speculative fused decoding (the same distribution, fewer forward steps: a drafter
+proposes, every member verifies a whole draft in one call):
+  python experiments/generate.py --config=configs/generate.py:prompts --config.speculative='ngram(n=3, k=6)'
+  python experiments/generate.py --config=configs/generate.py:bytes --config.speculative='member(k=8)'
 Top-k union vocabulary instead of the full union:
   python experiments/generate.py --config=configs/generate.py \
       --config.aligner=topk_union --config.aligner_params.k=16
@@ -106,6 +110,15 @@ def get_config(arg=None):
     # generated text at the reference settings (brf.bytes.REFERENCE; minutes per
     # hundred bytes on a CPU) and reports each member's distance from them.
     c.level = "bytes" if "bytes" in flags else "tokens"
+    # Speculative fused decoding (brf/ensemble/speculative.py, brf/bytes/speculative.py;
+    # mode 'fuse', either level): '' = off; 'member(k=4)' (the member with the fewest
+    # parameters drafts k tokens, or bytes on level='bytes'; index=i picks member i),
+    # 'ngram(n=3, k=6)' (no model: copy what followed the latest earlier occurrence
+    # of the last n tokens or bytes); adaptive=True moves k between rounds, up to the
+    # given one. The text follows exactly the law of plain fused decoding; the
+    # acceptance statistics come with the output. Tokens: the members must share one
+    # vocabulary.
+    c.speculative = ""
     c.beam = DEFAULT_BEAM
     c.threshold = DEFAULT_THRESHOLD
     c.max_new_bytes = 192

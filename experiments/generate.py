@@ -4,6 +4,7 @@
   python experiments/generate.py --config=configs/generate.py:prompts,me
   python experiments/generate.py --config=configs/generate.py:tiny --config.output=/tmp/g.jsonl
   python experiments/generate.py --config=configs/generate.py:bytes   # fused next-byte distributions
+  python experiments/generate.py --config=configs/generate.py:prompts --config.speculative='ngram(n=3, k=6)'
 
 See configs/generate.py for every field.
 """
@@ -13,7 +14,7 @@ import json
 from ml_collections import config_flags
 
 from brf import cli
-from brf.ensemble.run import Request, precision_line, print_stream, run
+from brf.ensemble.run import Request, precision_line, print_stream, run, speculative_line
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py")
 
@@ -34,9 +35,11 @@ def main(argv):
     elif not c.stream:
         for row in rows:
             print(json.dumps(row, ensure_ascii=False))
-    for row in rows:  # what the byte-level views rest on
-        if row.get("level") == "bytes":
+    for b, row in enumerate(rows):
+        if row.get("level") == "bytes":  # what the byte-level views rest on
             print(precision_line(row))
+        if "speculative" in row:  # how much of the drafts was kept
+            print(speculative_line(row["speculative"], b if n > 1 else None))
 
 
 if __name__ == "__main__":

@@ -129,14 +129,18 @@ def test_validate_short(runtime, tmp_path):
 @pytest.mark.parametrize("level", ["tokens", "bytes"])
 def test_generate(runtime, tmp_path, level):
     """Generation on tokens and on bytes, tiny members with SmolLM2's tokenizer and
-    its chat template (the jinja2 import)."""
+    its chat template (the jinja2 import), decoded speculatively (README's command)."""
     out = tmp_path / "gen.jsonl"
     arg = "tiny" if level == "tokens" else "tiny,bytes"
+    drafter = "ngram(n=3, k=6)" if level == "tokens" else "member(k=4)"
     _main(runtime, "experiments/generate.py", f"--config=configs/generate.py:{arg}",
-          "--config.max_new_tokens=4", "--config.max_new_bytes=8", f"--config.output={out}")
+          "--config.max_new_tokens=4", "--config.max_new_bytes=8", f"--config.output={out}",
+          f"--config.speculative={drafter}")
     rows = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert len(rows) == 2 and all(r["finish_reason"] for r in rows), rows
     assert all((r.get("level") == "bytes") == (level == "bytes") for r in rows), rows
+    assert all(r["speculative"]["drafter"] == drafter and r["speculative"]["rounds"] >= 1
+               for r in rows), rows
 
 
 def test_dump_logits_and_analyze_csv(runtime, tmp_path):

@@ -8,6 +8,7 @@ and returns one JSON-ready row per prompt.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -280,6 +281,8 @@ class Request:
       aligner, aligner_params, choice, weighting, temperature, mesh: the token level's
         (``temperature``: the PackLLM weighting's, None for the members' weights).
       beam, threshold, utf8, check_precision: the byte level's.
+      speculative: the drafter of speculative fused decoding (`brf.drafting.DraftSpec`;
+        None: plain fused decoding), on either level.
     """
     level: str
     members: tuple
@@ -302,6 +305,7 @@ class Request:
     threshold: float = 0.0
     utf8: bool = True
     check_precision: bool = False
+    speculative: Any = None
 
     @classmethod
     def from_config(cls, c) -> "Request":
@@ -312,9 +316,14 @@ class Request:
         specs = tuple(member_specs(c.members))
         method, params = method_spec(c.method, c.method_params, c.phase)
         check_mixture_method(c.mode, method, params, c.method, c.method_params)
+        from brf.drafting import parse_drafter
+        drafter = parse_drafter(c.speculative)
+        if drafter is not None:
+            from brf.ensemble.speculative import check_mode
+            check_mode(c.mode)
         common = dict(level=level, members=specs, mode=c.mode, method=method,
                       method_params=params, sampler=c.sampler, stop=tuple(c.stop),
-                      seed=c.seed, dtype=jnp.dtype(c.dtype),
+                      seed=c.seed, dtype=jnp.dtype(c.dtype), speculative=drafter,
                       prompts=tuple(read_prompts(c.prompts, c.prompts_file)))
         if level == "tokens":
             return cls(**common, max_new=c.max_new_tokens, aligner=c.aligner,
@@ -360,6 +369,11 @@ def _run_tokens(req: Request, on_piece: Callable[[Piece], None] | None) -> list[
     members = place_members(load_members(req.members, mesh=meshes), meshes)
     prompts = list(req.prompts)
     aligner = req.aligner if req.aligner != "auto" else auto_aligner(members)
+    generate_fn = generate
+    if req.speculative is not None:  # the same law as plain fused decoding, its own loop
+        from brf.ensemble.speculative import check_speculative, speculative_generate
+        check_speculative(members, req.speculative)
+        generate_fn = functools.partial(speculative_generate, drafter=req.speculative)
     weights = [m.get("weight") for m in req.members]
     weights = None if all(w is None for w in weights) else weights
     fuse = req.mode == "fuse"
@@ -372,8 +386,8 @@ def _run_tokens(req: Request, on_piece: Callable[[Piece], None] | None) -> list[
     t0 = time.perf_counter()
     nll = None
     if req.temperature is None:
-        gens: list[Generation] = generate(members, prompts, weights=weights,
-                                          on_piece=on_piece, **kwargs)
+        gens: list[Generation] = generate_fn(members, prompts, weights=weights,
+                                             on_piece=on_piece, **kwargs)
         weights_B = [[m.weight for m in members]] * len(prompts)
     else:
         from brf.ensemble.packllm import perplexity_weight_table
@@ -382,7 +396,7 @@ def _run_tokens(req: Request, on_piece: Callable[[Piece], None] | None) -> list[
         for b, p in enumerate(prompts):
             relay = None if on_piece is None else (
                 lambda piece, b=b: on_piece(dataclasses.replace(piece, index=b)))
-            gens += generate(members, [p], weights=w_Bxn[b], on_piece=relay, **kwargs)
+            gens += generate_fn(members, [p], weights=w_Bxn[b], on_piece=relay, **kwargs)
     seconds = time.perf_counter() - t0
     rows = []
     for b, g in enumerate(gens):
@@ -391,6 +405,8 @@ def _run_tokens(req: Request, on_piece: Callable[[Piece], None] | None) -> list[
                    members_run=g.members_run, mode=req.mode, aligner=aligner,
                    **_method_fields(req), weights=weights_B[b], sampler=req.sampler,
                    seed=req.seed, seconds_batch=round(seconds, 3))
+        if req.speculative is not None:
+            row["speculative"] = g.spec.summary()
         if nll is not None:
             row["weighting"] = req.weighting
             row["prompt_nll"] = [round(float(x), 4) for x in nll[b]]
@@ -433,12 +449,17 @@ def _run_bytes(req: Request, on_piece: Callable[[Piece], None] | None) -> list[d
             lambda piece, b=b: on_piece(Piece(b, piece.text, piece.finished)))
         t0 = time.perf_counter()
         contexts = [m.prompt_ids(prompt) for m in members]
-        g = generate_bytes(lms, contexts, weights=weights,
-                           mode=req.mode, method=req.method, method_params=req.method_params,
-                           sampler=sampler, max_bytes=req.max_new, stop=req.stop,
-                           seed=req.seed, beam=req.beam, threshold=req.threshold,
-                           utf8=req.utf8, eos_ids=[sorted(m.eos_ids()) for m in members],
-                           on_piece=relay, trace=req.check_precision)
+        kwargs = dict(weights=weights, method=req.method, method_params=req.method_params,
+                      sampler=sampler, max_bytes=req.max_new, stop=req.stop, seed=req.seed,
+                      beam=req.beam, threshold=req.threshold, utf8=req.utf8,
+                      eos_ids=[sorted(m.eos_ids()) for m in members], on_piece=relay,
+                      trace=req.check_precision)
+        if req.speculative is None:
+            g = generate_bytes(lms, contexts, mode=req.mode, **kwargs)
+        else:  # n-gram drafts may copy from the prompt's bytes
+            from brf.bytes.speculative import generate_bytes_speculative
+            g = generate_bytes_speculative(lms, contexts, drafter=req.speculative,
+                                           lookup=prompt.encode("utf-8"), **kwargs)
         seconds = time.perf_counter() - t0
         precision = None
         if req.check_precision:
@@ -456,6 +477,8 @@ def _run_bytes(req: Request, on_piece: Callable[[Piece], None] | None) -> list[d
                                for p in map(np.asarray, g.pruned)],
                          settings=Settings(req.beam, req.threshold, 0).as_dict(),
                          precision=precision, seconds=round(seconds, 3)))
+        if req.speculative is not None:
+            rows[-1]["speculative"] = g.spec.summary()
     return rows
 
 
@@ -476,6 +499,17 @@ def precision_line(row: Mapping[str, Any]) -> str:
              f"bits/byte {m['dbpb']:+.2g}" for m in p["members"] if "tv_mean" in m]
     return (head + f"; against beam {r['beam']}, threshold {r['threshold']:g}: "
             + ("; ".join(parts) or "nothing generated"))
+
+
+def speculative_line(summary: Mapping[str, Any], index: int | None = None) -> str:
+    """A row's acceptance statistics (``row['speculative']``) in one line."""
+    unit = summary["unit"]
+    tag = "" if index is None else f"[{index}] "
+    acc = summary["acceptance"]
+    return (f"{tag}speculative {summary['drafter']}: {summary['rounds']} rounds, "
+            f"{summary['drafted']} {unit} drafted, {summary['accepted']} accepted "
+            f"(acceptance {'-' if acc is None else f'{acc:.2f}'}), "
+            f"{summary['per_round'] or 0:.2f} {unit} per round")
 
 
 def print_stream(piece: Piece, n_prompts: int) -> None:

@@ -1,0 +1,457 @@
+"""Speculative fused decoding (issue 40): the fused distribution, fewer forward steps.
+
+Plain fused decoding (:mod:`brf.ensemble.decode`, mode ``fuse``) runs every
+member at every token. Here a *drafter* proposes up to k tokens, every member
+reads the whole draft in one forward call over its KV cache (a prefill of the
+draft with every position's logits), the fused distribution is computed at each
+drafted position and the one after, and the accept / resample step of
+speculative sampling (:mod:`brf.fusion.speculative`) keeps the text's law
+exactly that of plain fused decoding: the target at each position is the
+*sampler's* distribution of the fused one (temperature, top-k, top-p, min-p
+applied to the fusion), and greedy decoding emits the fused argmax sequence.
+A round emits between 1 and k + 1 tokens.
+
+**Drafters** (a spec string, `brf.drafting.parse_drafter`):
+
+* ``member(k=4, index=i)``: member i's model under its own prefix drafts k tokens
+  autoregressively from its own distribution with the run's sampler applied
+  (default: the smallest member). It keeps its own KV cache; after a round it
+  is rolled back to the accepted text.
+* ``ngram(n=3, k=6, min_n=1)``: no model. The continuation of the most recent
+  earlier occurrence of the last n tokens of the context (prompt ids, template
+  included, and the generated tokens), trying n, n - 1, .., min_n; no draft when
+  nothing matches (the round is a plain step). Deterministic: a draft token is
+  accepted with probability q(x).
+* ``adaptive=True`` (either drafter): k is the most a round drafts; a round whose
+  drafts were all accepted drafts two more next time, one with a rejection one
+  fewer (at least 1).
+
+**Rolling back.** A member's cache slots hold token positions (``brf.models.cache``):
+after a round every slot whose position is at or past the accepted length is
+marked empty (-1, never attended to again), ``next_pos`` is set back, and the
+write pointer returns to just past the last slot still in use, so rejected
+draft tokens are never visible and their slots are reused.
+
+**Members that share weights** (the prompt ensemble: one model under two system
+prompts) are read as one batch by default (``group=True``): one verification
+call per model, not per member.
+
+Token level only for members that share one vocabulary (``aligner='identity'``);
+members with different tokenizers speculate on bytes (:mod:`brf.bytes.speculative`).
+Randomness: one ``numpy.random.Generator(PCG64(seed))`` per call, so the same
+seed gives the same text; the text follows the same law as plain fused decoding,
+not the same draws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from brf.ensemble import catchup
+from brf.ensemble.decode import (Generation, Piece, _check_method, _check_request,
+                                 _with_unembeddings)
+from brf.ensemble.member import (EnsembleInputError, Member, check_prompt_fits,
+                                 normalised_weights)
+from brf.ensemble.space import IdentitySpace
+from brf.drafting import (DraftSpec, KSchedule, SpecStats, drafter_index, ngram_draft,
+                          param_count, parse_drafter)
+from brf.fusion import Sampler, fuse
+from brf.fusion.sampling import filter_logprobs
+from brf.fusion.speculative import draw, verify, verify_greedy
+from brf.models import cache as model_cache
+from brf.models.transformer import prefill_donated
+from brf.text import TextStream
+
+# ----------------------------------------------------------------------------- device pieces
+
+@functools.partial(jax.jit, static_argnames=("sampler",))
+def _draft_probs(logits_BxV, sampler):
+    """The member drafter's distribution: the sampler applied to its own."""
+    return jnp.exp(filter_logprobs(jax.nn.log_softmax(logits_BxV, axis=-1), sampler))
+
+
+@jax.jit
+def _gather_rows(old_RxV, all_RxTxV, idx_RxK):
+    """Rows idx of concat(old[:, None], all) along T: [R, K, V]."""
+    both = jnp.concatenate([old_RxV[:, None], all_RxTxV], axis=1)
+    return jnp.take_along_axis(both, idx_RxK[:, :, None], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("sampler",))
+def _target(fused_XV, sampler):
+    return filter_logprobs(fused_XV, sampler)
+
+
+@jax.jit
+def _log_softmax(x):
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+@jax.jit
+def _rollback_meta(pos_BxS, next_pos_B):
+    """Slots at or past each row's new length emptied; the first free slot after the
+    last one in use."""
+    pos = jnp.where(pos_BxS >= next_pos_B[:, None], -1, pos_BxS)
+    S = pos.shape[1]
+    last = jnp.max(jnp.where(pos >= 0, jnp.arange(S, dtype=jnp.int32)[None], -1))
+    return pos, last + 1
+
+
+def rollback(state: catchup.MemberState, n_read: Sequence[int],
+             pending: Sequence[Sequence[int]]) -> catchup.MemberState:
+    """The state with each row cut back to its first ``n_read[b]`` tokens (slots of
+    later positions emptied, never attended to again) and ``pending`` to read next."""
+    c = state.cache
+    next_pos = jnp.asarray(np.asarray(n_read, np.int32))
+    pos, end = _rollback_meta(c["pos"], next_pos)
+    end_host = int(end)
+    cache = dict(c, pos=pos, next_pos=next_pos, end=jnp.asarray(end_host, jnp.int32))
+    return catchup.MemberState(cache, state.logits_BxV, tuple(tuple(p) for p in pending),
+                               end_host, tuple(int(n) for n in n_read))
+
+
+def read_all(member, state: catchup.MemberState, tokens: Sequence[Sequence[int]], *,
+             dtype) -> tuple[jax.Array | None, catchup.MemberState]:
+    """Every row reads its tokens (ragged, right-padded) in one call; returns the
+    logits after every position ([R, T, V], None when nothing is read) and the
+    state with them read (nothing pending)."""
+    lengths = [len(t) for t in tokens]
+    T = max(lengths, default=0)
+    if T == 0:
+        return None, state._replace(pending=((),) * len(lengths))
+    cache = state.cache
+    S = cache["pos"].shape[1]
+    if state.end + T > S:
+        cache = model_cache.grow(cache, catchup.bucket(state.end + T))
+    toks, valid = catchup._padded(tokens, T, 0)
+    mesh = catchup._data_mesh(member.params, len(lengths))
+    from brf import sharding
+    logits, cache = prefill_donated(member.params, member.cfg,
+                                    sharding.shard_batch(jnp.asarray(toks), mesh),
+                                    sharding.shard_batch(jnp.asarray(valid), mesh), cache,
+                                    dtype=jnp.dtype(dtype), logits="all")
+    n_read = tuple(n + k for n, k in zip(state.n_read, lengths))
+    return logits, catchup.MemberState(cache, state.logits_BxV, ((),) * len(lengths),
+                                       state.end + T, n_read)
+
+
+# ----------------------------------------------------------------------------- results
+
+@dataclasses.dataclass
+class SpecGeneration(Generation):
+    """:class:`brf.ensemble.decode.Generation` plus the acceptance statistics.
+
+    ``trace`` rows (``trace=True``): per emitted token 'logq' (the fused
+    distribution before the sampler), 'event', 'round', 'drafted' (whether it was
+    an accepted draft token).
+    """
+    spec: SpecStats = dataclasses.field(default_factory=SpecStats)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def check_mode(mode: str) -> None:
+    """Speculation verifies drafts against the fused distribution: mode 'fuse' only."""
+    if mode != "fuse":
+        raise EnsembleInputError(f"speculative decoding verifies drafts against the fused "
+                                 f"distribution (mode 'fuse'); mode {mode!r} already runs one "
+                                 "member per step: set config.speculative='' or mode='fuse'")
+
+
+def check_speculative(members: Sequence[Member], spec: DraftSpec, mode: str = "fuse") -> None:
+    """Refuses a drafter the token level cannot run (before any model runs)."""
+    check_mode(mode)
+    try:
+        IdentitySpace(members, 1)
+    except EnsembleInputError as e:
+        raise EnsembleInputError(f"speculative decoding on tokens reads one draft with every "
+                                 f"member, so the members must share one vocabulary: {e}. "
+                                 "Speculate on bytes (level='bytes') across tokenizers") from None
+    if spec.kind == "member":
+        drafter_index(spec, [0] * len(members), [m.name for m in members])
+
+
+def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
+                         drafter: str | DraftSpec, weights: Sequence[float] | None = None,
+                         method: str = "linear", method_params: Mapping[str, Any] | None = None,
+                         sampler: Sampler | str | None = None, max_new_tokens: int = 64,
+                         stop: Sequence[str] = (), seed: int = 0, dtype=jnp.float32,
+                         group: bool = True, trace: bool = False,
+                         on_piece: Callable[[Piece], None] | None = None
+                         ) -> list[SpecGeneration]:
+    """Speculative fused decoding of a batch of prompts (module docstring).
+
+    Args:
+        members: the ensemble; one vocabulary.
+        prompts: B prompt strings.
+        drafter: a drafter spec (`brf.drafting.parse_drafter`).
+        weights, method, method_params, sampler, max_new_tokens, stop, seed, dtype:
+            as for :func:`brf.ensemble.decode.stream` in mode 'fuse'.
+        group: members that share weights read as one batch (one call per model).
+        trace: record every emitted token's fused distribution.
+        on_piece: called with every piece of text as it becomes final.
+
+    Returns:
+        One :class:`SpecGeneration` per prompt.
+    """
+    members, prompts = list(members), list(prompts)
+    spec = parse_drafter(drafter)
+    if spec is None:
+        raise EnsembleInputError("no speculative drafter given")
+    sampler = Sampler.parse(sampler) if not isinstance(sampler, Sampler) else sampler
+    method_params = dict(method_params or {})
+    _check_request("fuse", "per_sequence", prompts, max_new_tokens, method, method_params,
+                   sampler)
+    w = normalised_weights(members, weights)
+    method_params = _with_unembeddings(method, method_params, members)
+    _check_method(method, method_params, len(members))
+    check_speculative(members, spec)
+    B = len(prompts)
+    space = IdentitySpace(members, B)
+    prompt_ids = [[m.prompt_ids(p) for p in prompts] for m in members]
+    for m, ids in zip(members, prompt_ids):
+        for p in ids:
+            check_prompt_fits(m, p, max_new_tokens)
+    space.start(prompt_ids)
+    d_index = None
+    if spec.kind == "member":
+        d_index = drafter_index(spec, [param_count(m.params) for m in members],
+                                [m.name for m in members])
+    loop = _Loop(members, prompts, spec, w, method, method_params, sampler, max_new_tokens,
+                 tuple(stop), seed, dtype, group, trace, space, prompt_ids, d_index)
+    return loop.run(on_piece)
+
+
+def speculative_generate(members: Sequence[Member], prompts: Sequence[str], *,
+                         drafter: str | DraftSpec, mode: str = "fuse",
+                         aligner: str = "identity", aligner_params=None,
+                         choice: str = "per_sequence", **kwargs) -> list[SpecGeneration]:
+    """:func:`generate_speculative` called with :func:`brf.ensemble.decode.generate`'s
+    keyword arguments (what `brf.ensemble.run` passes); the aligner must be 'identity'."""
+    check_mode(mode)
+    if aligner != "identity":
+        raise EnsembleInputError(f"speculative decoding on tokens reads the drafts as the "
+                                 f"members' shared token ids (aligner 'identity'); got aligner "
+                                 f"{aligner!r}. Speculate on bytes (level='bytes') across "
+                                 "tokenizers")
+    del aligner_params, choice
+    return generate_speculative(members, prompts, drafter=drafter, **kwargs)
+
+
+class _Loop:
+    """One call of :func:`generate_speculative` (host bookkeeping, device states)."""
+
+    def __init__(self, members, prompts, spec, w, method, method_params, sampler,
+                 max_new_tokens, stop, seed, dtype, group, trace, space, prompt_ids, d_index):
+        self.members, self.spec, self.method = members, spec, method
+        self.method_params, self.sampler, self.max_new = method_params, sampler, max_new_tokens
+        self.dtype, self.trace, self.space, self.d_index = dtype, trace, space, d_index
+        self.B, self.n = len(prompts), len(members)
+        self.w_dev = jnp.asarray(w, jnp.float32)
+        self.rng = np.random.default_rng(seed)
+        self.gens = [SpecGeneration(prompt=p, members_run=[0] * self.n,
+                                    spec=SpecStats(drafter=spec.text)) for p in prompts]
+        self.streams = [TextStream(stop) for _ in prompts]
+        self.done = [False] * self.B
+        self.history = [list(prompt_ids[0][b]) for b in range(self.B)]  # n-gram context
+        slots = (catchup.bucket(max(len(p) for ids in prompt_ids for p in ids), 8)
+                 + 2 * max_new_tokens + 4 * (spec.k + 1))
+        # groups of members that share weights: one state, rows member-major
+        keys: dict = {}
+        for i, m in enumerate(members):
+            key = (id(m.params), m.cfg) if group else i
+            keys.setdefault(key, []).append(i)
+        self.groups = list(keys.values())
+        self.where = {}  # member -> (group, row block)
+        self.states = []
+        for g, idx in enumerate(self.groups):
+            for r, i in enumerate(idx):
+                self.where[i] = (g, r)
+            rows = [ids for i in idx for ids in prompt_ids[i]]
+            self.states.append(catchup.start(members[idx[0]], rows, dtype=dtype, slots=slots))
+        self.pending: list[tuple[int, ...]] = [()] * self.B
+        self.dstate = None
+        if d_index is not None:
+            self.dstate = catchup.start(members[d_index], prompt_ids[d_index], dtype=dtype,
+                                        slots=slots)
+        self.sched = KSchedule(spec)
+        self.round = 0
+
+    # -- drafting
+    def _draft(self, caps: list[int]) -> tuple[list[list[int]], list[np.ndarray | None]]:
+        """Per row, its draft (at most caps[b] tokens) and its draft distributions."""
+        k = self.sched.k
+        live = [b for b in range(self.B) if not self.done[b] and caps[b] > 0]
+        drafts: list[list[int]] = [[] for _ in range(self.B)]
+        p_rows: list[Any] = [None] * self.B
+        if not live:
+            return drafts, p_rows
+        if self.spec.kind == "ngram":
+            for b in live:
+                drafts[b] = ngram_draft(self.history[b], self.spec.n, self.spec.min_n,
+                                        min(k, caps[b]))
+            return drafts, p_rows
+        steps = min(k, max(caps[b] for b in live))
+        m = self.members[self.d_index]
+        probs_rows: list[list[np.ndarray]] = [[] for _ in range(self.B)]
+        st = self.dstate
+        for s in range(steps):
+            st = catchup.catch_up(m, st, dtype=self.dtype)
+            if self.sampler.greedy:
+                top = np.asarray(jnp.argmax(st.logits_BxV, axis=-1))
+                new = [[int(top[b])] if b in live else [] for b in range(self.B)]
+            else:
+                probs = np.asarray(_draft_probs(st.logits_BxV, self.sampler), np.float64)
+                probs /= probs.sum(axis=-1, keepdims=True)
+                new = []
+                for b in range(self.B):
+                    if b in live:
+                        new.append([draw(self.rng, probs[b])])
+                        probs_rows[b].append(probs[b])
+                    else:
+                        new.append([])
+            for b in live:
+                drafts[b].append(new[b][0])
+            st = catchup.add_pending(st, new)
+        self.dstate = st
+        for b in live:
+            drafts[b] = drafts[b][:caps[b]]
+            if not self.sampler.greedy:
+                p_rows[b] = np.stack(probs_rows[b][:caps[b]]) if drafts[b] else None
+        return drafts, p_rows
+
+    # -- one round
+    def _round(self) -> list[tuple[int, list[int], int]]:
+        """Drafts, verifies and rolls back; returns per live row (b, emitted, accepted)."""
+        B = self.B
+        caps = [max(0, self.max_new - g.n_events - 1) for g in self.gens]
+        k_round = self.sched.k
+        drafts, p_rows = self._draft(caps)
+        live = [b for b in range(B) if not self.done[b]]
+        tokens = [list(self.pending[b]) + drafts[b] if b in live else [] for b in range(B)]
+        K = max(len(drafts[b]) for b in live)
+        # every member's logits at the K + 1 positions of every row
+        per_member: list[Any] = [None] * self.n
+        for g, idx in enumerate(self.groups):
+            st = self.states[g]
+            rows_tokens = [tokens[b] for _ in idx for b in range(B)]
+            old = st.logits_BxV
+            logits, st = read_all(self.members[idx[0]], st, rows_tokens, dtype=self.dtype)
+            pend = [len(self.pending[b]) for _ in idx for b in range(B)]
+            ix = np.minimum(np.asarray(pend)[:, None] + np.arange(K + 1)[None],
+                            max(len(t) for t in rows_tokens))
+            if logits is None:
+                rows = old[:, None]
+            else:
+                rows = _gather_rows(old, logits, jnp.asarray(ix, jnp.int32))
+            self.states[g] = st
+            for r, i in enumerate(idx):
+                per_member[i] = rows[r * B:(r + 1) * B]
+            for i in idx:
+                for b in live:
+                    self.gens[b].members_run[i] += 1
+        logp = _log_softmax(jnp.stack(per_member, axis=2))       # [B, K + 1, n, V]
+        fused = fuse(self.method, logp, self.w_dev, validate=False, **self.method_params)
+        fused_np = np.asarray(fused, np.float64) if self.trace else None
+        if self.sampler.greedy:
+            top = np.asarray(jnp.argmax(fused, axis=-1))
+            q = None
+        else:
+            q = np.exp(np.asarray(_target(fused, self.sampler), np.float64))
+            q /= q.sum(axis=-1, keepdims=True)
+        out = []
+        keep = [0] * B
+        for b in live:
+            d = drafts[b]
+            v = (verify_greedy(top[b], d) if q is None
+                 else verify(self.rng, q[b, :len(d) + 1], d, p_rows[b]))
+            emitted = d[:v.accepted] + [v.event]
+            keep[b] = len(self.pending[b]) + v.accepted
+            self.gens[b].spec.add(k_round, len(d), v.accepted)
+            self.sched.update(len(d), v.accepted)
+            if self.trace:
+                for j, e in enumerate(emitted):
+                    self.gens[b].trace.append(dict(logq=fused_np[b, j], event=int(e),
+                                                   round=self.round, drafted=j < v.accepted))
+            out.append((b, emitted, v.accepted))
+        # roll every state back to the accepted text; the emitted token is pending
+        new_pending = [() for _ in range(B)]
+        for b, emitted, _ in out:
+            new_pending[b] = (emitted[-1],)
+        for g, idx in enumerate(self.groups):
+            st = self.states[g]
+            n_read = [st.n_read[r * B + b] - len(tokens[b]) + keep[b]
+                      for r in range(len(idx)) for b in range(B)]
+            self.states[g] = rollback(st, n_read, [new_pending[b] for _ in idx
+                                                   for b in range(B)])
+        if self.dstate is not None:
+            self._rollback_drafter(out)
+        self.pending = new_pending
+        self.round += 1
+        return out
+
+    def _rollback_drafter(self, out) -> None:
+        """The drafter keeps what it read of the accepted text; the rest is pending.
+
+        Per row it has read, this round, a prefix of its pending tokens at the
+        round's start followed by its drafts; the accepted text is those pending
+        tokens followed by the emitted ones. It keeps their common prefix (as far
+        as it read), and what it has not read of the accepted text is pending.
+        """
+        st = self.dstate
+        n0, p0 = self._d_start
+        n_read, pending = list(st.n_read), [tuple(p) for p in st.pending]
+        for b, emitted, acc in out:
+            read = st.n_read[b] - n0[b]
+            text = list(p0[b]) + list(emitted)
+            keep = min(read, len(p0[b]) + acc)
+            n_read[b] = n0[b] + keep
+            pending[b] = tuple(text[keep:])
+        self.dstate = rollback(st, n_read, pending)
+
+    def run(self, on_piece) -> list[SpecGeneration]:
+        while not all(self.done):
+            if self.dstate is not None:
+                self._d_start = (self.dstate.n_read, self.dstate.pending)
+            for b, emitted, _ in self._round():
+                for e in emitted:
+                    piece, reason = self._advance(b, e)
+                    if (piece or reason) and on_piece is not None:
+                        on_piece(Piece(b, piece, reason))
+                    if reason is not None:
+                        self.done[b] = True
+                        break
+        return self.gens
+
+    def _advance(self, b: int, e: int) -> tuple[str, str | None]:
+        """One emitted token of row b: text, stop conditions (as decode._advance)."""
+        space, g, text = self.space, self.gens[b], self.streams[b]
+        g.n_events += 1
+        reason, piece = None, ""
+        if space.is_eos(e):
+            reason = "eos"
+        else:
+            space.advance(b, e, [0] * self.n)
+            self.history[b].append(int(e))
+            piece = text.update(space.text(b))
+            if text.stopped:
+                reason = "stop"
+            elif g.n_events >= self.max_new:
+                reason = "length"
+        if reason is not None:
+            piece += text.update(space.text(b), final=True)
+            g.finish_reason = reason
+            g.data = space.raw(b)
+            g.member_ids = [tuple(space.member_ids(i, b)) for i in range(self.n)]
+        g.text = text.text
+        return piece, reason
+
+
+__all__ = ["SpecGeneration", "check_mode", "check_speculative", "generate_speculative",
+           "read_all", "rollback", "speculative_generate"]

@@ -1,0 +1,388 @@
+"""Speculative fused decoding (issue 40): exactness against independent references.
+
+* The accept / resample rule alone (`brf.fusion.speculative`): its exact law sums
+  to the target, and its draws follow that law.
+* Tokens (`brf.ensemble.speculative`), tiny random models sharing a tokenizer:
+  greedy speculative text equals greedy fused text token for token; the first
+  two sampled tokens follow the exact fused-and-filtered joint law (chi-square
+  against an enumeration from cache-free forward passes); a deliberately wrong
+  rule fails that test; rolled-back caches hide rejected tokens.
+* Bytes (`brf.bytes.speculative`): tests/test_speculative_bytes.py.
+* Bad drafter settings are user errors (generate.py's: tests/test_cli.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import brf
+from brf.ensemble import EnsembleInputError, catchup, generate
+from brf.ensemble import speculative as spec_lib
+from brf.drafting import DrafterError, ngram_draft, parse_drafter
+from brf.ensemble.speculative import generate_speculative, read_all, rollback
+from brf.fusion import speculative as rule
+from brf.models import forward
+
+from tiny_lm import tiny_member, tiny_tokenizer
+
+PROMPTS = ["the cat sat", "in a hat"]
+N_DRAWS = 4000
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def pair(tok):
+    """Two different random models sharing one tokenizer."""
+    return [tiny_member(0, tok, name="a"), tiny_member(1, tok, name="b")]
+
+
+@pytest.fixture(scope="module")
+def prompt_pair(pair):
+    """One model under two conditioning prefixes (a prompt ensemble: one group)."""
+    m = pair[0]
+    return [dataclasses.replace(m, name="plain", prefix="the "),
+            dataclasses.replace(m, name="other", prefix="a hat in ")]
+
+
+# ----------------------------------------------------------------------------- the rule
+
+def _random_dist(rng, E, sparsity=0.3):
+    p = rng.dirichlet(np.full(E, 0.5))
+    p[rng.random(E) < sparsity] = 0.0
+    if p.sum() == 0:
+        p[0] = 1.0
+    return p / p.sum()
+
+
+def _first_two_law(q, p, d_law):
+    """The exact law [E, E] of the first two emitted events of a two-draft round,
+    summed over the drafts' law d_law(x1, x2) (from `emitted_law`)."""
+    E = q.shape[1]
+    out = np.zeros((E, E))
+    for x1 in range(E):
+        for x2 in range(E):
+            pd = d_law(x1, x2)
+            if pd == 0:
+                continue
+            for i, w in rule.emitted_law(q, [x1, x2], p):
+                if i == 0:   # x1 rejected: e1 ~ w; the second event starts the next round
+                    out += pd * w[:, None] * q[None, 1]  # (q[1] stands for the next q)
+                elif i == 1:  # x1 accepted, x2 rejected: (x1, e)
+                    out[x1] += pd * w
+                else:         # both accepted: (x1, x2), then the bonus
+                    out[x1, x2] += pd * w.sum()
+    return out
+
+
+def test_rule_exact_law_is_the_target():
+    """Summed over the drafts' own law, `emitted_law` gives the target exactly: the
+    first event is q_1 and the first two are q_1 x q_2 (q_2 here does not depend on
+    the first event), for sampled and deterministic drafters."""
+    rng = np.random.default_rng(0)
+    E = 6
+    for _ in range(10):
+        q = np.stack([_random_dist(rng, E) for _ in range(3)])
+        p = np.stack([_random_dist(rng, E) for _ in range(2)])
+        want = q[0][:, None] * q[1][None, :]
+        got = _first_two_law(q, p, lambda a, b: p[0, a] * p[1, b])
+        np.testing.assert_allclose(got, want, atol=1e-12)
+        for a, b in ((0, 1), (2, 2)):  # a deterministic drafter: any fixed draft
+            got = _first_two_law(q, None, lambda x1, x2: float((x1, x2) == (a, b)))
+            np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_rule_draws_follow_the_target():
+    """`verify` itself: chi-square of the first emitted event over many rounds, with
+    p and q that disagree strongly (target independent of the draft law)."""
+    rng = np.random.default_rng(1)
+    E = 6
+    q = np.stack([_random_dist(rng, E, 0.0) for _ in range(3)])
+    p = np.stack([_random_dist(rng, E, 0.0) for _ in range(2)])
+    counts = np.zeros(E)
+    for _ in range(N_DRAWS):
+        d = [rule.draw(rng, p[0]), rule.draw(rng, p[1])]
+        v = rule.verify(rng, q, d, p)
+        counts[d[0] if v.accepted else v.event] += 1
+    stat = ((counts - N_DRAWS * q[0]) ** 2 / (N_DRAWS * q[0])).sum()
+    assert stats.chi2.sf(stat, E - 1) > 0.01
+    assert rule.verify_greedy([2, 3, 1], [2, 0]) == rule.Verdict(1, 3)
+    assert rule.verify_greedy([2, 3, 1], [2, 3]) == rule.Verdict(2, 1)
+
+
+# ----------------------------------------------------------------------------- drafters
+
+def test_ngram_draft_copies_the_latest_match():
+    h = [5, 1, 2, 9, 1, 2, 7, 8, 3, 1, 2]
+    assert ngram_draft(h, 2, 1, 3) == [7, 8, 3]          # the latest '1 2' continues 7 8 3
+    assert ngram_draft(h, 3, 3, 3) == []                 # '3 1 2' never occurred before
+    assert ngram_draft(h, 3, 2, 9) == [7, 8, 3, 1, 2]    # falls back to n = 2; stops at the end
+    assert ngram_draft(b"abcXabc", 3, 1, 2) == [ord("X"), ord("a")]
+    assert ngram_draft([1, 2], 3, 1, 4) == []
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ("member(k=0)", "k must be an integer >= 1; got 0"),
+    ("ngram(k=-2)", "k must be an integer >= 1"),
+    ("ngram(n=2, min_n=3)", "min_n (3) must be at most n (2)"),
+    ("oracle(k=3)", "unknown speculative drafter 'oracle'"),
+    ("member(k=2, n=3)", "unknown parameter(s) ['n']"),
+    ("member(k=2, adaptive=1)", "adaptive must be True or False"),
+    ("member(k=2", "missing ')'"),
+])
+def test_bad_drafter_specs_are_user_errors(bad, needle):
+    with pytest.raises(DrafterError) as e:
+        parse_drafter(bad)
+    assert needle in str(e.value)
+
+
+def test_parse_drafter_defaults():
+    assert parse_drafter("") is None
+    d = parse_drafter("ngram(n=4, k=8, adaptive=True)")
+    assert (d.kind, d.k, d.n, d.min_n, d.adaptive) == ("ngram", 8, 4, 1, True)
+    d = parse_drafter("member(index=1, k=3)")
+    assert (d.kind, d.k, d.index) == ("member", 3, 1)
+
+
+# ----------------------------------------------------------------------------- tokens: greedy
+
+@pytest.mark.parametrize("ensemble,drafter,method,params", [
+    ("pair", "member(k=3)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
+    ("pair", "ngram(n=2, k=4)", "linear", {}),
+    ("prompt_pair", "member(index=1, k=4, adaptive=True)", "born",
+     {"phase": "token_tanh(rate=0.8)"}),
+    ("prompt_pair", "ngram(n=3, k=5)", "loglinear", {}),
+])
+def test_greedy_speculative_equals_greedy_fused(request, ensemble, drafter, method, params):
+    members = request.getfixturevalue(ensemble)
+    kw = dict(weights=[0.4, 0.6], method=method, method_params=params, sampler="greedy",
+              max_new_tokens=24)
+    plain = generate(members, PROMPTS, **kw)
+    pieces = []
+    got = generate_speculative(members, PROMPTS, drafter=drafter, on_piece=pieces.append, **kw)
+    for b, (p, s) in enumerate(zip(plain, got)):
+        assert (s.text, s.n_events, s.finish_reason) == (p.text, p.n_events, p.finish_reason)
+        assert s.member_ids == p.member_ids
+        assert "".join(x.text for x in pieces if x.index == b) == s.text
+        st = s.spec
+        assert st.rounds >= 1 and st.emitted >= s.n_events and st.accepted <= st.drafted
+    total = got[0].spec.merge(got[1].spec)
+    assert total.drafted > 0 and total.rounds < sum(g.n_events for g in got)  # it speculated
+
+
+def test_greedy_ungrouped_equals_grouped(prompt_pair):
+    kw = dict(method="linear", sampler="greedy", max_new_tokens=16, drafter="member(k=3)")
+    a = generate_speculative(prompt_pair, PROMPTS, group=True, **kw)
+    b = generate_speculative(prompt_pair, PROMPTS, group=False, **kw)
+    assert [g.text for g in a] == [g.text for g in b]
+
+
+# ----------------------------------------------------------------------------- tokens: sampling
+
+REF_LEN = 64
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _full_logp(params, cfg, tokens_1xN, valid_1xN):
+    logits, _ = forward(params, cfg, tokens_1xN, valid_1xN)
+    return jax.nn.log_softmax(logits[0], axis=-1)
+
+
+def _last_logp(member, ids):
+    """log p(. | ids) from one cache-free forward pass."""
+    tokens = np.zeros((1, REF_LEN), np.int32)
+    tokens[0, :len(ids)] = ids
+    valid = np.arange(REF_LEN)[None] < len(ids)
+    return np.asarray(_full_logp(member.params, member.cfg, tokens, valid))[len(ids) - 1]
+
+
+def _target_probs(members, prompt, events, w, method, params, sampler):
+    """The fused distribution after ``events``, filtered by the sampler (float64)."""
+    rows = np.stack([_last_logp(m, m.prompt_ids(prompt) + list(events)) for m in members])
+    fused = brf.fuse(method, jnp.asarray(rows), jnp.asarray(w, jnp.float32), **params)
+    q = np.exp(np.asarray(brf.fusion.filter_logprobs(fused, brf.Sampler.parse(sampler)),
+                          np.float64))
+    return q / q.sum()
+
+
+def _joint_reference(members, prompt, w, method, params, sampler, eos):
+    """{(t1, t2): probability} of the first two tokens (t2 = -1 after an EOS t1)."""
+    q1 = _target_probs(members, prompt, [], w, method, params, sampler)
+    cells = {}
+    for t1 in np.flatnonzero(q1 > 1e-7):
+        if int(t1) in eos:
+            cells[(int(t1), -1)] = q1[t1]
+            continue
+        q2 = _target_probs(members, prompt, [int(t1)], w, method, params, sampler)
+        for t2 in np.flatnonzero(q2 > 1e-9):
+            cells[(int(t1), int(t2))] = q1[t1] * q2[t2]
+    return cells
+
+
+def _chi2_cells(observed: dict, expected: dict, n: int, min_expected: float = 5.0):
+    """Pearson chi-square: cells with expected count >= 5 on their own, the rest (and
+    anything observed outside ``expected``) pooled in one bin."""
+    big = [c for c, p in expected.items() if n * p >= min_expected]
+    obs = [observed.get(c, 0) for c in big]
+    exp = [n * expected[c] for c in big]
+    rest_obs = n - sum(obs)
+    rest_exp = n - sum(exp)
+    if rest_exp >= min_expected:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    else:  # fold a tiny remainder into the smallest cell
+        j = int(np.argmin(exp))
+        obs[j] += rest_obs
+        exp[j] += rest_exp
+    obs, exp = np.asarray(obs, float), np.asarray(exp, float)
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = len(obs) - 1
+    return stat, df, stats.chi2.sf(stat, df)
+
+
+def _first_two(members, drafter, w, method, params, sampler, seed=11):
+    res = generate_speculative(members, [PROMPTS[0]] * N_DRAWS, drafter=drafter, weights=w,
+                               method=method, method_params=params, sampler=sampler,
+                               max_new_tokens=3, seed=seed, trace=True)
+    counts: dict = {}
+    for g in res:
+        ev = [s["event"] for s in g.trace]
+        key = (ev[0], ev[1] if len(ev) > 1 else -1)
+        counts[key] = counts.get(key, 0) + 1
+    return counts, SpecSummary(res)
+
+
+class SpecSummary:
+    def __init__(self, res):
+        self.total = res[0].spec
+        for g in res[1:]:
+            self.total = self.total.merge(g.spec)
+
+
+SAMPLER = "temperature=0.9,top_p=0.95"
+SAMPLED_CASES = [
+    ("pair", "member(k=2)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
+    ("pair", "ngram(n=2, k=2)", "linear", {}),
+    ("prompt_pair", "member(k=2)", "linear", {}),
+]
+
+
+def _oracle_ngram(members, w, method, params, monkeypatch):
+    """Makes the n-gram drafter draft, after the prompt, the target's most likely
+    token and (from the second round on) nothing else: a deterministic drafter that
+    is often right. Random tiny models copy nothing from their prompt, so the real
+    n-gram drafts are all rejected (the greedy tests run them); this one takes the
+    same path (``p_rows`` None, one-hot drafts) with drafts accepted too."""
+    n_prompt = len(members[0].prompt_ids(PROMPTS[0]))
+    best = functools.lru_cache(maxsize=None)(lambda events: int(np.argmax(
+        _target_probs(members, PROMPTS[0], list(events), w, method, params, SAMPLER))))
+
+    def draft(history, n, min_n, k):
+        events = tuple(history[n_prompt:])
+        return [best(events)] if len(events) < 2 else []
+    monkeypatch.setattr(spec_lib, "ngram_draft", draft)
+
+
+@pytest.mark.parametrize("ensemble,drafter,method,params", SAMPLED_CASES)
+def test_first_two_tokens_follow_the_fused_distribution(request, ensemble, drafter, method,
+                                                        params, monkeypatch):
+    """4000 sequences of 3 tokens (drafts of 2): the joint law of the first two
+    tokens equals the enumerated fused-and-filtered law (chi-square, alpha 0.01).
+    The second token is drawn in every way a round can: an accepted draft, a
+    replacement after a rejection, the bonus after all drafts, a plain step."""
+    members = request.getfixturevalue(ensemble)
+    w = [0.3, 0.7]
+    eos = {members[0].tokenizer.eos_token_id} | set(members[0].cfg.eos_ids)
+    if drafter.startswith("ngram"):
+        _oracle_ngram(members, w, method, params, monkeypatch)
+    ref = _joint_reference(members, PROMPTS[0], w, method, params, SAMPLER, eos)
+    counts, summary = _first_two(members, drafter, w, method, params, SAMPLER)
+    stat, df, pval = _chi2_cells(counts, ref, N_DRAWS)
+    assert df >= 5, df  # the law is spread over enough cells to be a real test
+    assert pval > 0.01, (stat, df, pval)
+    t = summary.total
+    assert 0 < t.accepted < t.drafted  # drafts were both accepted and rejected
+    # power: the same statistic tells the fused law from the drafter's (member drafters)
+    # and from the unfiltered fused law
+    if drafter.startswith("member"):
+        alt = _joint_reference([members[0], members[0]], PROMPTS[0], [0.5, 0.5], "linear",
+                               {}, SAMPLER, eos)
+        lam = _noncentrality(ref, alt, N_DRAWS)
+        assert stats.ncx2.sf(stats.chi2.isf(0.01, df), df, lam) > 0.99
+
+
+def _noncentrality(p0: dict, p1: dict, n: int) -> float:
+    big = [c for c, p in p0.items() if n * p >= 5]
+    a = np.array([p0[c] for c in big] + [1 - sum(p0[c] for c in big)])
+    b = np.array([p1.get(c, 0.0) for c in big] + [1 - sum(p1.get(c, 0.0) for c in big)])
+    return n * ((b - a) ** 2 / np.maximum(a, 1e-300)).sum()
+
+
+def test_a_wrong_acceptance_rule_fails_the_test(pair, monkeypatch):
+    """The test above can fail: resampling from q instead of the residual max(0, q - p)
+    after a rejection (a common mistake) is detected at p < 1e-6."""
+    def wrong(rng, q_rows, draft, p_rows=None):
+        q_at = q_rows if callable(q_rows) else q_rows.__getitem__
+        for i, x in enumerate(draft):
+            q = q_at(i)
+            px = 1.0 if p_rows is None else float(p_rows[i][x])
+            if rng.random() * px < q[x]:
+                continue
+            return rule.Verdict(i, rule.draw(rng, q))  # should be the residual
+        return rule.Verdict(len(draft), rule.draw(rng, q_at(len(draft))))
+
+    monkeypatch.setattr(spec_lib, "verify", wrong)
+    ensemble, drafter, method, params = SAMPLED_CASES[0]
+    w = [0.3, 0.7]
+    eos = {pair[0].tokenizer.eos_token_id} | set(pair[0].cfg.eos_ids)
+    ref = _joint_reference(pair, PROMPTS[0], w, method, params, SAMPLER, eos)
+    counts, _ = _first_two(pair, drafter, w, method, params, SAMPLER)
+    stat, df, pval = _chi2_cells(counts, ref, N_DRAWS)
+    assert pval < 1e-6, (stat, df, pval)
+
+
+# ----------------------------------------------------------------------------- rollback
+
+def test_rollback_hides_rejected_tokens(pair):
+    """Read 4 tokens, roll back to 2, read another: the logits equal a cache-free pass
+    over the kept text, and the cache's visible slots are exactly its positions."""
+    m = pair[0]
+    prompts = ["the cat", "a much longer prompt here"]
+    ids = [m.prompt_ids(p) for p in prompts]
+    st = catchup.start(m, ids)
+    drafts = [[40, 41, 42, 43], [50, 51]]
+    logits, st = read_all(m, st, drafts, dtype=jnp.float32)
+    keep = [2, 1]
+    st = rollback(st, [len(i) + k for i, k in zip(ids, keep)],
+                  [[60], [61]])
+    logits, st = read_all(m, st, [[60], [61]], dtype=jnp.float32)
+    for b in range(2):
+        text = ids[b] + drafts[b][:keep[b]] + [60 + b]
+        want = _last_logp(m, text)
+        got = np.asarray(jax.nn.log_softmax(logits[b, 0]))
+        np.testing.assert_allclose(got, want, atol=2e-4)
+        pos = np.asarray(st.cache["pos"][b])
+        assert sorted(pos[pos >= 0].tolist()) == list(range(len(text)))
+    assert st.n_read == tuple(len(ids[b]) + keep[b] + 1 for b in range(2))
+    assert int(st.cache["end"]) == st.end
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_token_level_needs_one_vocabulary(tok):
+    other = tiny_tokenizer(merges=(("a", "b"),))
+    members = [tiny_member(0, tok, name="a"), tiny_member(1, other, name="b")]
+    with pytest.raises(EnsembleInputError, match="must share one vocabulary.*level='bytes'"):
+        generate_speculative(members, PROMPTS, drafter="member(k=2)")
+    with pytest.raises(DrafterError, match="index 2 but the ensemble has 2 members"):
+        generate_speculative([members[0], members[0]], PROMPTS, drafter="member(index=2)")
