@@ -686,7 +686,7 @@ def test_run_with_perplexity_weighting_gives_each_prompt_its_weights(pair, monke
         method="loglinear(temperature=0.9)", phase="", method_params={},
         weighting="perplexity(temperature=0.5)", sampler="temperature=0.8", choice="per_sequence",
         max_new_tokens=5, stop=(), seed=3, dtype="float32", prompts=PROMPTS, prompts_file="",
-        level="tokens", mesh=None))
+        level="tokens", mesh=None, speculative=""))
     rows = run_lib.run(c)
     w, nll = perplexity_weight_table(pair, PROMPTS, 0.5)
     for b, row in enumerate(rows):

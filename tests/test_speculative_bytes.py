@@ -158,3 +158,25 @@ def test_bad_drafters_are_user_errors(members):
         generate_bytes_speculative(members, ctx, drafter="member(k=0)", **_kw())
     with pytest.raises(DrafterError, match="index 5 but the ensemble has 2 members"):
         generate_bytes_speculative(members, ctx, drafter="member(index=5)", **_kw())
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_greedy_fused_on_the_real_pair():
+    """SmolLM2 and Gemma 3 (two tokenizers) fused on bytes, greedy, float32 at the
+    default settings: speculative decoding emits plain fused decoding's bytes, for
+    both drafters."""
+    from brf.bytes.generate import generate_bytes
+    from brf.checkpoints import registry
+    with jax.enable_x64(False):
+        try:
+            lms = [ByteLM.load(name) for name in ("smollm2-135m-instruct", "gemma3-270m")]
+        except registry.ModelSourceError as e:
+            pytest.skip(str(e))
+        ctx = [lm.context() for lm in lms]
+        kw = dict(prompt=b"The days of the week are Monday, Tuesday,", weights=[0.5, 0.5],
+                  sampler="greedy", max_bytes=24, **BORN)
+        plain = generate_bytes(lms, ctx, **kw)
+        for drafter in ("member(k=4)", "ngram(n=4, k=8)"):
+            g = generate_bytes_speculative(lms, ctx, drafter=drafter, lookup=kw["prompt"], **kw)
+            assert g.data == plain.data, (drafter, g.data, plain.data)
+            assert g.spec.drafted > 0, drafter

@@ -367,6 +367,7 @@ class _Loop:
             q /= q.sum(axis=-1, keepdims=True)
         out = []
         keep = [0] * B
+        drafted = accepted = 0
         for b in live:
             d = drafts[b]
             v = (verify_greedy(top[b], d) if q is None
@@ -374,12 +375,13 @@ class _Loop:
             emitted = d[:v.accepted] + [v.event]
             keep[b] = len(self.pending[b]) + v.accepted
             self.gens[b].spec.add(k_round, len(d), v.accepted)
-            self.sched.update(len(d), v.accepted)
+            drafted, accepted = drafted + len(d), accepted + v.accepted
             if self.trace:
                 for j, e in enumerate(emitted):
                     self.gens[b].trace.append(dict(logq=fused_np[b, j], event=int(e),
                                                    round=self.round, drafted=j < v.accepted))
             out.append((b, emitted, v.accepted))
+        self.sched.update(drafted, accepted)  # once a round: all rows share k
         # roll every state back to the accepted text; the emitted token is pending
         new_pending = [() for _ in range(B)]
         for b, emitted, _ in out:
