@@ -27,6 +27,9 @@ settings.register_profile(
 settings.load_profile("brf")
 
 
+EXTENDED = os.environ.get("BRF_EXTENDED_TESTS") == "1"
+
+
 # Test files whose tests run the real models in processes of their own (a fresh
 # virtual environment's mains, notebook kernels): as heavy as the `slow` tests.
 REAL_MODEL_FILES = {"test_runtime_install.py", "test_notebooks.py"}
@@ -56,9 +59,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "extended" in item.keywords:
             item.add_marker(skip)
-
-
-EXTENDED = os.environ.get("BRF_EXTENDED_TESTS") == "1"
 
 
 def extended_only(what: str) -> None:
@@ -93,9 +93,9 @@ def _return_freed_memory():
 
 # With ``--dist loadfile`` (README's test command), tests run file by file as xdist
 # does (module fixtures are built once), but every test that holds a real model goes
-# to one and the same worker, one at a time: two of them side by side (several GB
-# each in float64, a main's process beside them) can exhaust this machine's memory,
-# which ends a worker in an abort or a segmentation fault, not a clean failure.
+# to one and the same worker, one at a time: two of them side by side (up to 8 GB
+# each in float64, a main's process beside them) could exhaust this machine's
+# 24 GB, which ends a worker (no clean failure) when an allocation fails.
 # (xdist's own loadgroup cannot be used: it renames node ids, which pytest 9 no
 # longer allows.) The workers write each test's unit (_work_unit) to a file the
 # scheduler reads once every worker has collected.
