@@ -22,7 +22,7 @@ from brf.ensemble import EnsembleInputError, Member, catchup, generate, stream
 from brf.text import TextStream, utf8_prefix
 from brf.models import forward
 
-from tiny_lm import tiny_member, tiny_tokenizer
+from tiny_lm import prompt_ensemble, tiny_member, tiny_pair, tiny_tokenizer
 
 PROMPTS = ["the cat sat", "in a hat"]
 
@@ -35,15 +35,13 @@ def tok():
 @pytest.fixture(scope="module")
 def pair(tok):
     """Two different random models sharing one tokenizer."""
-    return [tiny_member(0, tok, name="a"), tiny_member(1, tok, name="b")]
+    return tiny_pair(tok)
 
 
 @pytest.fixture(scope="module")
 def prompt_pair(pair):
     """One model under two conditioning prefixes (a prompt ensemble)."""
-    m = pair[0]
-    return [dataclasses.replace(m, name="plain", prefix="the "),
-            dataclasses.replace(m, name="other", prefix="a hat in ")]
+    return prompt_ensemble(pair[0])
 
 
 REF_LEN = 64  # references run at one padded length: one compilation per config

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -30,7 +29,7 @@ from brf.ensemble.speculative import generate_speculative, read_all, rollback
 from brf.fusion import speculative as rule
 from brf.models import forward
 
-from tiny_lm import tiny_member, tiny_tokenizer
+from tiny_lm import prompt_ensemble, tiny_member, tiny_pair, tiny_tokenizer
 
 PROMPTS = ["the cat sat", "in a hat"]
 N_DRAWS = 4000
@@ -44,15 +43,13 @@ def tok():
 @pytest.fixture(scope="module")
 def pair(tok):
     """Two different random models sharing one tokenizer."""
-    return [tiny_member(0, tok, name="a"), tiny_member(1, tok, name="b")]
+    return tiny_pair(tok)
 
 
 @pytest.fixture(scope="module")
 def prompt_pair(pair):
     """One model under two conditioning prefixes (a prompt ensemble: one group)."""
-    m = pair[0]
-    return [dataclasses.replace(m, name="plain", prefix="the "),
-            dataclasses.replace(m, name="other", prefix="a hat in ")]
+    return prompt_ensemble(pair[0])
 
 
 # ----------------------------------------------------------------------------- the rule

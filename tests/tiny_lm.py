@@ -9,6 +9,8 @@ std-0.02 weights are nearly uniform, which makes statistical tests weak).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -60,3 +62,14 @@ def tiny_member(seed: int = 0, tokenizer=None, name: str | None = None, max_seq_
     cfg = tiny_config(len(tokenizer), max_seq_len, eos_id=tokenizer.eos_token_id)
     return Member(name=name or f"tiny{seed}", cfg=cfg, params=tiny_params(cfg, seed),
                   tokenizer=tokenizer, **kwargs)
+
+
+def tiny_pair(tokenizer) -> list[Member]:
+    """Two different random models sharing one tokenizer ('a' and 'b')."""
+    return [tiny_member(0, tokenizer, name="a"), tiny_member(1, tokenizer, name="b")]
+
+
+def prompt_ensemble(member: Member) -> list[Member]:
+    """One model under two conditioning prefixes (a prompt ensemble: one group)."""
+    return [dataclasses.replace(member, name="plain", prefix="the "),
+            dataclasses.replace(member, name="other", prefix="a hat in ")]

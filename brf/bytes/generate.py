@@ -351,6 +351,34 @@ def check_request(*, mode: str, method: str, method_params: Mapping[str, Any] | 
                              "mode='mixture_per_member' or mode='fuse' with method='linear'")
 
 
+def checked_arguments(members, contexts, weights, prompt: bytes, utf8: bool, *, mode: str,
+                      method: str, method_params, sampler, beam: int, threshold: float,
+                      max_bytes: int):
+    """A byte-level generation's arguments checked (`check_request`, one context per
+    member, the weights, a valid prompt): (sampler, method_params, weights [n]).
+
+    Raises:
+        ByteInputError, FusionInputError: what cannot be honoured, named.
+    """
+    sampler = Sampler.parse(sampler)
+    method_params = dict(method_params or {})
+    check_request(mode=mode, method=method, method_params=method_params, sampler=sampler,
+                  beam=beam, threshold=threshold, max_bytes=max_bytes)
+    n = len(members)
+    if n == 0 or len(contexts) != n:
+        raise ByteInputError(f"{n} members and {len(contexts)} contexts; give one context "
+                             "per member (and at least one member)")
+    w = np.full(n, 1.0 / n) if weights is None else np.asarray(weights, np.float64)
+    if w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or \
+            not math.isclose(w.sum(), 1.0, abs_tol=1e-6):
+        raise ByteInputError(f"weights must be {n} finite numbers >= 0 summing to 1; got "
+                             f"{np.asarray(weights).tolist()}")
+    if utf8 and not _valid_text(prompt):
+        raise ByteInputError("the prompt is not valid UTF-8 text (whole characters); utf8=True "
+                             "continues valid text only")
+    return sampler, method_params, w
+
+
 def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]], *,
                    prompt: bytes = b"", weights: Sequence[float] | None = None,
                    mode: str = "fuse", method: str = "linear",
@@ -393,22 +421,11 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
         UnexpressibleByteError: prompt bytes a member cannot read.
         FusionInputError: an unknown method or parameter, weights off the simplex.
     """
-    sampler = Sampler.parse(sampler)
-    method_params = dict(method_params or {})
-    check_request(mode=mode, method=method, method_params=method_params, sampler=sampler,
-                  beam=beam, threshold=threshold, max_bytes=max_bytes)
+    sampler, method_params, w = checked_arguments(
+        members, contexts, weights, prompt, utf8, mode=mode, method=method,
+        method_params=method_params, sampler=sampler, beam=beam, threshold=threshold,
+        max_bytes=max_bytes)
     n = len(members)
-    if n == 0 or len(contexts) != n:
-        raise ByteInputError(f"{n} members and {len(contexts)} contexts; give one context "
-                             "per member (and at least one member)")
-    w = np.full(n, 1.0 / n) if weights is None else np.asarray(weights, np.float64)
-    if w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or \
-            not math.isclose(w.sum(), 1.0, abs_tol=1e-6):
-        raise ByteInputError(f"weights must be {n} finite numbers >= 0 summing to 1; got "
-                             f"{np.asarray(weights).tolist()}")
-    if utf8 and not _valid_text(prompt):
-        raise ByteInputError("the prompt is not valid UTF-8 text (whole characters); utf8=True "
-                             "continues valid text only")
     eos_ids = list(eos_ids) if eos_ids is not None else [None] * n
     readers = [_reader(lm, ctx, e) for lm, ctx, e in zip(members, contexts, eos_ids)]
     out = ByteGeneration(pruned=[[] for _ in range(n)], n_hyp=[[] for _ in range(n)])
@@ -549,5 +566,5 @@ def _draw(key, logq: np.ndarray, allowed: np.ndarray | None, sampler: Sampler) -
     return int(sample(key, jnp.asarray(logq, jnp.float32), sampler))
 
 
-__all__ = ["BytePiece", "ByteGeneration", "MODES", "NextTokens", "check_request",
+__all__ = ["BytePiece", "ByteGeneration", "MODES", "NextTokens", "check_request", "checked_arguments",
            "generate_bytes", "measure_precision", "utf8_allowed"]

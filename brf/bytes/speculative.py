@@ -39,7 +39,6 @@ bytes past it come from plain rounds. Randomness: ``numpy.random.Generator(PCG64
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -47,7 +46,8 @@ import numpy as np
 
 from brf.bytes import DEFAULT_BEAM, DEFAULT_THRESHOLD
 from brf.bytes.generate import (TREE_BUCKETS, ByteGeneration, BytePiece, NextTokens, _fused,
-                                _Reader, _Tree, _valid_text, check_request, utf8_allowed)
+                                _Reader, _Tree, _valid_text, checked_arguments,
+                                utf8_allowed)
 from brf.bytes.lm import ByteLM
 from brf.bytes.masses import EOT, N_EVENTS
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, initial_state,
@@ -278,27 +278,15 @@ def generate_bytes_speculative(
     spec = parse_drafter(drafter)
     if spec is None:
         raise ByteInputError("no speculative drafter given")
-    sampler = Sampler.parse(sampler)
-    method_params = dict(method_params or {})
-    check_request(mode="fuse", method=method, method_params=method_params, sampler=sampler,
-                  beam=beam, threshold=threshold, max_bytes=max_bytes)
-    n = len(members)
-    if n == 0 or len(contexts) != n:
-        raise ByteInputError(f"{n} members and {len(contexts)} contexts; give one context "
-                             "per member (and at least one member)")
-    w = np.full(n, 1.0 / n) if weights is None else np.asarray(weights, np.float64)
-    if w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or \
-            not math.isclose(w.sum(), 1.0, abs_tol=1e-6):
-        raise ByteInputError(f"weights must be {n} finite numbers >= 0 summing to 1; got "
-                             f"{np.asarray(weights).tolist()}")
-    if utf8 and not _valid_text(prompt):
-        raise ByteInputError("the prompt is not valid UTF-8 text (whole characters); utf8=True "
-                             "continues valid text only")
+    sampler, method_params, w = checked_arguments(
+        members, contexts, weights, prompt, utf8, mode="fuse", method=method,
+        method_params=method_params, sampler=sampler, beam=beam, threshold=threshold,
+        max_bytes=max_bytes)
     d_index = None
     if spec.kind == "member":
         d_index = drafter_index(spec, [param_count(m.params) for m in members],
                                 [m.name for m in members])
-    eos_ids = list(eos_ids) if eos_ids is not None else [None] * n
+    eos_ids = list(eos_ids) if eos_ids is not None else [None] * len(members)
     mems = [_Member(lm, ctx, e, beam, threshold)
             for lm, ctx, e in zip(members, contexts, eos_ids)]
     for k, b in enumerate(prompt):
