@@ -36,6 +36,7 @@ from brf.eval import lbfgs
 from brf.event_table import EventTable
 from brf.fusion import fuse, get_method, phase_map
 from brf.fusion.born import DEFAULT_Z_MIN, born_from_phases
+from brf.fusion.controls import born_from_sources, shuffle_sources
 from brf.fusion.phase import PHASE_MAPS, position_gap, token_gap
 
 PROB_FLOOR = 1e-10
@@ -146,7 +147,8 @@ def split_phase(params: Mapping[str, Any]):
 
 
 def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
-               phase_name: str | tuple[str, ...] | None = None, phase_index=None):
+               phase_name: str | tuple[str, ...] | None = None, phase_index=None,
+               sources=None):
     """log q [P, E] of a method with (possibly traced) parameter values.
 
     Calibration parameters (the *calibrated* variant of a method) wrap the
@@ -158,6 +160,11 @@ def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
     For ``born``, ``phase_name`` may be a tuple of phase-map names of one kind and
     ``phase_index`` a (traced) index into it: one program then serves every map of
     the tuple, each taking the ``phase.*`` parameters it declares.
+
+    For ``born_shuffled``, ``sources`` may give the phase shuffle's permutation
+    (:func:`shuffle_sources` of the untempered rows): it depends only on the
+    members' rankings of the events, which tempering keeps, so a fit computes it
+    once per table instead of sorting every event at every evaluation.
     """
     plain, phase = split_phase(params)
     member_t = plain.pop("calib.member_temperature", None)
@@ -165,7 +172,14 @@ def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
     plain.pop("weighting.temperature", None)
     if member_t is not None:
         logp_PxNxE = _tempered(logp_PxNxE, jnp.asarray(member_t, logp_PxNxE.dtype)[:, None])
-    if isinstance(phase_name, tuple):
+    if sources is not None:
+        if method != "born_shuffled":
+            raise ValueError(f"a phase shuffle's sources are for 'born_shuffled'; got "
+                             f"{method!r}")
+        lq = born_from_sources(logp_PxNxE, weights, sources,
+                               phase=phase_map(phase_name, **phase),
+                               z_min=plain.get("z_min", DEFAULT_Z_MIN))[0]
+    elif isinstance(phase_name, tuple):
         if method != "born":
             raise ValueError(f"a choice of phase maps is for 'born'; got {method!r}")
         lq = _born_of_maps(logp_PxNxE, weights, phase, phase_name, phase_index, **plain)
@@ -475,12 +489,16 @@ def chunk_positions(n_members: int, n_events: int) -> int:
 
 class _Data(NamedTuple):
     """Positions of a table on the device, in chunks: [(logp [B, n, E'], gold [B],
-    context NLL [B, n], mask [B])]; padding positions are masked out."""
+    context NLL [B, n], mask [B])]; padding positions are masked out. ``sources``:
+    born_shuffled's permutation of each chunk, per seed (:meth:`_Problem.aux`)."""
     chunks: list
     n_positions: int
+    sources: dict
 
 
 _DATA: dict = {}  # (table arrays' ids, subset) -> (the arrays, _Data); a few recent
+_NO_AUX = np.zeros(0, np.int32)
+_SOURCES_LOCK = threading.Lock()
 
 
 def _table_data(table: EventTable, subsample: int = 0) -> _Data:
@@ -504,7 +522,7 @@ def _table_data(table: EventTable, subsample: int = 0) -> _Data:
     mask = np.arange(size) < len(idx)
     chunks = [tuple(jnp.asarray(a[i:i + B]) for a in (logp, gold, ctx, mask))
               for i in range(0, size, B)]
-    data = _Data(chunks, len(idx))
+    data = _Data(chunks, len(idx), {})
     while len(_DATA) >= 4:
         del _DATA[next(iter(_DATA))]
     _DATA[key] = ((table.logp, table.gold, table.segment), data)
@@ -648,6 +666,19 @@ class _Problem:
                                                  if self.dynamic(k)}})
         return v, _compiled(self.program_key(point))
 
+    def aux(self, data: _Data) -> list:
+        """Each chunk's last program argument: for born_shuffled the phase shuffle's
+        permutation (computed once per table and seed: it depends only on the
+        members' rankings, which tempering keeps), else an empty array."""
+        if self.spec.method != "born_shuffled":
+            return [_NO_AUX] * len(data.chunks)
+        seed = int(self.fixed_static.get("seed", get_method("born_shuffled").params["seed"].default))
+        with _SOURCES_LOCK:
+            out = data.sources.get(seed)
+            if out is None:
+                out = data.sources[seed] = [shuffle_sources(c[0], seed) for c in data.chunks]
+        return out
+
     def _evaluate(self, v: np.ndarray, program, x: np.ndarray, data: _Data):
         """(mean NLL, gradient over the free coordinates) at x: float64 on the host."""
         v = v.astype(np.float32)
@@ -655,9 +686,10 @@ class _Problem:
         if self._consts is None:
             self._consts = (jnp.asarray(self.base_w, jnp.float32), jnp.int32(self.wmode),
                             jnp.int32(self.phase_index))
-        run = lambda chunk: jax.device_get(program(v, *self._consts, *chunk))
-        out = (list(_evaluator().map(run, data.chunks)) if len(data.chunks) > 1
-               else [run(data.chunks[0])])
+        run = lambda chunk, aux: jax.device_get(program(v, *self._consts, *chunk, aux))
+        aux = self.aux(data)
+        out = (list(_evaluator().map(run, data.chunks, aux)) if len(data.chunks) > 1
+               else [run(data.chunks[0], aux[0])])
         value = math.fsum(float(s) for s, _ in out) / data.n_positions
         grad = np.sum([np.asarray(g, np.float64) for _, g in out], axis=0) / data.n_positions
         return value, grad[self.free_idx]
@@ -727,7 +759,8 @@ def _compile(key: tuple):
     sds = jax.ShapeDtypeStruct
     args = (sds((size,), jnp.float32), sds((n,), jnp.float32), sds((), jnp.int32),
             sds((), jnp.int32), sds((B, n, e), jnp.float32), sds((B,), jnp.int32),
-            sds((B, n), jnp.float32), sds((B,), jnp.bool_))
+            sds((B, n), jnp.float32), sds((B,), jnp.bool_),
+            sds((B, n, e) if method == "born_shuffled" else (0,), jnp.int32))
     return _chunk_value_and_grad.lower(*args, method=method, phases=phases, static=static,
                                        layout=layout).compile()
 
@@ -787,12 +820,14 @@ def clear_programs() -> None:
         _PROGRAMS.clear()
 
 
-def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, *, method, phases,
+def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *, method, phases,
                static, layout):
     """The summed NLL over the unmasked positions of a chunk, of a method with the
     dynamic values ``v`` (free coordinates, see :func:`_to_free`, laid out as
     ``layout``; ``_w`` the weight logits). ``wmode`` picks the member weights: the
-    given ``base_w``, softmax of the logits, or PackLLM's perplexity weights."""
+    given ``base_w``, softmax of the logits, or PackLLM's perplexity weights.
+    ``aux``: born_shuffled's permutation of the chunk (``sources`` of
+    :func:`fused_logq`), an empty array for every other method."""
     values = _Layout.unflatten_traced(v, layout)
     params = {**dict(static), **{k: _from_free(k, x) for k, x in values.items() if k != "_w"}}
     n = logp.shape[1]
@@ -803,15 +838,17 @@ def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, *, method, 
     w = jnp.where(wmode == 2, jax.nn.softmax(-ctx / params["weighting.temperature"], axis=-1),
                   w)
     phase_name = phases if phases is None or len(phases) > 1 else phases[0]
-    nll = gold_nll(fused_logq(method, params, w, logp, phase_name, phase_index), gold)
+    sources = aux if method == "born_shuffled" else None
+    nll = gold_nll(fused_logq(method, params, w, logp, phase_name, phase_index,
+                              sources=sources), gold)
     return jnp.sum(jnp.where(mask, nll, 0.0))
 
 
 @functools.partial(jax.jit, static_argnames=("method", "phases", "static", "layout"))
-def _chunk_value_and_grad(v, base_w, wmode, phase_index, logp, gold, ctx, mask, *, method,
-                          phases, static, layout):
+def _chunk_value_and_grad(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *,
+                          method, phases, static, layout):
     return jax.value_and_grad(_chunk_nll)(v, base_w, wmode, phase_index, logp, gold, ctx, mask,
-                                          method=method, phases=phases, static=static,
+                                          aux, method=method, phases=phases, static=static,
                                           layout=layout)
 
 
@@ -884,8 +921,11 @@ def evaluate(fitted: Fitted, table: EventTable) -> dict[str, np.ndarray]:
     w = jnp.asarray(fitted.weights, jnp.float32)
     if "weighting.temperature" in params:
         w = perplexity_weights_for(table, params["weighting.temperature"])
-    lq = fused_logq(fitted.method, params, w, jnp.asarray(table.logp),
-                    fitted.params.get("phase"))
+    logp = jnp.asarray(table.logp)
+    sources = (shuffle_sources(logp, int(params.get("seed", 0)))
+               if fitted.method == "born_shuffled" else None)
+    lq = fused_logq(fitted.method, params, w, logp, fitted.params.get("phase"),
+                    sources=sources)
     nll = np.asarray(gold_nll(lq, jnp.asarray(table.gold)), np.float64)
     # Methods that truncate (contrastive, min pool) can give gold probability
     # 0; its log-loss is floored at -log(PROB_FLOOR) and the count reported.
