@@ -3,10 +3,11 @@ r"""What one evaluation of a fit's objective costs, per method, side by side in 
 Times the compiled value-and-gradient of the mean calibration NLL over every position
 of a table (the unit every L-BFGS iteration spends), calibrated variant, for born (a
 per-token map) and its controls; ``born_shuffled`` twice: as fits run it (the phase
-shuffle's permutation computed once per table, ``brf.eval.fitting``) and sorting every
-event at every evaluation (the kernel alone, on the same chunks, as fits ran it before). The table: the
-committed real byte-level rows (tests/data/byte_table_hamlet.npz, 1,200 positions x 2
-members x 257 events) repeated --repeat times.
+shuffle's permutation computed once per table, ``brf.eval.fitting``) and sorting
+every event at every evaluation (the kernel alone, on the same chunks, as fits ran
+it before). The table: the committed real byte-level rows
+(tests/data/byte_table_hamlet.npz, 1,200 positions x 2 members x 257 events)
+repeated --repeat times.
 
   python experiments/bench_fit_eval.py --repeat=13
 """

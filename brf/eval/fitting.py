@@ -501,6 +501,11 @@ _NO_AUX = np.zeros(0, np.int32)
 _SOURCES_LOCK = threading.Lock()
 
 
+def _shuffle_seed(params: Mapping[str, Any]) -> int:
+    """born_shuffled's seed in ``params`` (the method's default where none is given)."""
+    return int(params.get("seed", get_method("born_shuffled").params["seed"].default))
+
+
 def _table_data(table: EventTable, subsample: int = 0) -> _Data:
     """The positions of ``table`` (all, or a fixed random subset of ``subsample``) in
     chunks on the device; kept for the tables of the last few fits."""
@@ -672,7 +677,7 @@ class _Problem:
         members' rankings, which tempering keeps), else an empty array."""
         if self.spec.method != "born_shuffled":
             return [_NO_AUX] * len(data.chunks)
-        seed = int(self.fixed_static.get("seed", get_method("born_shuffled").params["seed"].default))
+        seed = _shuffle_seed(self.fixed_static)
         with _SOURCES_LOCK:
             out = data.sources.get(seed)
             if out is None:
@@ -922,7 +927,7 @@ def evaluate(fitted: Fitted, table: EventTable) -> dict[str, np.ndarray]:
     if "weighting.temperature" in params:
         w = perplexity_weights_for(table, params["weighting.temperature"])
     logp = jnp.asarray(table.logp)
-    sources = (shuffle_sources(logp, int(params.get("seed", 0)))
+    sources = (shuffle_sources(logp, _shuffle_seed(params))
                if fitted.method == "born_shuffled" else None)
     lq = fused_logq(fitted.method, params, w, logp, fitted.params.get("phase"),
                     sources=sources)
