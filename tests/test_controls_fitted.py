@@ -149,7 +149,7 @@ def test_control_specs_fit_with_minus_inf_events(variant):
     t = _table(logp, gold)
     brf = _brf("token_tanh", 2, variant)
     for role, spec in controls_for(brf, 2).items():
-        f = fit_method(spec, t, settings=FitSettings(max_iter=10))
+        f = fit_method(spec, t, settings=FitSettings(max_iter=30))
         assert np.isfinite(f.calib_nll), role
         ev = evaluate(f, t)
         assert np.isfinite(ev["nll"]).all() and not ev["floored"].any(), role
