@@ -17,8 +17,6 @@ import platform
 import time
 
 from absl import flags
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from brf import cli
@@ -45,33 +43,6 @@ def _table(repeat: int) -> EventTable:
                       tile(d["gold_bytes"].astype(np.int64)), tile(d["segment"].astype(np.int64)))
 
 
-def _sorting(problem, table):
-    """born_shuffled's objective as fits computed it before: the same chunks of
-    positions, each sorting its events at every evaluation (the kernel alone)."""
-    data = problem.data()
-
-    @jax.jit
-    def chunk(x, logp, gold, mask):
-        v = jnp.asarray(problem.all.flatten(problem.values0), jnp.float32).at[
-            problem.free_idx].set(x)
-        vals = fitting._Layout.unflatten_traced(v, problem.all.signature)
-        params = {**problem.fixed_static, **{k: fitting._from_free(k, a)
-                                             for k, a in vals.items() if k != "_w"}}
-        params.pop("weighting.temperature", None)
-        w = jax.nn.softmax(jnp.concatenate([jnp.zeros(1), vals["_w"]]))
-        lq = fitting.fused_logq("born_shuffled", params, w, logp, problem.spec.phase)
-        return jnp.sum(jnp.where(mask, fitting.gold_nll(lq, gold), 0.0))
-    g = jax.value_and_grad(chunk)
-
-    def f(x):
-        x = jnp.asarray(x, jnp.float32)
-        run = lambda c: jax.device_get(g(x, c[0], c[1], c[3]))
-        out = list(fitting._evaluator().map(run, data.chunks))
-        return (sum(float(v) for v, _ in out) / data.n_positions,
-                np.sum([np.asarray(gr) for _, gr in out], axis=0) / data.n_positions)
-    return f
-
-
 def _time(fun, x, runs):
     fun(x)
     t0 = time.perf_counter()
@@ -96,7 +67,7 @@ def main(argv):
         base = base or t
         rows.append([spec.label, spec.method, f"{t:.3f}", f"{t / base:.2f}"])
         if spec.method == "born_shuffled":
-            t = _time(_sorting(problem, table), x, FLAGS.runs)
+            t = _time(problem.objective({}, problem.data(), sort=True), x, FLAGS.runs)
             rows.append([spec.label + ", sorting per evaluation", spec.method, f"{t:.3f}",
                          f"{t / base:.2f}"])
     print(f"{table.logp.shape[0]} x {table.logp.shape[1]} x {table.logp.shape[2]} positions x "

@@ -684,25 +684,37 @@ class _Problem:
                 out = data.sources[seed] = [shuffle_sources(c[0], seed) for c in data.chunks]
         return out
 
-    def _evaluate(self, v: np.ndarray, program, x: np.ndarray, data: _Data):
-        """(mean NLL, gradient over the free coordinates) at x: float64 on the host."""
+    def _evaluate(self, v: np.ndarray, program, x: np.ndarray, data: _Data, aux=None):
+        """(mean NLL, gradient over the free coordinates) at x: float64 on the host
+        (``aux``: each chunk's last program argument; None: :meth:`aux`)."""
         v = v.astype(np.float32)
         v[self.free_idx] = x
         if self._consts is None:
             self._consts = (jnp.asarray(self.base_w, jnp.float32), jnp.int32(self.wmode),
                             jnp.int32(self.phase_index))
         run = lambda chunk, aux: jax.device_get(program(v, *self._consts, *chunk, aux))
-        aux = self.aux(data)
+        aux = self.aux(data) if aux is None else aux
         out = (list(_evaluator().map(run, data.chunks, aux)) if len(data.chunks) > 1
                else [run(data.chunks[0], aux[0])])
         value = math.fsum(float(s) for s, _ in out) / data.n_positions
         grad = np.sum([np.asarray(g, np.float64) for _, g in out], axis=0) / data.n_positions
         return value, grad[self.free_idx]
 
-    def objective(self, point: dict, data: _Data) -> Callable[[np.ndarray], tuple]:
-        """x -> (mean NLL, gradient) on ``data`` at a grid point (float64 on the host)."""
+    def objective(self, point: dict, data: _Data, *, sort: bool = False
+                  ) -> Callable[[np.ndarray], tuple]:
+        """x -> (mean NLL, gradient) on ``data`` at a grid point (float64 on the host).
+
+        ``sort``: born_shuffled's kernel sorts every chunk at every evaluation instead
+        of reading the permutation computed once (:meth:`aux`), as fits did before:
+        for checks and benchmarks of that shortcut (its program compiles when called).
+        """
         v, program = self._program(point)
-        return lambda x: self._evaluate(v, program, x, data)
+        if not sort:
+            return lambda x: self._evaluate(v, program, x, data)
+        method, phases, static, layout, _ = self.program_key(point)
+        sorting = functools.partial(_chunk_value_and_grad, method=method, phases=phases,
+                                    static=static, layout=layout)
+        return lambda x: self._evaluate(v, sorting, x, data, aux=[_NO_AUX] * len(data.chunks))
 
     def value(self, point: dict, x: np.ndarray, data: _Data) -> float:
         v, program = self._program(point)
@@ -832,7 +844,8 @@ def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *, met
     ``layout``; ``_w`` the weight logits). ``wmode`` picks the member weights: the
     given ``base_w``, softmax of the logits, or PackLLM's perplexity weights.
     ``aux``: born_shuffled's permutation of the chunk (``sources`` of
-    :func:`fused_logq`), an empty array for every other method."""
+    :func:`fused_logq`; empty: the kernel sorts), an empty array for every other
+    method."""
     values = _Layout.unflatten_traced(v, layout)
     params = {**dict(static), **{k: _from_free(k, x) for k, x in values.items() if k != "_w"}}
     n = logp.shape[1]
@@ -843,7 +856,7 @@ def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *, met
     w = jnp.where(wmode == 2, jax.nn.softmax(-ctx / params["weighting.temperature"], axis=-1),
                   w)
     phase_name = phases if phases is None or len(phases) > 1 else phases[0]
-    sources = aux if method == "born_shuffled" else None
+    sources = aux if method == "born_shuffled" and aux.shape[0] else None
     nll = gold_nll(fused_logq(method, params, w, logp, phase_name, phase_index,
                               sources=sources), gold)
     return jnp.sum(jnp.where(mask, nll, 0.0))
