@@ -257,9 +257,11 @@ def test_every_method_fuses_byte_distributions(tmp_path):
                                    err_msg=f"{method} {phase}")
 
 
-def test_returning_freed_memory_changes_no_score():
-    """score_segments hands each segment's freed memory back to the system (the
-    default) or keeps it: the same scores either way, bit for bit."""
+def test_returning_freed_memory_changes_no_score(monkeypatch):
+    """score_segments hands freed memory back to the system (the default; here after
+    every segment) or keeps it: the same scores either way, bit for bit."""
+    import brf.bytes.scoring
+    monkeypatch.setattr(brf.bytes.scoring, "RELEASE_EVERY_S", 0.0)
     tok = byte_level_tokenizer()
     cfg, params = tiny_model(len(tok), seed=3)
     lm = ByteLM(params, cfg, tok, name="tiny")

@@ -21,6 +21,7 @@ from brf.bytes.lm import ByteLM
 from brf.bytes.masses import EOT
 from brf.bytes.speculative import generate_bytes_speculative
 from brf.drafting import DrafterError
+from conftest import EXTENDED
 from tests.byte_reference import byte_level_tokenizer, sentencepiece_tokenizer, tiny_model
 
 EXACT = dict(beam=10**6, threshold=0.0)
@@ -163,8 +164,9 @@ def test_bad_drafters_are_user_errors(members):
 @pytest.mark.slow
 def test_greedy_speculative_equals_greedy_fused_on_the_real_pair():
     """SmolLM2 and Gemma 3 (two tokenizers) fused on bytes, greedy, float32 at the
-    default settings: speculative decoding emits plain fused decoding's bytes, for
-    both drafters."""
+    default settings: speculative decoding emits plain fused decoding's bytes. CI runs
+    the member drafter; the n-gram drafter's case is extended (both drafters are
+    checked against plain decoding on tiny models above)."""
     from brf.bytes.generate import generate_bytes
     from brf.checkpoints import registry
     with jax.enable_x64(False):
@@ -176,7 +178,7 @@ def test_greedy_speculative_equals_greedy_fused_on_the_real_pair():
         kw = dict(prompt=b"The days of the week are Monday, Tuesday,", weights=[0.5, 0.5],
                   sampler="greedy", max_bytes=24, **BORN)
         plain = generate_bytes(lms, ctx, **kw)
-        for drafter in ("member(k=4)", "ngram(n=4, k=8)"):
+        for drafter in ("member(k=4)",) + (("ngram(n=4, k=8)",) if EXTENDED else ()):
             g = generate_bytes_speculative(lms, ctx, drafter=drafter, lookup=kw["prompt"], **kw)
             assert g.data == plain.data, (drafter, g.data, plain.data)
             assert g.spec.drafted > 0, drafter

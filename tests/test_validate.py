@@ -356,6 +356,11 @@ def _notebook_cells(name: str, **env) -> dict:
     return ns
 
 
+# Bytes of each corpus the tiny study rescores at its reference settings (its precision
+# check; the first 48 bytes of the test segment).
+CHECK = 48
+
+
 def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     """Two corpora (pooled), a prefix study (prefix pair, same-model pair, swarm of 4)
     and the event-space check, on tiny models, on co-aligned positions and on every
@@ -367,7 +372,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     # No swarm at the byte level: four members' byte tables are the dearest fits here,
     # and every analysis of either level runs through the same code (run_level).
     cfg = _cfg(tmp_path, text, bytes__enabled=True, bytes__beam=2, bytes__threshold=0.2,
-               bytes__max_lag=1, bytes__check_bytes=120, bytes__reference_beam=8,
+               bytes__max_lag=1, bytes__check_bytes=CHECK, bytes__reference_beam=8,
                bytes__reference_threshold=1e-3, bytes__swarm=False)
     cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
                   'temperature=fit(1.0))'
@@ -465,7 +470,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
             assert r["test"]["nll"] == pytest.approx(ev["nll"].mean(), rel=1e-5)
             assert r["test"]["bits_per_byte"] == pytest.approx(ev["nll"].mean() / np.log(2),
                                                                rel=1e-5)
-    # The precision check: each member of the default pair rescored the first 120 bytes
+    # The precision check: each member of the default pair rescored the first CHECK bytes
     # of the first test segment with the reference settings; the study's rows against
     # them, as recomputed here; each comparison's shift between the two views.
     from brf.bytes import Settings
@@ -473,15 +478,15 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     from brf.bytes.precision import compare
     from brf.eval import byte_precision
     p = b["precision"]
-    assert p["reference"] == Settings(8, 1e-3, 0).as_dict() and p["slice_bytes"] == 120
+    assert p["reference"] == Settings(8, 1e-3, 0).as_dict() and p["slice_bytes"] == CHECK
     assert p["settings"] == Settings(2, 0.2, 1).as_dict()
     for corpus in plan.corpora:
         label = corpus.label
         segs = plan_lib.load_segments(plan, corpus)[0]
         c = p["per_corpus"][label]
-        assert (c["segment"], c["bytes"]) == (1, 120)  # segment 0 calibrates
+        assert (c["segment"], c["bytes"]) == (1, CHECK)  # segment 0 calibrates
         text_b = segs[1].encode("utf-8")
-        gold = np.frombuffer(text_b[:120], np.uint8)
+        gold = np.frombuffer(text_b[:CHECK], np.uint8)
         offset = len(segs[0].encode("utf-8"))
         stored = [byte_scorer._stored(
             byte_scorer.store_path(os.path.join(cfg.out_dir, label), plan_lib.Member(name)),
@@ -492,9 +497,9 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
         for name, sc in zip(("tiny-a", "tiny-b"), stored):
             m = members[name]
             lm = ByteLM(m.params, m.cfg, m.tokenizer, name=name)
-            ref = score_text(lm, text_b, beam=8, threshold=1e-3, max_lag=0, n_bytes=120)
+            ref = score_text(lm, text_b, beam=8, threshold=1e-3, max_lag=0, n_bytes=CHECK)
             refs.append(ref.logp)
-            want = compare(sc["logp"][offset:offset + 120], ref.logp, gold)
+            want = compare(sc["logp"][offset:offset + CHECK], ref.logp, gold)
             got = c["members"][name]
             for k in ("dbpb", "tv_mean", "tv_p99", "tv_max"):
                 assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (label, name, k)
@@ -503,7 +508,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
             assert key in ("nll [proposed]", "fair [proposed]")
             assert v["holds"] == byte_precision.holds(v["ci"], v["shift"])
             tables = [byte_precision.slice_table(
-                [sc["logp"][offset:offset + 120] for sc in stored], gold, 1),
+                [sc["logp"][offset:offset + CHECK] for sc in stored], gold, 1),
                 byte_precision.slice_table(refs, gold, 1)]
             (full,) = (pathlib.Path(cfg.out_dir) / label / "bytes").glob(
                 f"report-{label}__bytes-*.json")

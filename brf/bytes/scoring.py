@@ -36,6 +36,9 @@ from brf.event_table import EventTable
 from brf.runtime import release_memory
 
 STORE_VERSION = 2
+# score_segments hands freed memory back after a segment once this much scoring time
+# has passed since it last did (a study's segments take minutes: after each of them).
+RELEASE_EVERY_S = 20.0
 ROW_FIELDS = ("logp", "gap", "pruned", "merged", "n_hyp")
 ROW_DTYPES = {"logp": np.float32, "gap": np.float32, "pruned": np.float32, "merged": np.float32,
               "n_hyp": np.int32}
@@ -151,9 +154,14 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
         desc: progress-bar label.
         pad_to: pad every segment's canonical pass to at least this many tokens
             (calls with different segments then share compiled shapes).
-        release: hand the memory each segment freed back to the system
-            (`brf.runtime.release_memory`); without it glibc keeps the heap's
-            high-water mark, which grew a whole study past 24 GB.
+        release: hand the memory the segments freed back to the system
+            (`brf.runtime.release_memory`) after each segment once
+            ``RELEASE_EVERY_S`` seconds of scoring have passed since the last
+            time, and at the end; without it glibc keeps the heap's high-water
+            mark, which grew a whole study past 24 GB. (Each release is a full
+            garbage collection, about half a second in a process that has traced
+            many programs: after every segment of a short text it cost more than
+            the scoring.)
         stored: the segments already read from ``store_path`` with this key
             (:func:`load_partial`'s rows), for a caller that read it first: the
             store is then not read again (nor a damaged one reported twice).
@@ -175,6 +183,7 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
     pad_to = -(-longest // chunk) * chunk
     bar = tqdm(total=sum(len(s) for s in data), initial=sum(len(s) for s in data[:len(done)]),
                desc=desc, unit="B", unit_scale=True, dynamic_ncols=True)
+    last_release, unreleased = time.perf_counter(), False
     while len(done) < len(data):
         t0 = time.perf_counter()
         sc = score_text(lm, data[len(done)], prefix_ids=prefix_ids, beam=beam,
@@ -186,12 +195,16 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
         row["seconds"] = time.perf_counter() - t0
         done.append(row)
         del sc
-        if release:
+        unreleased = True
+        if release and time.perf_counter() - last_release >= RELEASE_EVERY_S:
             release_memory()
+            last_release, unreleased = time.perf_counter(), False
         bar.update(len(data[len(done) - 1]))
         if store_path:
             save_partial(store_path, data, done, meta)
     bar.close()
+    if release and unreleased:
+        release_memory()
     return assemble(data, done)
 
 
