@@ -210,10 +210,10 @@ def test_linked_phases_and_a_planted_tightening_are_recovered():
         assert r["mean_resultant_length"] > r["null_mean_resultant_length"]
     ch = rbar_change(out[0]["diffs"], out[1]["diffs"], n_boot=300)
     want = out[1]["mean_resultant_length"] - out[0]["mean_resultant_length"]
-    assert ch["estimate"] == pytest.approx(want, abs=1e-9) and want > 0
-    assert ch["ci"][0] > 0  # the tightening is detected
+    assert ch.estimate == pytest.approx(want, abs=1e-9) and want > 0
+    assert ch.ci[0] > 0  # the tightening is detected
     same = rbar_change(out[0]["diffs"], out[0]["diffs"], n_boot=100)
-    assert same["estimate"] == 0 and same["ci"] == [0.0, 0.0]
+    assert same.estimate == 0 and same.ci == (0.0, 0.0)
 
 
 def test_per_token_phases_are_paired_on_the_positions_both_tables_list():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -63,6 +63,105 @@ class MethodResult:
                 "calib_nll": self.calib_nll, "fit": dict(self.fitted.info), "test": self.test}
 
 
+class Difference(NamedTuple):
+    """A paired difference of per-position test NLLs, row a minus row b (< 0: a is
+    better): the mean, its 95% CI and p-value from a paired circular block bootstrap
+    (:func:`brf.eval.hypotheses.nll_difference`) over ``n`` positions in blocks of
+    ``block``."""
+    mean_difference: float
+    ci: tuple[float, float]
+    p_value: float
+    block: int
+    n: int
+
+    @classmethod
+    def of(cls, nll_a: np.ndarray, nll_b: np.ndarray, *, n_boot: int, seed: int
+           ) -> "Difference":
+        d = hypotheses.nll_difference(nll_a, nll_b, n_boot=n_boot, seed=seed)
+        return cls(d["mean_difference"], tuple(d["ci"]), d["p_value"], d["block"], d["n"])
+
+    def as_dict(self) -> dict:
+        return {**self._asdict(), "ci": list(self.ci)}
+
+
+class Comparison(NamedTuple):
+    """One variant's best BRF row against its best baseline (both chosen on
+    calibration NLL), compared on test."""
+    brf: str
+    baseline: str
+    difference: Difference
+
+    @property
+    def mean_difference(self) -> float:
+        return self.difference.mean_difference
+
+    @property
+    def ci(self) -> tuple[float, float]:
+        return self.difference.ci
+
+    def as_dict(self) -> dict:
+        """The report's ``nll_comparison[variant]``."""
+        return {"brf": self.brf, "baseline": self.baseline, **self.difference.as_dict()}
+
+
+class FairRow(NamedTuple):
+    """A row of the fair summary: a fitted method with its free-parameter count."""
+    label: str
+    role: str
+    method: str
+    free_parameters: int
+    calib_nll: float
+    test_nll: float
+
+    def as_dict(self) -> dict:
+        return self._asdict()
+
+
+class ControlComparison(NamedTuple):
+    """The per-token BRF row against one of its controls."""
+    control: FairRow
+    difference: Difference
+
+    def as_dict(self) -> dict:
+        return {**self.control.as_dict(), **self.difference.as_dict()}
+
+
+class FairComparison(NamedTuple):
+    """One variant's best BRF row against the best of every other row (baselines,
+    controls, single members and the rest), and the per-token BRF row the controls
+    were built from against each control."""
+    brf: FairRow
+    rival: FairRow
+    difference: Difference
+    brf_candidates: int
+    rival_candidates: int
+    per_token: FairRow | None = None
+    controls: tuple[ControlComparison, ...] = ()
+
+    @property
+    def mean_difference(self) -> float:
+        return self.difference.mean_difference
+
+    @property
+    def ci(self) -> tuple[float, float]:
+        return self.difference.ci
+
+    def pair(self) -> Comparison:
+        """The best BRF row against the best other row, as a comparison (the other row
+        in the baseline's place)."""
+        return Comparison(self.brf.label, self.rival.label, self.difference)
+
+    def as_dict(self) -> dict:
+        """The report's ``fair_summary[variant]``."""
+        out = {"brf": self.brf.as_dict(), "rival": self.rival.as_dict(),
+               **self.difference.as_dict(), "brf_candidates": self.brf_candidates,
+               "rival_candidates": self.rival_candidates}
+        if self.per_token is not None:
+            out["per_token"] = self.per_token.as_dict()
+            out["controls"] = [c.as_dict() for c in self.controls]
+        return out
+
+
 @dataclasses.dataclass
 class AnalysisResult:
     """What :func:`analyse` found on one event table."""
@@ -71,8 +170,8 @@ class AnalysisResult:
     methods: list[MethodResult]
     coherence: list[dict]       # per (phase map, pair), with the phase differences ("diffs")
     cross: dict                 # the cross-term test, with the per-event scores ("scores")
-    comparisons: dict[str, dict]
-    fair: dict[str, dict]
+    comparisons: dict[str, Comparison]     # per variant
+    fair: dict[str, FairComparison]        # per variant
     forking: dict
     sweep: list[dict]
     left_out: list[str]
@@ -98,8 +197,8 @@ class AnalysisResult:
             "methods": [m.row() for m in self.methods],
             "phase_coherence": hypotheses.coherence_summary(self.coherence),
             "cross_term": {k: v for k, v in self.cross.items() if k != "scores"},
-            "nll_comparison": self.comparisons,
-            "fair_summary": self.fair,
+            "nll_comparison": {v: c.as_dict() for v, c in self.comparisons.items()},
+            "fair_summary": {v: c.as_dict() for v, c in self.fair.items()},
             "forking": self.forking,
             "sweep": self.sweep,
         }
@@ -280,7 +379,7 @@ def member_nll(table: EventTable, i: int) -> np.ndarray:
 
 
 def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[MethodResult]
-                ) -> dict[str, dict]:
+                ) -> dict[str, Comparison]:
     """Per variant: the best BRF setting vs the best baseline, both chosen on calibration
     NLL among rows of that variant (like with like); paired block bootstrap on test."""
     out = {}
@@ -291,9 +390,8 @@ def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[Method
         if not born or not base:
             continue
         b, a = _best(born), _best(base)
-        out[v] = {"brf": b.label, "baseline": a.label,
-                  **hypotheses.nll_difference(b.test_nll, a.test_nll, n_boot=plan.stats.n_boot,
-                                              seed=plan.stats.seed)}
+        out[v] = Comparison(b.label, a.label, Difference.of(
+            b.test_nll, a.test_nll, n_boot=plan.stats.n_boot, seed=plan.stats.seed))
     return out
 
 
@@ -314,7 +412,7 @@ def _per_token(m: MethodResult) -> bool:
 
 
 def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodResult],
-                 n: int) -> dict[str, dict]:
+                 n: int) -> dict[str, FairComparison]:
     """Per variant: the best BRF row against the best of every other row of the variant
     (baselines, controls, single members and the rest; both chosen on calibration NLL),
     with their free-parameter counts, and the per-token BRF row the controls were built
@@ -322,14 +420,13 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
     (paired block bootstrap); < 0 means BRF is better."""
     st, out = plan.stats, {}
 
-    def row(m: MethodResult) -> dict:
-        return {"label": m.label, "role": m.role, "method": m.spec.method,
-                "free_parameters": controls_lib.free_parameters(m.spec, n).total,
-                "calib_nll": m.calib_nll, "test_nll": m.test["nll"]}
+    def row(m: MethodResult) -> FairRow:
+        return FairRow(m.label, m.role, m.spec.method,
+                       controls_lib.free_parameters(m.spec, n).total, m.calib_nll,
+                       m.test["nll"])
 
-    def diff(a: MethodResult, b: MethodResult) -> dict:
-        return hypotheses.nll_difference(a.test_nll, b.test_nll, n_boot=st.n_boot,
-                                         seed=st.seed)
+    def diff(a: MethodResult, b: MethodResult) -> Difference:
+        return Difference.of(a.test_nll, b.test_nll, n_boot=st.n_boot, seed=st.seed)
 
     for v in variants:
         rows = [m for m in methods if m.variant == v]
@@ -337,15 +434,16 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
         rival = _best([m for m in rows if m.role != "brf"])
         if born is None or rival is None:
             continue
-        entry = {"brf": row(born), "rival": row(rival), **diff(born, rival),
-                 "brf_candidates": sum(m.role == "brf" for m in rows),
-                 "rival_candidates": sum(m.role != "brf" for m in rows)}
         controls = [m for m in rows if m.role == "control"]
         token = _best([m for m in rows if _per_token(m)])
-        if controls and token is not None:
-            entry["per_token"] = row(token)
-            entry["controls"] = [{**row(c), **diff(token, c)} for c in controls]
-        out[v] = entry
+        per_token = token is not None and bool(controls)
+        out[v] = FairComparison(
+            row(born), row(rival), diff(born, rival),
+            brf_candidates=sum(m.role == "brf" for m in rows),
+            rival_candidates=sum(m.role != "brf" for m in rows),
+            per_token=row(token) if per_token else None,
+            controls=tuple(ControlComparison(row(c), diff(token, c))
+                           for c in controls) if per_token else ())
     return out
 
 
@@ -449,5 +547,6 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
         left_out=sorted({e.label for e in plan.phase_maps} - {e.label for e in usable}))
 
 
-__all__ = ["AnalysisResult", "MethodResult", "analyse", "control_specs", "fair_summary",
+__all__ = ["AnalysisResult", "Comparison", "ControlComparison", "Difference", "FairComparison",
+           "FairRow", "MethodResult", "analyse", "control_specs", "fair_summary",
            "fit_all", "fit_spec", "fit_specs", "metrics"]

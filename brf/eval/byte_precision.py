@@ -141,18 +141,15 @@ def verdict_shifts(result, study: EventTable, reference: EventTable) -> dict[str
             cache[label, which] = evaluate(f, study if which == 0 else reference)["nll"]
         return cache[label, which]
 
-    for kind, section, other in (("nll", result.comparisons, "baseline"),
-                                 ("fair", result.fair, "rival")):
-        for v, c in section.items():
-            a = c["brf"] if isinstance(c["brf"], str) else c["brf"]["label"]
-            b = c[other] if isinstance(c[other], str) else c[other]["label"]
-            d_study = float(np.mean(nll(a, 0) - nll(b, 0)))
-            d_ref = float(np.mean(nll(a, 1) - nll(b, 1)))
-            shift = d_ref - d_study
-            out[f"{kind} [{v}]"] = {"brf": a, "other": b, "difference": c["mean_difference"],
-                                    "ci": list(c["ci"]), "shift": shift,
-                                    "study_slice": d_study, "reference_slice": d_ref,
-                                    "holds": holds(c["ci"], shift)}
+    pairs = [(f"nll [{v}]", c) for v, c in result.comparisons.items()]
+    pairs += [(f"fair [{v}]", c.pair()) for v, c in result.fair.items()]
+    for key, c in pairs:
+        d_study = float(np.mean(nll(c.brf, 0) - nll(c.baseline, 0)))
+        d_ref = float(np.mean(nll(c.brf, 1) - nll(c.baseline, 1)))
+        shift = d_ref - d_study
+        out[key] = {"brf": c.brf, "other": c.baseline, "difference": c.mean_difference,
+                    "ci": list(c.ci), "shift": shift, "study_slice": d_study,
+                    "reference_slice": d_ref, "holds": holds(c.ci, shift)}
     return out
 
 

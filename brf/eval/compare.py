@@ -1,22 +1,30 @@
-"""Comparisons across analyses: pooled over corpora, prefix effects, the event-space check.
+"""Comparisons across analyses: pooled over corpora, prefix effects, the event-space check,
+and which verdicts move between levels.
 
-Every function takes :class:`~brf.eval.analysis.AnalysisResult` s and returns a
-JSON-able dict (``brf.eval.study_report`` states them in words).
+Every function takes :class:`~brf.eval.analysis.AnalysisResult` s (or, across levels,
+the report sections) and returns a typed result whose ``as_dict()`` is its entry in
+report.json (``brf.eval.study_report`` states them in words).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from brf.eval import stats
-from brf.eval.analysis import AnalysisResult
+from brf.eval.analysis import AnalysisResult, Comparison
+
+
+class Change(NamedTuple):
+    """An estimated change with its 95% CI."""
+    estimate: float
+    ci: tuple[float, float]
 
 
 def rbar_change(diff_a: np.ndarray, diff_b: np.ndarray, *, n_boot: int, block: int = 32,
-                seed: int = 0) -> dict:
+                seed: int = 0) -> Change:
     """R̄(b) - R̄(a) for phase differences at the same positions, with a paired circular
     block-bootstrap 95% CI (positions resampled in blocks, jointly for a and b)."""
     n = len(diff_a)
@@ -34,7 +42,7 @@ def rbar_change(diff_a: np.ndarray, diff_b: np.ndarray, *, n_boot: int, block: i
                                                                        sa[idx].mean())
     est = _rbar(diff_b) - _rbar(diff_a)
     lo, hi = np.quantile(boots, [0.025, 0.975])
-    return {"estimate": est, "ci": [float(lo), float(hi)]}
+    return Change(est, (float(lo), float(hi)))
 
 
 def paired_diffs(a: dict, b: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -56,8 +64,75 @@ def _same_positions(a: AnalysisResult, b: AnalysisResult) -> bool:
             and np.array_equal(ta.segment, tb.segment))
 
 
+class PhaseChange(NamedTuple):
+    """How a prefix changes one phase map's concentration for one pair of members."""
+    phase_map: str
+    pair: list
+    rbar_plain: float
+    rbar_prefix: float
+    n_paired: int                       # positions where both analyses read the phases
+    rbar_change: float                  # on the paired positions
+    rbar_change_ci: tuple[float, float]
+    excess_plain: float                 # R̄ minus its permutation null's mean
+    excess_prefix: float
+    excess_change: float                # on the paired positions, like its CI
+    excess_change_ci: tuple[float, float]
+
+    def as_dict(self) -> dict:
+        return {**self._asdict(), "rbar_change_ci": list(self.rbar_change_ci),
+                "excess_change_ci": list(self.excess_change_ci)}
+
+
+class CrossTermChange(NamedTuple):
+    """How a prefix changes the cross-term test's AUROC."""
+    setting_plain: str
+    setting_prefix: str
+    auroc_plain: float
+    auroc_prefix: float
+    auroc_change: float
+    auroc_change_ci: tuple[float, float]
+
+    CI_METHOD = ("normal approximation from the two bootstrap CIs, treated as independent "
+                 "(conservative for paired positions)")
+
+    def as_dict(self) -> dict:
+        return {**self._asdict(), "auroc_change_ci": list(self.auroc_change_ci),
+                "ci_method": self.CI_METHOD}
+
+
+class GapChange(NamedTuple):
+    """How a prefix changes BRF's NLL gap to the best baseline in one variant (each
+    analysis's own best rows), paired per position."""
+    gap_plain: float
+    gap_prefix: float
+    change: float
+    ci: tuple[float, float]
+    brf_plain: str
+    brf_prefix: str
+    baseline_plain: str
+    baseline_prefix: str
+
+    def as_dict(self) -> dict:
+        return {**self._asdict(), "ci": list(self.ci)}
+
+
+class PrefixEffect(NamedTuple):
+    """What a steadying prefix on each member changes (:func:`prefix_effect`)."""
+    paired: bool                            # same positions in both analyses
+    phase_concentration: tuple[PhaseChange, ...]
+    cross_term: CrossTermChange
+    nll_gap: dict[str, GapChange]           # per variant
+
+    def as_dict(self) -> dict:
+        """The report's ``prompts[corpus]["effect"]``."""
+        return {"phase_concentration": [r.as_dict() for r in self.phase_concentration],
+                "cross_term": self.cross_term.as_dict(),
+                "nll_gap": {v: g.as_dict() for v, g in self.nll_gap.items()},
+                "paired": self.paired}
+
+
 def prefix_effect(plain: AnalysisResult, prefixed: AnalysisResult, *, n_boot: int,
-                  seed: int) -> dict:
+                  seed: int) -> PrefixEffect:
     """How a steadying prefix on each member changes the paper's quantities.
 
     Both analyses cover the same corpus, split and positions (a prefix does not move
@@ -65,10 +140,10 @@ def prefix_effect(plain: AnalysisResult, prefixed: AnalysisResult, *, n_boot: in
     phases exist only where the gold is listed, which can differ between the two
     analyses: its R̄ change is taken on the positions where both list the gold
     (``n_paired``), while ``rbar_plain`` and ``rbar_prefix`` are each analysis's own.
+    When the positions differ, only the cross-term change is given.
     """
-    out: dict[str, Any] = {"phase_concentration": [], "cross_term": {}, "nll_gap": {}}
     same = _same_positions(plain, prefixed)
-    out["paired"] = bool(same)
+    concentration, gaps = [], {}
     by1 = {(r["phase_map"], tuple(r["pair"])): r for r in prefixed.coherence}
     for r0 in plain.coherence:
         r1 = by1.get((r0["phase_map"], tuple(r0["pair"])))
@@ -76,47 +151,67 @@ def prefix_effect(plain: AnalysisResult, prefixed: AnalysisResult, *, n_boot: in
             continue
         d0, d1 = paired_diffs(r0, r1)
         ch = rbar_change(d0, d1, n_boot=min(n_boot, 1000), seed=seed)
-        ex_0 = r0["mean_resultant_length"] - r0["null_mean_resultant_length"]
-        ex_1 = r1["mean_resultant_length"] - r1["null_mean_resultant_length"]
         dnull = r1["null_mean_resultant_length"] - r0["null_mean_resultant_length"]
-        out["phase_concentration"].append({
-            "phase_map": r0["phase_map"], "pair": r0["pair"],
-            "rbar_plain": r0["mean_resultant_length"], "rbar_prefix": r1["mean_resultant_length"],
-            "n_paired": len(d0), "rbar_change": ch["estimate"], "rbar_change_ci": ch["ci"],
-            "excess_plain": ex_0, "excess_prefix": ex_1,
-            "excess_change": ch["estimate"] - dnull,  # on the paired positions, like its CI
-            # the permutation nulls are treated as fixed: the excess change's CI is the
-            # R̄ change's CI shifted by the change of the null's mean.
-            "excess_change_ci": [ch["ci"][0] - dnull, ch["ci"][1] - dnull]})
+        # the permutation nulls are treated as fixed: the excess change's CI is the
+        # R̄ change's CI shifted by the change of the null's mean.
+        concentration.append(PhaseChange(
+            r0["phase_map"], r0["pair"], r0["mean_resultant_length"],
+            r1["mean_resultant_length"], len(d0), ch.estimate, ch.ci,
+            r0["mean_resultant_length"] - r0["null_mean_resultant_length"],
+            r1["mean_resultant_length"] - r1["null_mean_resultant_length"],
+            ch.estimate - dnull, (ch.ci[0] - dnull, ch.ci[1] - dnull)))
     c0, c1 = plain.cross["rel"], prefixed.cross["rel"]
     se = math.hypot((c0["ci"][1] - c0["ci"][0]) / 3.92, (c1["ci"][1] - c1["ci"][0]) / 3.92)
     d = c1["auroc"] - c0["auroc"]
-    out["cross_term"] = {"setting_plain": plain.cross["setting"],
-                         "setting_prefix": prefixed.cross["setting"],
-                         "auroc_plain": c0["auroc"], "auroc_prefix": c1["auroc"],
-                         "auroc_change": d, "auroc_change_ci": [d - 1.96 * se, d + 1.96 * se],
-                         "ci_method": "normal approximation from the two bootstrap CIs, "
-                                      "treated as independent (conservative for paired "
-                                      "positions)"}
+    cross = CrossTermChange(plain.cross["setting"], prefixed.cross["setting"], c0["auroc"],
+                            c1["auroc"], d, (d - 1.96 * se, d + 1.96 * se))
     for v, a in plain.comparisons.items():
         b = prefixed.comparisons.get(v)
         if not b or not same:
             continue
-        gap0 = plain.by_label(a["brf"]).test_nll - plain.by_label(a["baseline"]).test_nll
-        gap1 = prefixed.by_label(b["brf"]).test_nll - prefixed.by_label(b["baseline"]).test_nll
+        gap0 = plain.by_label(a.brf).test_nll - plain.by_label(a.baseline).test_nll
+        gap1 = prefixed.by_label(b.brf).test_nll - prefixed.by_label(b.baseline).test_nll
         ci = stats.paired_bootstrap_ci(gap1, gap0, n_boot=n_boot,
                                        rng=np.random.default_rng(seed),
                                        block_size=min(32, max(1, len(gap0) // 4)))
-        out["nll_gap"][v] = {"gap_plain": float(gap0.mean()), "gap_prefix": float(gap1.mean()),
-                             "change": ci.estimate, "ci": [ci.ci_low, ci.ci_high],
-                             "brf_plain": a["brf"], "brf_prefix": b["brf"],
-                             "baseline_plain": a["baseline"], "baseline_prefix": b["baseline"]}
-    return out
+        gaps[v] = GapChange(float(gap0.mean()), float(gap1.mean()), ci.estimate,
+                            (ci.ci_low, ci.ci_high), a.brf, b.brf, a.baseline, b.baseline)
+    return PrefixEffect(bool(same), tuple(concentration), cross, gaps)
+
+
+class PooledCorpus(NamedTuple):
+    """One corpus's pair in a pooled comparison."""
+    corpus: str
+    brf: str
+    baseline: str
+    mean_difference: float
+    ci: tuple[float, float]
+
+    def as_dict(self) -> dict:
+        return {**self._asdict(), "ci": list(self.ci)}
+
+
+class Pooled(NamedTuple):
+    """A BRF-minus-other NLL difference pooled over corpora (:func:`pooled`)."""
+    mean_difference: float
+    ci: tuple[float, float]
+    p_value: float
+    corpora: tuple[PooledCorpus, ...]
+
+    WEIGHTING = ("equal weight per corpus; stratified circular block bootstrap (blocks of "
+                 "32 positions within each corpus)")
+
+    def as_dict(self) -> dict:
+        """The report's ``pooled[variant]`` (or ``pooled_fair[variant]``)."""
+        return {"mean_difference": self.mean_difference, "ci": list(self.ci),
+                "p_value": self.p_value, "corpora": [c.as_dict() for c in self.corpora],
+                "weighting": self.WEIGHTING}
 
 
 def pooled(per_corpus: Sequence[tuple[str, AnalysisResult]], variants: Sequence[str], *,
-           n_boot: int, seed: int, fair: bool = False) -> dict:
-    """Per variant: the BRF-minus-baseline NLL difference pooled over corpora.
+           n_boot: int, seed: int, fair: bool = False) -> dict[str, Pooled]:
+    """Per variant: the BRF-minus-baseline NLL difference pooled over corpora (the
+    variants no corpus compares are left out).
 
     With ``fair``, the fair summary's pair instead: the best BRF row minus the best
     of every other row (controls included)."""
@@ -124,32 +219,27 @@ def pooled(per_corpus: Sequence[tuple[str, AnalysisResult]], variants: Sequence[
     for v in variants:
         pairs, used = [], []
         for label, res in per_corpus:
-            pair = _fair_pair(res, v) if fair else _baseline_pair(res, v)
-            if pair is None:
+            c = _fair_pair(res, v) if fair else _baseline_pair(res, v)
+            if c is None:
                 continue
-            a, b, c = pair
-            pairs.append((res.by_label(a).test_nll, res.by_label(b).test_nll))
-            used.append({"corpus": label, "brf": a, "baseline": b,
-                         "mean_difference": c["mean_difference"], "ci": c["ci"]})
+            pairs.append((res.by_label(c.brf).test_nll, res.by_label(c.baseline).test_nll))
+            used.append(PooledCorpus(label, c.brf, c.baseline, c.mean_difference, c.ci))
         if not pairs:
             continue
         ci = stats.pooled_paired_bootstrap_ci(pairs, n_boot=n_boot,
                                               rng=np.random.default_rng(seed), block_size=32)
-        out[v] = {"mean_difference": ci.estimate, "ci": [ci.ci_low, ci.ci_high],
-                  "p_value": ci.p_value, "corpora": used,
-                  "weighting": "equal weight per corpus; stratified circular block bootstrap "
-                               "(blocks of 32 positions within each corpus)"}
+        out[v] = Pooled(ci.estimate, (ci.ci_low, ci.ci_high), ci.p_value, tuple(used))
     return out
 
 
-def _baseline_pair(res: AnalysisResult, v: str):
-    c = res.comparisons.get(v)
-    return (c["brf"], c["baseline"], c) if c else None
+def _baseline_pair(res: AnalysisResult, v: str) -> Comparison | None:
+    return res.comparisons.get(v)
 
 
-def _fair_pair(res: AnalysisResult, v: str):
+def _fair_pair(res: AnalysisResult, v: str) -> Comparison | None:
+    """The fair summary's pair of ``v`` as a comparison (the rival as the baseline)."""
     c = res.fair.get(v)
-    return (c["brf"]["label"], c["rival"]["label"], c) if c else None
+    return c.pair() if c else None
 
 
 def side(ci) -> str:
@@ -157,35 +247,63 @@ def side(ci) -> str:
     return "lower" if ci[1] < 0 else "higher" if ci[0] > 0 else "undecided"
 
 
-def topk_moves(a: AnalysisResult, b: AnalysisResult) -> dict:
+class DifferenceMove(NamedTuple):
+    """A comparison's side of 0 (``side``) in analyses a and b, its differences and
+    the pairs compared."""
+    a: str
+    b: str
+    a_difference: float
+    b_difference: float
+    a_pair: list
+    b_pair: list
+
+
+class AurocMove(NamedTuple):
+    """The cross-term test's side of 0.5 in analyses a and b, and its AUROCs."""
+    a: str
+    b: str
+    a_auroc: float
+    b_auroc: float
+
+
+class CountMove(NamedTuple):
+    """A count in analyses a and b (the phase maps that link the members)."""
+    a: int
+    b: int
+
+
+class VerdictMoves(NamedTuple):
+    """Which verdicts of two analyses of the same corpus differ (:func:`topk_moves`)."""
+    rows: dict[str, DifferenceMove | AurocMove | CountMove]
+
+    @property
+    def moved(self) -> list[str]:
+        return [k for k, r in self.rows.items() if r.a != r.b]
+
+    def as_dict(self) -> dict:
+        """The event-space check's ``rows`` and ``moved``."""
+        return {"rows": {k: r._asdict() for k, r in self.rows.items()}, "moved": self.moved}
+
+
+def topk_moves(a: AnalysisResult, b: AnalysisResult) -> VerdictMoves:
     """Whether the verdicts of two analyses of the same corpus differ (event-space check):
     BRF against the named baselines (``nll[variant]``) and against every other row,
     controls included (``fair[variant]``), per variant; the cross-term test; the count
     of phase maps that link the members."""
-    rows = {}
-
-    def moved(ca: dict, cb: dict, pair_a: list, pair_b: list) -> dict:
-        return {"a": side(ca["ci"]), "b": side(cb["ci"]), "a_difference": ca["mean_difference"],
-                "b_difference": cb["mean_difference"], "a_pair": pair_a, "b_pair": pair_b}
-
-    for v, ca in a.comparisons.items():
-        cb = b.comparisons.get(v)
+    rows: dict[str, DifferenceMove | AurocMove | CountMove] = {}
+    pairs = ((f"nll[{v}]", ca, b.comparisons.get(v)) for v, ca in a.comparisons.items())
+    fair = ((f"fair[{v}]", _fair_pair(a, v), _fair_pair(b, v)) for v in a.fair)
+    for key, ca, cb in (*pairs, *fair):
         if cb:
-            rows[f"nll[{v}]"] = moved(ca, cb, [ca["brf"], ca["baseline"]],
-                                      [cb["brf"], cb["baseline"]])
-    for v, fa in a.fair.items():
-        fb = b.fair.get(v)
-        if fb:
-            rows[f"fair[{v}]"] = moved(fa, fb, [fa["brf"]["label"], fa["rival"]["label"]],
-                                       [fb["brf"]["label"], fb["rival"]["label"]])
+            rows[key] = DifferenceMove(side(ca.ci), side(cb.ci), ca.mean_difference,
+                                       cb.mean_difference, [ca.brf, ca.baseline],
+                                       [cb.brf, cb.baseline])
     ra, rb = a.cross["rel"], b.cross["rel"]
-    rows["cross_term"] = {"a": side([x - 0.5 for x in ra["ci"]]),
-                          "b": side([x - 0.5 for x in rb["ci"]]),
-                          "a_auroc": ra["auroc"], "b_auroc": rb["auroc"]}
-    pa = sum(r["permutation_p"] < 0.05 for r in a.coherence)
-    pb = sum(r["permutation_p"] < 0.05 for r in b.coherence)
-    rows["phase_coherence"] = {"a": pa, "b": pb}
-    return {"rows": rows, "moved": [k for k, r in rows.items() if r["a"] != r["b"]]}
+    rows["cross_term"] = AurocMove(side([x - 0.5 for x in ra["ci"]]),
+                                   side([x - 0.5 for x in rb["ci"]]), ra["auroc"], rb["auroc"])
+    rows["phase_coherence"] = CountMove(sum(r["permutation_p"] < 0.05 for r in a.coherence),
+                                        sum(r["permutation_p"] < 0.05 for r in b.coherence))
+    return VerdictMoves(rows)
 
 
 # ----------------------------------------------------------------- levels

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 from brf.event_table import EventTable
 from brf.eval import byte_scorer, compare, scorer, study_report
@@ -163,7 +163,7 @@ class TokenLevel(_Level):
         return {"topk_sensitivity": {
             "corpus": corpus.label, "top_k": [main.analysis.top_k, other.analysis.top_k],
             "coverage": [main.coverage.positions, other.coverage.positions],
-            **compare.topk_moves(main.result, other.result),
+            **compare.topk_moves(main.result, other.result).as_dict(),
             "report": study_report.brief(other.report)}}
 
     def finish(self, section: dict, extras: dict[str, dict]) -> None:

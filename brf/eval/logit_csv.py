@@ -74,11 +74,10 @@ followed by good ones, is refused.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import os
 import zlib
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 

@@ -55,7 +55,6 @@ events.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 
@@ -224,7 +223,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Born Rule Fusion: validation report", "",
         "## What was run", "",
-        f"- Members: " + ", ".join(f"`{m['name']}` (V={m['vocab_size']})"
+        "- Members: " + ", ".join(f"`{m['name']}` (V={m['vocab_size']})"
                                    for m in report["members"]),
         f"- Corpus: {report['corpus']['source']} ({report['corpus']['chars']} characters, "
         f"{report['corpus']['segments']} segments, sha256 {report['corpus']['sha256'][:12]}…)",

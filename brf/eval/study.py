@@ -102,9 +102,9 @@ def run_level(plan: Plan, level: Level, corpora: list[LoadedCorpus], views: View
     results = [(label, o.result) for label, o in per_corpus]
     section = {**level.header(),
                "per_corpus": {label: study_report.brief(o.report) for label, o in per_corpus},
-               "pooled": compare.pooled(results, plan.variants, n_boot=st.n_boot, seed=st.seed),
-               "pooled_fair": compare.pooled(results, plan.variants, n_boot=st.n_boot,
-                                             seed=st.seed, fair=True),
+               **{key: {v: p.as_dict() for v, p in compare.pooled(
+                   results, plan.variants, n_boot=st.n_boot, seed=st.seed, fair=fair).items()}
+                  for key, fair in (("pooled", False), ("pooled_fair", True))},
                "prompts": prompts}
     level.finish(section, extras)
     section["verdict"] = study_report.verdicts(section, unit=level.unit)
@@ -177,7 +177,7 @@ def _prompt_entry(plan: Plan, corpus: LoadedCorpus, done: dict[str, Outcome], ru
     entry = {"prefix": corpus.corpus.prefix,
              "with_prefix": study_report.brief(done["prefix"].report),
              "effect": compare.prefix_effect(done["corpus"].result, done["prefix"].result,
-                                             n_boot=st.n_boot, seed=st.seed)}
+                                             n_boot=st.n_boot, seed=st.seed).as_dict()}
     if "same_model" in done:
         entry["same_model"] = study_report.brief(done["same_model"].report)
         if bottleneck and plan.bottleneck.positions > 0:
