@@ -1,11 +1,16 @@
-r"""Every fitted row of two study runs side by side: calibration and test NLL, old vs new.
+r"""Two study runs side by side: which verdicts moved, and every fitted row, old vs new.
 
-Reads the per-analysis reports (``report-*.json``) under two study directories
-(a committed ``results/study`` and a fresh run directory, say), matches
-analyses by file name and rows by label and variant, and prints per analysis a
-Markdown table of calibration NLL old / new / new - old and test NLL, then how
-many rows got worse on calibration by more than ``--tolerance``. Rows in only
-one run (controls, say) are listed as such.
+Reads two study directories (a committed ``results/study`` and a fresh run
+directory, say). First the verdicts: from each run's ``report.json``, every
+verdict both runs give at each level both ran (co-aligned positions, every
+byte), with the answer in each run (where its 95% CI lies, or the count it
+rests on) and, for a difference, the rows it compared (BRF's and the other's,
+chosen on calibration in each run): those whose answer moved, then those whose
+answer held while the rows compared changed. Then the per-analysis reports
+(``report-*.json``, each level's): analyses matched by file name, rows by label
+and variant, per analysis a Markdown table of calibration NLL old / new / new -
+old and test NLL, and how many rows got worse on calibration by more than
+``--tolerance``. Rows in only one run (controls, say) are listed as such.
 
   python experiments/compare_fits.py --old=results/study --new=runs/validate
 """
@@ -18,6 +23,7 @@ from absl import flags
 
 from brf import cli
 from brf.errors import UserError
+from brf.eval.compare import run_moves
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("old", "results/study", "the earlier study directory")
@@ -27,7 +33,8 @@ flags.DEFINE_string("analyses", "", "comma-separated substrings of report names 
 
 
 def _reports(root: str) -> dict[str, dict]:
-    paths = glob.glob(os.path.join(root, "*", "report-*.json"))
+    paths = (glob.glob(os.path.join(root, "*", "report-*.json"))
+             + glob.glob(os.path.join(root, "*", "bytes", "report-*.json")))
     if not paths:
         raise UserError(f"no per-analysis reports (*/report-*.json) under {root!r}")
     out = {}
@@ -35,6 +42,42 @@ def _reports(root: str) -> dict[str, dict]:
         with open(p) as f:
             out[os.path.relpath(p, root)] = json.load(f)
     return out
+
+
+def _study(root: str) -> dict:
+    path = os.path.join(root, "report.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read the study's report {path!r}: {e}") from None
+
+
+def verdict_lines(old: dict, new: dict) -> list[str]:
+    """Markdown: the verdicts that moved between two study reports, then those whose
+    rows compared changed while the answer held."""
+    moves = run_moves(old, new)
+
+    def rows(a) -> str:
+        return " vs ".join(a.rows) if a.rows else ""
+
+    def table(keys) -> list[str]:
+        out = ["| verdict | old | new | rows compared, old | rows compared, new |",
+               "|---|---|---|---|---|"]
+        for k in keys:
+            m = moves[k]
+            out.append(f"| {k} | {m.before.answer} ({m.before.value:+.4g}) | {m.after.answer} "
+                       f"({m.after.value:+.4g}) | {rows(m.before)} | {rows(m.after)} |")
+        return out
+
+    moved = [k for k, m in moves.items() if m.moved]
+    held = [k for k, m in moves.items() if not m.moved and m.rows_changed]
+    lines = [f"{len(moved)} of {len(moves)} verdicts both runs give moved."]
+    if moved:
+        lines += [""] + table(moved)
+    if held:
+        lines += ["", f"{len(held)} held while the rows they compare changed:", ""] + table(held)
+    return lines
 
 
 def compare(old: dict, new: dict, tolerance: float) -> tuple[list[str], dict]:
@@ -60,7 +103,10 @@ def compare(old: dict, new: dict, tolerance: float) -> tuple[list[str], dict]:
 
 def main(argv):
     del argv
+    studies = _study(FLAGS.old), _study(FLAGS.new)
     old, new = _reports(FLAGS.old), _reports(FLAGS.new)
+    print("## Verdicts\n")
+    print("\n".join(verdict_lines(*studies)))
     keep = [s.strip() for s in FLAGS.analyses.split(",") if s.strip()]
     for name in sorted(set(old) & set(new)):
         if keep and not any(s in name for s in keep):

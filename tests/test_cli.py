@@ -121,6 +121,8 @@ CASES = [
     (V + ["--config.out_dir={d}/latin1.txt/run"], "config.out_dir='{d}/latin1.txt/run'"),
     (["experiments/convert.py", "--source={d}/junk.gguf", "--out={d}/latin1.txt/ck"],
      "the folder of --out='{d}/latin1.txt' cannot be written"),
+    (["experiments/compare_fits.py", "--old={d}", "--new={d}"],
+     "cannot read the study's report '{d}/report.json'"),
     # benchmarks and the demo
     (["experiments/bench_fusion.py", "--methods=nope"], "nope"),
     (["experiments/demo.py", "--config=configs/demo.py", "--config.weights=abc"], "weights"),

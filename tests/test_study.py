@@ -243,3 +243,40 @@ def test_per_token_phases_are_paired_on_the_positions_both_tables_list():
     # the same table under both: the paired differences are the same numbers
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, rows[0]["diffs"][np.isin(rows[0]["positions"], both)])
+
+
+def _section(brf_row: str, ci: list, pooled_ci: list) -> dict:
+    """A study report's level section with one corpus ('c') and its pooled comparison."""
+    d = (ci[0] + ci[1]) / 2
+    return {"per_corpus": {"c": {"nll_comparison": {"calibrated": {
+                "brf": brf_row, "baseline": "linear", "mean_difference": d, "ci": ci}}}},
+            "pooled": {"calibrated": {"mean_difference": sum(pooled_ci) / 2, "ci": pooled_ci}},
+            "pooled_fair": {}, "prompts": {}}
+
+
+def test_run_moves_names_the_verdicts_whose_answer_or_rows_changed():
+    """Two runs' reports: a verdict moves when its CI moves to another side of 0; one
+    whose CI stays while BRF's row changes holds, with its rows changed; each level
+    both runs have is compared, in its own keys."""
+    from brf.eval.compare import run_moves
+    before = {**_section("born tanh", [-0.02, -0.01], [-0.01, 0.01]),
+              "bytes": _section("born tanh", [-0.002, -0.001], [-0.001, 0.001])}
+    after = {**_section("born tanh", [-0.02, 0.01], [-0.01, 0.02]),
+             "bytes": _section("born log1p", [-0.003, -0.001], [0.0005, 0.001])}
+    moves = run_moves(before, after)
+    assert list(moves) == ["co-aligned: c: nll [calibrated]",
+                           "co-aligned: pooled: nll [calibrated]",
+                           "every byte: c: nll [calibrated]",
+                           "every byte: pooled: nll [calibrated]"]
+    assert [k for k, m in moves.items() if m.moved] == [
+        "co-aligned: c: nll [calibrated]", "every byte: pooled: nll [calibrated]"]
+    m = moves["co-aligned: c: nll [calibrated]"]
+    assert (m.before.answer, m.after.answer) == ("BRF better than the best baseline",
+                                                 "not distinguishable")
+    assert m.before.value == pytest.approx(-0.015) and m.after.value == pytest.approx(-0.005)
+    held = moves["every byte: c: nll [calibrated]"]
+    assert not held.moved and held.rows_changed
+    assert held.after.rows == ("born log1p", "linear")
+    assert not any(m.moved or m.rows_changed for m in run_moves(before, before).values())
+    # a run without the byte level compares the co-aligned level alone
+    assert all(k.startswith("co-aligned") for k in run_moves(before, {**after, "bytes": None}))

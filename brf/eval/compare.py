@@ -319,6 +319,7 @@ class Answer(NamedTuple):
     value: float
     ci: tuple[float, float] | None = None
     top_share: float | None = None
+    rows: tuple[str, str] | None = None  # a difference's rows: (BRF, the other)
 
 
 class Move(NamedTuple):
@@ -353,9 +354,10 @@ class LevelMoves(NamedTuple):
                 "units": self.UNITS}
 
 
-def _ci_answer(ci, value, low: str, high: str, neither: str = "not distinguishable") -> Answer:
+def _ci_answer(ci, value, low: str, high: str, neither: str = "not distinguishable",
+               rows: tuple[str, str] | None = None) -> Answer:
     return Answer({"lower": low, "higher": high, "undecided": neither}[side(ci)],
-                  float(value), (float(ci[0]), float(ci[1])))
+                  float(value), (float(ci[0]), float(ci[1])), rows=rows)
 
 
 def answers(brief: dict) -> dict[str, Answer]:
@@ -370,11 +372,13 @@ def answers(brief: dict) -> dict[str, Answer]:
     for v, c in brief.get("nll_comparison", {}).items():
         out[f"nll [{v}]"] = _ci_answer(c["ci"], c["mean_difference"],
                                        "BRF better than the best baseline",
-                                       "BRF worse than the best baseline")
+                                       "BRF worse than the best baseline",
+                                       rows=(c["brf"], c["baseline"]))
     for v, c in brief.get("fair_summary", {}).items():
         out[f"fair [{v}]"] = _ci_answer(c["ci"], c["mean_difference"],
                                         "BRF better than every other row",
-                                        "BRF worse than the best other row")
+                                        "BRF worse than the best other row",
+                                        rows=(c["brf"]["label"], c["rival"]["label"]))
     if brief.get("cross_term"):
         rel = brief["cross_term"]["rel"]
         out["cross-term"] = _ci_answer([x - 0.5 for x in rel["ci"]], rel["auroc"],
@@ -418,6 +422,45 @@ def effect_answers(effect: dict) -> dict[str, Answer]:
     return out
 
 
+def paired_answers(a: dict, b: dict) -> dict[str, tuple[Answer, Answer]]:
+    """The verdicts two report sections both give, as (a's answer, b's answer).
+
+    Args:
+      a, b: sections of study reports (``per_corpus``, ``pooled``, ``pooled_fair``,
+        ``prompts``): the two levels of one report, or one level of two runs.
+
+    Returns:
+      ``"<where>: <verdict>"`` -> the two answers, in ``b``'s order.
+    """
+    rows: dict[str, tuple[Answer, Answer]] = {}
+
+    def add(where: str, x: dict[str, Answer], y: dict[str, Answer]) -> None:
+        for k, ry in y.items():
+            rx = x.get(k)
+            if rx is not None:
+                rows[f"{where}: {k}"] = (rx, ry)
+
+    def pooled_answers(section: dict, key: str, what: str) -> dict[str, Answer]:
+        return {f"{what} [{v}]": _ci_answer(p["ci"], p["mean_difference"], "BRF better",
+                                            "BRF worse") for v, p in section.get(key, {}).items()}
+
+    for label, r in b.get("per_corpus", {}).items():
+        if label in a.get("per_corpus", {}):
+            add(label, answers(a["per_corpus"][label]), answers(r))
+    for key, what in (("pooled", "nll"), ("pooled_fair", "fair")):
+        add("pooled", pooled_answers(a, key, what), pooled_answers(b, key, what))
+    for label, pb in b.get("prompts", {}).items():
+        pa = a.get("prompts", {}).get(label)
+        if not pa:
+            continue
+        add(f"prompts: {label}", effect_answers(pa["effect"]), effect_answers(pb["effect"]))
+        for key, what in (("with_prefix", "+ prefix"), ("same_model", "same model"),
+                          ("swarm", "swarm")):
+            if key in pa and key in pb:
+                add(f"{label} {what}", answers(pa[key]), answers(pb[key]))
+    return rows
+
+
 def level_moves(tokens: dict, by_bytes: dict) -> LevelMoves:
     """Which verdicts move from co-aligned positions to every byte.
 
@@ -432,30 +475,34 @@ def level_moves(tokens: dict, by_bytes: dict) -> LevelMoves:
       nats per byte), so only their signs and CIs compare; the answers say where
       each CI lies.
     """
-    rows: dict[str, Move] = {}
+    return LevelMoves({k: Move(a.answer, b.answer, a.value, b.value)
+                       for k, (a, b) in paired_answers(tokens, by_bytes).items()})
 
-    def add(where: str, a: dict[str, Answer], b: dict[str, Answer]) -> None:
-        for k, rb in b.items():
-            ra = a.get(k)
-            if ra is not None:
-                rows[f"{where}: {k}"] = Move(ra.answer, rb.answer, ra.value, rb.value)
 
-    for label, r in by_bytes.get("per_corpus", {}).items():
-        if label in tokens.get("per_corpus", {}):
-            add(label, answers(tokens["per_corpus"][label]), answers(r))
-    for key, what in (("pooled", "nll"), ("pooled_fair", "fair")):
-        a = {f"{what} [{v}]": _ci_answer(p["ci"], p["mean_difference"], "BRF better",
-                                         "BRF worse") for v, p in tokens.get(key, {}).items()}
-        b = {f"{what} [{v}]": _ci_answer(p["ci"], p["mean_difference"], "BRF better",
-                                         "BRF worse") for v, p in by_bytes.get(key, {}).items()}
-        add("pooled", a, b)
-    for label, pb in by_bytes.get("prompts", {}).items():
-        pa = tokens.get("prompts", {}).get(label)
-        if not pa:
-            continue
-        add(f"prompts: {label}", effect_answers(pa["effect"]), effect_answers(pb["effect"]))
-        for key, what in (("with_prefix", "+ prefix"), ("same_model", "same model"),
-                          ("swarm", "swarm")):
-            if key in pa and key in pb:
-                add(f"{label} {what}", answers(pa[key]), answers(pb[key]))
-    return LevelMoves(rows)
+class RunMove(NamedTuple):
+    """One verdict in two runs of the study, and the rows each compared (for a
+    difference: BRF's row and the other's, chosen on calibration in each run)."""
+    before: Answer
+    after: Answer
+
+    @property
+    def moved(self) -> bool:
+        return self.before.answer != self.after.answer
+
+    @property
+    def rows_changed(self) -> bool:
+        return self.before.rows != self.after.rows
+
+
+def run_moves(before: dict, after: dict) -> dict[str, RunMove]:
+    """Which verdicts differ between two runs of the study (two report.json files, each
+    read as a dict), at every level both ran: ``"<level>: <where>: <verdict>"`` ->
+    :class:`RunMove`, the co-aligned level's first, then every byte's (values in each
+    level's units, the same in both runs)."""
+    out = {}
+    for level, a, b in (("co-aligned", before, after),
+                        ("every byte", before.get("bytes"), after.get("bytes"))):
+        if a and b:
+            out.update({f"{level}: {k}": RunMove(x, y)
+                        for k, (x, y) in paired_answers(a, b).items()})
+    return out
