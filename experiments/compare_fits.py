@@ -4,9 +4,9 @@ Reads two study directories (a committed ``results/study`` and a fresh run
 directory, say). First the verdicts: from each run's ``report.json``, every
 verdict both runs give at each level both ran (co-aligned positions, every
 byte), with the answer in each run (where its 95% CI lies, or the count it
-rests on) and, for a difference, the rows it compared (BRF's and the other's,
-chosen on calibration in each run): those whose answer moved, then those whose
-answer held while the rows compared changed. Then the per-analysis reports
+rests on) and the fitted rows it rests on (a difference's BRF and other row,
+chosen on calibration in each run; the cross-term test's setting): those whose
+answer moved, then those whose answer held while its rows changed. Then the per-analysis reports
 (``report-*.json``, each level's): analyses matched by file name, rows by label
 and variant, per analysis a Markdown table of calibration NLL old / new / new -
 old and test NLL, and how many rows got worse on calibration by more than
@@ -55,14 +55,14 @@ def _study(root: str) -> dict:
 
 def verdict_lines(old: dict, new: dict) -> list[str]:
     """Markdown: the verdicts that moved between two study reports, then those whose
-    rows compared changed while the answer held."""
+    rows changed while the answer held."""
     moves = run_moves(old, new)
 
     def rows(a) -> str:
-        return " vs ".join(a.rows) if a.rows else ""
+        return "; ".join(a.rows) if a.rows else ""
 
     def table(keys) -> list[str]:
-        out = ["| verdict | old | new | rows compared, old | rows compared, new |",
+        out = ["| verdict | old | new | rows it rests on, old | rows it rests on, new |",
                "|---|---|---|---|---|"]
         for k in keys:
             m = moves[k]
@@ -76,7 +76,7 @@ def verdict_lines(old: dict, new: dict) -> list[str]:
     if moved:
         lines += [""] + table(moved)
     if held:
-        lines += ["", f"{len(held)} held while the rows they compare changed:", ""] + table(held)
+        lines += ["", f"{len(held)} held while the rows they rest on changed:", ""] + table(held)
     return lines
 
 

@@ -319,7 +319,9 @@ class Answer(NamedTuple):
     value: float
     ci: tuple[float, float] | None = None
     top_share: float | None = None
-    rows: tuple[str, str] | None = None  # a difference's rows: (BRF, the other)
+    # the fitted rows the answer rests on: a difference's (BRF's, the other's); the
+    # cross-term test's setting; a prefix effect's rows without and with the prefix
+    rows: tuple[str, ...] | None = None
 
 
 class Move(NamedTuple):
@@ -355,7 +357,7 @@ class LevelMoves(NamedTuple):
 
 
 def _ci_answer(ci, value, low: str, high: str, neither: str = "not distinguishable",
-               rows: tuple[str, str] | None = None) -> Answer:
+               rows: tuple[str, ...] | None = None) -> Answer:
     return Answer({"lower": low, "higher": high, "undecided": neither}[side(ci)],
                   float(value), (float(ci[0]), float(ci[1])), rows=rows)
 
@@ -384,7 +386,8 @@ def answers(brief: dict) -> dict[str, Answer]:
         out["cross-term"] = _ci_answer([x - 0.5 for x in rel["ci"]], rel["auroc"],
                                        "ranks gold below competitors",
                                        "separates gold from competitors",
-                                       "does not separate gold")
+                                       "does not separate gold",
+                                       rows=(brief["cross_term"]["setting"],))
     if brief.get("phase_coherence") is not None:
         pc = brief["phase_coherence"]
         k = sum(r["permutation_p"] < ALPHA for r in pc)
@@ -414,11 +417,13 @@ def effect_answers(effect: dict) -> dict[str, Answer]:
                                             float(up - down))
     ct = effect.get("cross_term")
     if ct:
-        out["cross-term AUROC change"] = _ci_answer(ct["auroc_change_ci"], ct["auroc_change"],
-                                                    "falls", "rises", "no change shown")
+        out["cross-term AUROC change"] = _ci_answer(
+            ct["auroc_change_ci"], ct["auroc_change"], "falls", "rises", "no change shown",
+            rows=(ct["setting_plain"], ct["setting_prefix"]))
     for v, g in effect.get("nll_gap", {}).items():
-        out[f"BRF's NLL gap change [{v}]"] = _ci_answer(g["ci"], g["change"], "narrows",
-                                                        "widens", "no change shown")
+        out[f"BRF's NLL gap change [{v}]"] = _ci_answer(
+            g["ci"], g["change"], "narrows", "widens", "no change shown",
+            rows=(g["brf_plain"], g["baseline_plain"], g["brf_prefix"], g["baseline_prefix"]))
     return out
 
 
