@@ -16,6 +16,8 @@ import numpy as np
 from brf.eval import stats
 from brf.eval.analysis import AnalysisResult, Comparison
 
+ALPHA = 0.05  # a phase map "links" the members when its permutation p is below this
+
 
 class Change(NamedTuple):
     """An estimated change with its 95% CI."""
@@ -301,20 +303,18 @@ def topk_moves(a: AnalysisResult, b: AnalysisResult) -> VerdictMoves:
     ra, rb = a.cross["rel"], b.cross["rel"]
     rows["cross_term"] = AurocMove(side([x - 0.5 for x in ra["ci"]]),
                                    side([x - 0.5 for x in rb["ci"]]), ra["auroc"], rb["auroc"])
-    rows["phase_coherence"] = CountMove(sum(r["permutation_p"] < 0.05 for r in a.coherence),
-                                        sum(r["permutation_p"] < 0.05 for r in b.coherence))
+    rows["phase_coherence"] = CountMove(sum(r["permutation_p"] < ALPHA for r in a.coherence),
+                                        sum(r["permutation_p"] < ALPHA for r in b.coherence))
     return VerdictMoves(rows)
 
 
-# ----------------------------------------------------------------- levels
-
-ALPHA = 0.05  # a phase map "links" the members when its permutation p is below this
+# ----------------------------------------------------------------- levels, runs
 
 
 class Answer(NamedTuple):
-    """One verdict as an answer that compares across levels: the words, the number
-    behind them and, for a difference, its 95% CI (the forking answer: the share of
-    the gain at the top-entropy positions)."""
+    """One verdict as an answer that compares across levels and runs: the words, the
+    number behind them and, for a difference, its 95% CI (the forking answer: the
+    share of the gain at the top-entropy positions)."""
     answer: str
     value: float
     ci: tuple[float, float] | None = None
