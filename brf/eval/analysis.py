@@ -138,14 +138,6 @@ class FairComparison(NamedTuple):
     per_token: FairRow | None = None
     controls: tuple[ControlComparison, ...] = ()
 
-    @property
-    def mean_difference(self) -> float:
-        return self.difference.mean_difference
-
-    @property
-    def ci(self) -> tuple[float, float]:
-        return self.difference.ci
-
     def pair(self) -> Comparison:
         """The best BRF row against the best other row, as a comparison (the other row
         in the baseline's place)."""
@@ -261,13 +253,17 @@ def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSetti
     precompile([specs[i] for i in order if cached.get(i) is None
                 and not _nothing_to_fit(specs[i])], calib, settings)
     fits: dict[int, Fitted] = {}
+
+    def own_proposed(i: int) -> Fitted | None:
+        """Spec i's row fitted as proposed: earlier in this call (its fit runs first), or
+        in ``before``."""
+        return fits[warm_of[i]] if warm_of[i] is not None else proposed.get(_row_key(specs[i]))
+
     for i in tqdm(order, desc=desc, unit="method", dynamic_ncols=True):
         spec, f = specs[i], cached.get(i)
         if f is None:
             others = sorted(calibrated, key=lambda g: g.calib_nll)[:1]
-            warm = (fits[warm_of[i]] if warm_of[i] is not None
-                    else proposed.get(_row_key(spec)))
-            f = fit_spec(spec, calib, settings, warm=warm,
+            f = fit_spec(spec, calib, settings, warm=own_proposed(i),
                          starts=others if spec.variant != "proposed" else ())
             if cache is not None:
                 cache.put(spec, f)
@@ -275,9 +271,8 @@ def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSetti
             calibrated.append(f)
         fits[i] = f
     out = [fits[i] for i in range(len(specs))]
-    own_proposed = {i: fits[warm_of[i]] if warm_of[i] is not None
-                    else proposed.get(_row_key(specs[i])) for i in range(len(specs))}
-    return _second_round(specs, out, calibrated, calib, settings, cache, own_proposed)
+    return _second_round(specs, out, calibrated, calib, settings, cache,
+                         {i: own_proposed(i) for i in range(len(specs))})
 
 
 def _schedule(specs: Sequence[MethodSpec]) -> tuple[list[int], list[int | None]]:
