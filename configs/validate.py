@@ -146,10 +146,18 @@ def get_config(arg=None):
     # settings (reference_beam, reference_threshold, no merging; brf.bytes.REFERENCE),
     # the members' distance from them and how far it could move each byte-level
     # verdict (0 = no check).
+    # max_chars: the byte level reads each corpus's first segments up to that many
+    # characters (whole segments, at least two: one calibrates, one tests; 0 = every
+    # segment). At these settings a member scores about 20 bytes a second on a 2-core
+    # CPU (BENCHMARKS.md, "Precision of the byte-level views"), so every byte of the
+    # three corpora for both members would take about 4.5 hours of scoring alone;
+    # 6,000 characters per corpus take about half an hour. prompts: the prompt study
+    # (prefix pair, same-model pair, swarm) at the byte level too (three more stores
+    # of Hamlet's span; False keeps it to co-aligned positions).
     c.bytes = ml_collections.ConfigDict(dict(
         enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD, max_lag=BYTE_MAX_LAG,
         swarm=True, check_bytes=CHECK_BYTES, reference_beam=REFERENCE.beam,
-        reference_threshold=REFERENCE.threshold))
+        reference_threshold=REFERENCE.threshold, max_chars=6000, prompts=False))
     # JAX persistent compilation cache, in compilation_cache_dir ("" = $BRF_CACHE/jax_cache).
     c.compilation_cache = True
     c.compilation_cache_dir = ""

@@ -72,12 +72,18 @@ def test_validation_config_makes_a_plan(arg):
         assert not plan.bytes.enabled and byte_level == []
     else:
         assert plan.bytes.enabled
-        assert [a.kind for a in byte_level] == ["corpus", "prefix", "same_model", "swarm"]
-        assert {a.level for a in byte_level} == {"bytes"} and {a.top_k for a in byte_level} == {0}
-        assert [a.members for a in byte_level] == [a.members for a in plan.analyses(0)
-                                                   if a.kind != "topk"]
-        # bytes.swarm=False leaves the swarm out on bytes only.
+        # The main job reads a span of each corpus at the byte level, without the
+        # prompt study (configs/validate.py: every byte of everything is hours).
+        assert plan.bytes.max_chars > 0 and not plan.bytes.prompts
+        assert [a.kind for a in byte_level] == ["corpus"]
         cfg = mod.get_config(arg)
+        cfg.bytes.prompts = True
+        full = plan_lib.from_config(cfg).analyses(0, "bytes")
+        assert [a.kind for a in full] == ["corpus", "prefix", "same_model", "swarm"]
+        assert {a.level for a in full} == {"bytes"} and {a.top_k for a in full} == {0}
+        assert [a.members for a in full] == [a.members for a in plan.analyses(0)
+                                             if a.kind != "topk"]
+        # bytes.swarm=False leaves the swarm out on bytes only.
         cfg.bytes.swarm = False
         off = plan_lib.from_config(cfg)
         assert [a.kind for a in off.analyses(0, "bytes")] == ["corpus", "prefix", "same_model"]
@@ -129,3 +135,36 @@ def test_a_calibration_box_that_is_not_a_box_is_refused(calib_range):
         plan_lib.from_config(cfg)
     cfg.fit.calib_range = 0.0
     assert plan_lib.from_config(cfg).fit.calib_range == 0.0
+
+
+def test_byte_level_span_is_whole_segments_and_checked():
+    """config.bytes.max_chars: the byte level reads the corpus's first whole segments
+    up to that many characters, never fewer than two (a calibration and a test
+    split), hashed as what it holds; the token level reads all of them. A bad value
+    is named."""
+    import hashlib
+
+    from brf.eval import plan as plan_lib
+    from brf.eval.levels import ByteLevel, LoadedCorpus, TokenLevel
+    segments = ["a" * 10, "b" * 10, "c" * 10, "d" * 5]
+    text = "".join(segments)
+    whole = LoadedCorpus(plan_lib.Corpus("x", "x"), segments, "src", "lic", len(text),
+                         hashlib.sha256(text.encode()).hexdigest())
+    for max_chars, n in ((0, 4), (35, 4), (1000, 4), (34, 3), (30, 3), (29, 2), (1, 2)):
+        head = whole.head(max_chars)
+        assert head.segments == segments[:n], max_chars
+        part = "".join(segments[:n])
+        assert (head.chars, head.sha256) == (len(part), hashlib.sha256(part.encode()).hexdigest())
+    validate = _load(CONFIGS[[p.stem for p in CONFIGS].index("validate")])
+    cfg = validate.get_config()
+    cfg.bytes.max_chars = 25
+    plan = plan_lib.from_config(cfg)
+    assert ByteLevel(plan).span(whole).segments == segments[:2]
+    assert TokenLevel(plan).span(whole) is whole
+    for key, bad in (("max_chars", -1), ("max_chars", 2.5), ("max_chars", True),
+                     ("prompts", "yes"), ("swarm", 1)):
+        cfg = validate.get_config()
+        del cfg.bytes[key]  # ConfigDict keeps a field's type; a flag's string comes as is
+        cfg.bytes[key] = bad
+        with pytest.raises(plan_lib.ValidationError, match=f"config.bytes.{key}"):
+            plan_lib.from_config(cfg)

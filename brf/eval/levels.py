@@ -70,6 +70,24 @@ class LoadedCorpus:
         return cls(corpus, segments, source, licence, len(text),
                    hashlib.sha256(text.encode()).hexdigest())
 
+    def head(self, max_chars: int) -> "LoadedCorpus":
+        """The corpus's first segments up to ``max_chars`` characters: whole segments, at
+        least two (a calibration and a test split), every one when ``max_chars`` is 0
+        or covers them all. Hashed as what it holds."""
+        n = len(self.segments)
+        if max_chars:
+            total, n = 0, 0
+            for seg in self.segments:
+                if n >= 2 and total + len(seg) > max_chars:
+                    break
+                total, n = total + len(seg), n + 1
+        if n == len(self.segments):
+            return self
+        segments = self.segments[:n]
+        text = "".join(segments)
+        return dataclasses.replace(self, segments=segments, chars=len(text),
+                                   sha256=hashlib.sha256(text.encode()).hexdigest())
+
     @property
     def label(self) -> str:
         return self.corpus.label
@@ -111,6 +129,10 @@ class _Level:
 
     def analyses(self, index: int) -> list[Analysis]:
         return self.plan.analyses(index, self.name)
+
+    def span(self, corpus: LoadedCorpus) -> LoadedCorpus:
+        """The part of a corpus the level reads: all of it."""
+        return corpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +205,10 @@ class ByteLevel(_Level):
     lead_only = True    # process 0 scores the byte level alone, after the token level
     bottleneck = False
 
+    def span(self, corpus: LoadedCorpus) -> LoadedCorpus:
+        """The corpus's first segments up to ``bytes.max_chars`` (all of it at 0)."""
+        return corpus.head(self.plan.bytes.max_chars)
+
     def build(self, analysis: Analysis, corpus: LoadedCorpus, run_dir: str,
               views: Views) -> Built:
         table, cov, infos = byte_scorer.event_table(
@@ -201,7 +227,9 @@ class ByteLevel(_Level):
         return name
 
     def header(self) -> dict:
-        return {**self.fields(), "swarm": self.plan.bytes.swarm}
+        b = self.plan.bytes
+        return {**self.fields(), "swarm": b.swarm, "prompts": b.prompts,
+                "max_chars": b.max_chars}
 
     def corpus_extras(self, corpus: LoadedCorpus, done: dict[str, Outcome], run_dir: str,
                       views: Views) -> dict:

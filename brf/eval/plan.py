@@ -126,7 +126,12 @@ class ByteSettings:
 
     ``check_bytes``: the precision check's slice (:mod:`brf.eval.byte_precision`: that
     many bytes of each corpus's first test segment rescored by each member of the
-    default pair with the ``reference`` settings; 0: no check)."""
+    default pair with the ``reference`` settings; 0: no check).
+
+    ``max_chars``: the byte level reads each corpus's first segments up to this many
+    characters (whole segments, at least two, so that it has a calibration and a test
+    split; :meth:`brf.eval.levels.LoadedCorpus.head`); 0: every segment. ``prompts``:
+    the prompt study (prefix pair, same-model pair, swarm) at the byte level too."""
     enabled: bool
     beam: int = DEFAULT_BEAM
     threshold: float = DEFAULT_THRESHOLD
@@ -134,6 +139,8 @@ class ByteSettings:
     swarm: bool = True  # the prompt study's swarm on every byte too (its fits are the longest)
     check_bytes: int = CHECK_BYTES
     reference: Settings = REFERENCE
+    max_chars: int = 0
+    prompts: bool = True
 
     @property
     def settings(self) -> Settings:
@@ -238,8 +245,8 @@ class Plan:
         """The analyses of corpus ``index`` at ``level``: the default pair (with the
         sweep), the event-space check (first corpus, tokens only), and the prompt
         study where the corpus has a prefix. At the byte level the same kinds but
-        the event-space check (and the swarm when ``bytes.swarm`` is off), none when
-        ``bytes.enabled`` is off."""
+        the event-space check (and the prompt study when ``bytes.prompts`` is off, the
+        swarm when ``bytes.swarm`` is), none when ``bytes.enabled`` is off."""
         if level not in LEVELS:
             raise ValueError(f"unknown level {level!r}; use one of {LEVELS}")
         if level == "bytes" and not self.bytes.enabled:
@@ -255,7 +262,7 @@ class Plan:
         if k2:
             out.append(Analysis("topk", f"{c.label} (top-{k2})", self.members, k2, k2,
                                 self.variants))
-        if c.prefix and self.prompts.enabled:
+        if c.prefix and self.prompts.enabled and (tokens or self.bytes.prompts):
             aux = self.prompts.variants
             out.append(Analysis("prefix", f"{c.label} + prefix{tag}",
                                 tuple(m.with_prefix(c.prefix) for m in self.members),
@@ -392,9 +399,14 @@ def _byte_settings(section) -> ByteSettings:
         raise ValidationError(f"config.bytes.threshold must lie in [0, 1); got {threshold!r}")
     if isinstance(max_lag, bool) or not isinstance(max_lag, (int, np.integer)) or max_lag < 0:
         raise ValidationError(f"config.bytes.max_lag must be an integer >= 0; got {max_lag!r}")
-    swarm = section.get("swarm", True)
-    if not isinstance(swarm, bool):
-        raise ValidationError(f"config.bytes.swarm must be True or False; got {swarm!r}")
+    swarm, prompts = section.get("swarm", True), section.get("prompts", True)
+    for key, value in (("swarm", swarm), ("prompts", prompts)):
+        if not isinstance(value, bool):
+            raise ValidationError(f"config.bytes.{key} must be True or False; got {value!r}")
+    max_chars = section.get("max_chars", 0)
+    if isinstance(max_chars, bool) or not isinstance(max_chars, (int, np.integer)) or max_chars < 0:
+        raise ValidationError(f"config.bytes.max_chars must be an integer >= 0 (0: every "
+                              f"segment); got {max_chars!r}")
     check = section.get("check_bytes", ByteSettings.check_bytes)
     if isinstance(check, bool) or not isinstance(check, (int, np.integer)) or check < 0:
         raise ValidationError(f"config.bytes.check_bytes must be an integer >= 0 (0: no "
@@ -409,7 +421,8 @@ def _byte_settings(section) -> ByteSettings:
         raise ValidationError(f"config.bytes.reference_threshold must lie in [0, 1); got "
                               f"{ref_threshold!r}")
     return ByteSettings(bool(section.enabled), int(beam), float(threshold), int(max_lag),
-                        swarm, int(check), Settings(int(ref_beam), float(ref_threshold), 0))
+                        swarm, int(check), Settings(int(ref_beam), float(ref_threshold), 0),
+                        int(max_chars), prompts)
 
 
 def _plain(x):

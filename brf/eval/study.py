@@ -83,7 +83,7 @@ def run_level(plan: Plan, level: Level, corpora: list[LoadedCorpus], views: View
     prompt study and the level's own extras: the level's section of the report (None
     on processes other than 0)."""
     per_corpus, prompts, extras = [], {}, {}
-    for index, corpus in enumerate(corpora):
+    for index, corpus in enumerate(map(level.span, corpora)):
         run_dir = os.path.join(plan.out_dir, corpus.label)  # each level's build makes it
         # Every process makes the same run_analysis calls in the same order (their
         # scorings meet at barriers); only process 0 gets outcomes and analyses.
@@ -160,8 +160,9 @@ def study_tables(plan: Plan, load_model: Callable[[str], Any] | None = None, *,
     views = Views(load_model or scorer.registry_loader(plan.members, plan.mesh))
     chosen = [lv for lv in levels(plan) if lv.name in level_names]
     for index, c in enumerate(plan.corpora):
-        corpus = LoadedCorpus.load(plan, c)
+        whole = LoadedCorpus.load(plan, c)
         for level in chosen:
+            corpus = level.span(whole)
             for a in level.analyses(index):
                 if which(corpus.label, a):
                     built = level.build(a, corpus, os.path.join(plan.out_dir, corpus.label),

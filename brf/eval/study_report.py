@@ -246,12 +246,21 @@ def bytes_markdown(rep: dict) -> list[str]:
     moved."""
     b = rep["bytes"]
     lines = ["## Every byte", "",
-             f"The same analyses on every byte of every corpus: each member's distribution "
+             "The same analyses on every byte of " +
+             (f"each corpus's first segments up to {b['max_chars']:,} characters (the "
+              f"byte level's span, config.bytes.max_chars; the co-aligned positions "
+              f"above cover each whole corpus, so a verdict that moves between the levels "
+              f"moved with the text as well as the level)" if b.get("max_chars") else
+              "every corpus") +
+             f": each member's distribution "
              f"over the 257 byte events (256 bytes, end of text) at each byte, from all its "
              f"tokenizations covering the text (beam {b['beam']}, prune threshold "
              f"{b['threshold']:g}, merge lag {b['max_lag']}); NLL in nats per byte. Each "
              f"corpus's byte-level reports are in its `bytes/` subdirectory." +
-             ("" if b.get("swarm", True) else
+             ("" if b.get("prompts", True) else
+              " The prompt study is analysed on co-aligned positions only "
+              "(config.bytes.prompts was off).") +
+             ("" if b.get("swarm", True) or not b.get("prompts", True) else
               " The swarm is analysed on co-aligned positions only (config.bytes.swarm "
               "was off)."), "",
              "### Coverage and consistency", "",
