@@ -135,9 +135,9 @@ def get_config(arg=None):
     c.bottleneck = ml_collections.ConfigDict(dict(positions=64, top_k=256))
     c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
     # The study on every byte (README, "The study on every byte"): every member's
-    # next-byte distributions over every byte of every corpus, the same analyses as
-    # on co-aligned positions (default pair, prefix pair, same-model pair, swarm),
-    # and which verdicts move. beam >= 1, threshold in [0, 1), max_lag >= 0 (0 =
+    # next-byte distributions over every byte of a span of each corpus (max_chars,
+    # below), the same analyses as on co-aligned positions (default pair; with
+    # prompts=True the prefix pair, same-model pair and swarm), and which verdicts move. beam >= 1, threshold in [0, 1), max_lag >= 0 (0 =
     # never merge, the default: merging keeps no bound; brf.bytes.lm.score_text).
     # swarm=False leaves the swarm out at the byte level only (four members on every
     # byte: the study's longest fits, about an hour on a 2-core machine).

@@ -373,7 +373,7 @@ def test_study_end_to_end_on_tiny_models(tmp_path, text, members, capsys):
     # and every analysis of either level runs through the same code (run_level).
     cfg = _cfg(tmp_path, text, bytes__enabled=True, bytes__beam=2, bytes__threshold=0.2,
                bytes__max_lag=1, bytes__check_bytes=CHECK, bytes__reference_beam=8,
-               bytes__reference_threshold=1e-3, bytes__swarm=False)
+               bytes__reference_threshold=1e-3, bytes__swarm=False, bytes__prompts=True)
     cfg.methods = 'linear(label="linear (tuned)"), loglinear(label="loglinear (tuned)", ' \
                   'temperature=fit(1.0))'
     cfg.phase_maps = 'constant(label="hellinger (equal phases)", fixed=True), tanh'
