@@ -37,6 +37,13 @@ from absl import app, flags, logging
 
 from brf.errors import UserError
 
+# transformers, imported without PyTorch (brf uses its tokenizers, never its models),
+# advises at import that "PyTorch was not found": no concern of brf's mains, so its
+# advisory warnings stay off unless BRF_VERBOSE is set (set here, before any main
+# imports transformers; an explicit TRANSFORMERS_NO_ADVISORY_WARNINGS wins).
+if not os.environ.get("BRF_VERBOSE"):
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 
 def quiet() -> None:
     """Turns absl (and orbax, which logs through absl) INFO chatter off."""

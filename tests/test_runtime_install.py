@@ -68,6 +68,8 @@ def _main(runtime, *args, timeout=600) -> subprocess.CompletedProcess:
                          timeout=timeout)
     assert res.returncode == 0, (" ".join(args), res.stderr[-4000:])
     assert "Traceback" not in res.stderr, res.stderr[-4000:]
+    # transformers' advice at import (no PyTorch here) is library chatter (brf.cli).
+    assert "PyTorch was not found" not in res.stderr, res.stderr[-4000:]
     return res
 
 
