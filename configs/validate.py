@@ -148,10 +148,10 @@ def get_config(arg=None):
     # verdict (0 = no check).
     # max_chars: the byte level reads each corpus's first segments up to that many
     # characters (whole segments, at least two: one calibrates, one tests; 0 = every
-    # segment). At these settings a member scores about 20 bytes a second on a 2-core
-    # CPU (BENCHMARKS.md, "Precision of the byte-level views"), so every byte of the
-    # three corpora for both members would take about 4.5 hours of scoring alone;
-    # 6,000 characters per corpus take about half an hour. prompts: the prompt study
+    # segment). At these settings a member scores 8.5-83 bytes a second on a 2-core
+    # CPU (BENCHMARKS.md, "The study's time"), so every byte of the three corpora for
+    # both members would take about 4 hours of scoring alone; 6,000 characters per
+    # corpus took 24 minutes. prompts: the prompt study
     # (prefix pair, same-model pair, swarm) at the byte level too (three more stores
     # of Hamlet's span; False keeps it to co-aligned positions).
     c.bytes = ml_collections.ConfigDict(dict(
