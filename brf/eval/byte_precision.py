@@ -68,6 +68,7 @@ def reference_rows(load_lm: Callable[[], Any], name: str, text: bytes, n_bytes: 
     cached at ``path`` (a cache made from another member, text, prefix or settings is
     recomputed). ``load_lm()`` gives the member's ByteLM; it is called only to score."""
     from brf.bytes.lm import score_text
+    from brf.runtime import release_compiled
     key = repr((name, hashlib.sha256(text).hexdigest()[:16], int(n_bytes),
                 tuple(int(i) for i in prefix_ids), tuple(settings)))
     if os.path.isfile(path):
@@ -80,6 +81,8 @@ def reference_rows(load_lm: Callable[[], Any], name: str, text: bytes, n_bytes: 
     sc = score_text(load_lm(), text, prefix_ids=prefix_ids, beam=settings.beam,
                     threshold=settings.threshold, max_lag=settings.max_lag, n_bytes=n_bytes)
     logp = sc.logp.astype(np.float32)
+    del sc
+    release_compiled()  # the reference walk's programs (brf.runtime)
     tmp = f"{path}.tmp-{os.getpid()}.npz"
     np.savez(tmp, logp=logp, key=np.asarray(key))
     os.replace(tmp, path)

@@ -114,6 +114,7 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
       (ByteScores per member, ByteMemberInfo per member).
     """
     from brf.bytes.scoring import assemble, consistency, score_segments
+    from brf.runtime import release_compiled
     data = [s.encode("utf-8") for s in segments]
     meta = {"corpus": hashlib.sha256("\x00".join(segments).encode()).hexdigest()[:16]}
     os.makedirs(run_dir, exist_ok=True)
@@ -132,6 +133,7 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
                                 threshold=settings.threshold, max_lag=settings.max_lag,
                                 chunk=chunk, store_path=path, meta=meta, stored=rows,
                                 desc=f"byte scoring {m.label[:40]}")
+            release_compiled()  # the walk's tree-call programs, one per shape it met
         c = {k: (int(v) if k == "bytes" else float(v)) for k, v in consistency(sc).items()}
         scores.append(sc)
         infos.append(ByteMemberInfo(m.label, int(model.cfg.vocab_size), len(pre), sc.n_bytes, c))

@@ -49,6 +49,7 @@ from brf.eval import caches, compare, report as report_lib, scorer, study_report
 from brf.eval.analysis import analyse
 from brf.eval.levels import Level, LoadedCorpus, Outcome, Views, levels
 from brf.eval.plan import Analysis, Plan, calibration_segments
+from brf.runtime import release_compiled
 
 
 def run_analysis(plan: Plan, level: Level, analysis: Analysis, corpus: LoadedCorpus,
@@ -74,6 +75,7 @@ def run_analysis(plan: Plan, level: Level, analysis: Analysis, corpus: LoadedCor
     report_lib.write_analysis(out_dir, name, rep, corpus=corpus.report_corpus(analysis),
                               figures=((result.coherence, result.cross["scores"])
                                        if analysis.sweep else None))
+    release_compiled()  # the analysis's scoring and fit programs (brf.runtime)
     return Outcome(analysis, built.infos, built.coverage, result, rep)
 
 
