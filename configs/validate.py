@@ -137,8 +137,9 @@ def get_config(arg=None):
     # The study on every byte (README, "The study on every byte"): every member's
     # next-byte distributions over every byte of a span of each corpus (max_chars,
     # below), the same analyses as on co-aligned positions (default pair; with
-    # prompts=True the prefix pair, same-model pair and swarm), and which verdicts move. beam >= 1, threshold in [0, 1), max_lag >= 0 (0 =
-    # never merge, the default: merging keeps no bound; brf.bytes.lm.score_text).
+    # prompts=True the prefix pair, same-model pair and swarm), and which verdicts
+    # move. beam >= 1, threshold in [0, 1), max_lag >= 0 (0 = never merge, the
+    # default: merging keeps no bound; brf.bytes.lm.score_text).
     # swarm=False leaves the swarm out at the byte level only (four members on every
     # byte: the study's longest fits, about an hour on a 2-core machine).
     # check_bytes: the precision check (brf/eval/byte_precision.py): that many bytes of
@@ -151,9 +152,9 @@ def get_config(arg=None):
     # segment). At these settings a member scores 8.5-83 bytes a second on a 2-core
     # CPU (BENCHMARKS.md, "The study's time"), so every byte of the three corpora for
     # both members would take about 4 hours of scoring alone; 6,000 characters per
-    # corpus took 24 minutes. prompts: the prompt study
-    # (prefix pair, same-model pair, swarm) at the byte level too (three more stores
-    # of Hamlet's span; False keeps it to co-aligned positions).
+    # corpus took 24 minutes. prompts: the prompt study (prefix pair, same-model
+    # pair, swarm) at the byte level too (three more stores of Hamlet's span; False
+    # keeps it to co-aligned positions).
     c.bytes = ml_collections.ConfigDict(dict(
         enabled=True, beam=BYTE_BEAM, threshold=BYTE_PRUNE_THRESHOLD, max_lag=BYTE_MAX_LAG,
         swarm=True, check_bytes=CHECK_BYTES, reference_beam=REFERENCE.beam,

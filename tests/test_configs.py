@@ -148,8 +148,8 @@ def test_byte_level_span_is_whole_segments_and_checked():
     from brf.eval.levels import ByteLevel, LoadedCorpus, TokenLevel
     segments = ["a" * 10, "b" * 10, "c" * 10, "d" * 5]
     text = "".join(segments)
-    whole = LoadedCorpus(plan_lib.Corpus("x", "x"), segments, "src", "lic", len(text),
-                         hashlib.sha256(text.encode()).hexdigest())
+    whole = LoadedCorpus.of(plan_lib.Corpus("x", "x"), segments, "src", "lic")
+    assert (whole.chars, whole.sha256) == (len(text), hashlib.sha256(text.encode()).hexdigest())
     for max_chars, n in ((0, 4), (35, 4), (1000, 4), (34, 3), (30, 3), (29, 2), (1, 2)):
         head = whole.head(max_chars)
         assert head.segments == segments[:n], max_chars

@@ -65,7 +65,12 @@ class LoadedCorpus:
 
     @classmethod
     def load(cls, plan: Plan, corpus: Corpus) -> "LoadedCorpus":
-        segments, source, licence = load_segments(plan, corpus)
+        return cls.of(corpus, *load_segments(plan, corpus))
+
+    @classmethod
+    def of(cls, corpus: Corpus, segments: list[str], source: str,
+           licence: str) -> "LoadedCorpus":
+        """The corpus read as these segments, counted and hashed."""
         text = "".join(segments)
         return cls(corpus, segments, source, licence, len(text),
                    hashlib.sha256(text.encode()).hexdigest())
@@ -83,10 +88,7 @@ class LoadedCorpus:
                 total, n = total + len(seg), n + 1
         if n == len(self.segments):
             return self
-        segments = self.segments[:n]
-        text = "".join(segments)
-        return dataclasses.replace(self, segments=segments, chars=len(text),
-                                   sha256=hashlib.sha256(text.encode()).hexdigest())
+        return self.of(self.corpus, self.segments[:n], self.source, self.licence)
 
     @property
     def label(self) -> str:

@@ -389,40 +389,37 @@ def _byte_settings(section) -> ByteSettings:
     even when the byte level is off); no section: off."""
     if section is None:
         return BYTES_OFF
-    beam = section.get("beam", DEFAULT_BEAM)
-    threshold = section.get("threshold", DEFAULT_THRESHOLD)
-    max_lag = section.get("max_lag", DEFAULT_MAX_LAG)
-    if isinstance(beam, bool) or not isinstance(beam, (int, np.integer)) or beam < 1:
-        raise ValidationError(f"config.bytes.beam must be an integer >= 1; got {beam!r}")
-    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating))
-            or not 0.0 <= threshold < 1.0):
-        raise ValidationError(f"config.bytes.threshold must lie in [0, 1); got {threshold!r}")
-    if isinstance(max_lag, bool) or not isinstance(max_lag, (int, np.integer)) or max_lag < 0:
-        raise ValidationError(f"config.bytes.max_lag must be an integer >= 0; got {max_lag!r}")
-    swarm, prompts = section.get("swarm", True), section.get("prompts", True)
-    for key, value in (("swarm", swarm), ("prompts", prompts)):
+
+    def integer(key: str, default: int, low: int, note: str = "") -> int:
+        value = section.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValidationError(f"config.bytes.{key} must be an integer >= {low}{note}; "
+                                  f"got {value!r}")
+        return int(value)
+
+    def fraction(key: str, default: float) -> float:
+        value = section.get(key, default)
+        if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating))
+                or not 0.0 <= value < 1.0):
+            raise ValidationError(f"config.bytes.{key} must lie in [0, 1); got {value!r}")
+        return float(value)
+
+    def flag(key: str) -> bool:
+        value = section.get(key, True)
         if not isinstance(value, bool):
             raise ValidationError(f"config.bytes.{key} must be True or False; got {value!r}")
-    max_chars = section.get("max_chars", 0)
-    if isinstance(max_chars, bool) or not isinstance(max_chars, (int, np.integer)) or max_chars < 0:
-        raise ValidationError(f"config.bytes.max_chars must be an integer >= 0 (0: every "
-                              f"segment); got {max_chars!r}")
-    check = section.get("check_bytes", ByteSettings.check_bytes)
-    if isinstance(check, bool) or not isinstance(check, (int, np.integer)) or check < 0:
-        raise ValidationError(f"config.bytes.check_bytes must be an integer >= 0 (0: no "
-                              f"precision check); got {check!r}")
-    ref_beam = section.get("reference_beam", REFERENCE.beam)
-    ref_threshold = section.get("reference_threshold", REFERENCE.threshold)
-    if isinstance(ref_beam, bool) or not isinstance(ref_beam, (int, np.integer)) or ref_beam < 1:
-        raise ValidationError(f"config.bytes.reference_beam must be an integer >= 1; got "
-                              f"{ref_beam!r}")
-    if (isinstance(ref_threshold, bool) or not isinstance(ref_threshold, (int, float, np.floating))
-            or not 0.0 <= ref_threshold < 1.0):
-        raise ValidationError(f"config.bytes.reference_threshold must lie in [0, 1); got "
-                              f"{ref_threshold!r}")
-    return ByteSettings(bool(section.enabled), int(beam), float(threshold), int(max_lag),
-                        swarm, int(check), Settings(int(ref_beam), float(ref_threshold), 0),
-                        int(max_chars), prompts)
+        return value
+
+    beam = integer("beam", DEFAULT_BEAM, 1)
+    threshold = fraction("threshold", DEFAULT_THRESHOLD)
+    max_lag = integer("max_lag", DEFAULT_MAX_LAG, 0)
+    swarm, prompts = flag("swarm"), flag("prompts")
+    max_chars = integer("max_chars", 0, 0, " (0: every segment)")
+    check = integer("check_bytes", ByteSettings.check_bytes, 0, " (0: no precision check)")
+    reference = Settings(integer("reference_beam", REFERENCE.beam, 1),
+                         fraction("reference_threshold", REFERENCE.threshold), 0)
+    return ByteSettings(bool(section.enabled), beam, threshold, max_lag, swarm, check,
+                        reference, max_chars, prompts)
 
 
 def _plain(x):
