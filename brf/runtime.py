@@ -33,6 +33,23 @@ def enable_compilation_cache(path: str | None = None) -> str:
     return path
 
 
+# Below this much resident memory the study's releases are skipped: a program that
+# `release_compiled` drops is traced and lowered again when next called, and a
+# `release_memory` collection in a process of many objects takes most of a second (a
+# study on tiny models spent half its time on both after every analysis). They pay
+# only where there is memory worth having back.
+RELEASE_ABOVE = 3 << 30
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory in bytes (None where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @functools.cache
 def _malloc_trim():
     """glibc's ``malloc_trim`` (None without one), looked up on first use: nothing at
@@ -42,26 +59,39 @@ def _malloc_trim():
     return getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols
 
 
-def release_memory() -> None:
-    """Collects garbage and hands freed heap memory back to the system.
+def release_memory(above: int = 0) -> bool:
+    """Collects garbage and hands freed heap memory back to the system, when the
+    process holds at least ``above`` bytes (always, where that cannot be read; a
+    collection in a process of many objects takes a good part of a second). Returns
+    whether it did.
 
     glibc keeps what a process frees for reuse, so a long job that builds and drops
     large host buffers (byte-level scoring, a model in float64) stays at its
     high-water mark; ``malloc_trim`` returns the free pages. A no-op beyond the
     collection where the C library has no ``malloc_trim``.
     """
+    rss = resident_bytes() if above else None
+    if rss is not None and rss < above:
+        return False
     gc.collect()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+    return True
 
 
-def release_compiled() -> None:
-    """Drops JAX's compiled programs, then hands freed memory back (`release_memory`).
+def release_compiled(above: int = RELEASE_ABOVE) -> bool:
+    """Drops JAX's compiled programs, then hands freed memory back (`release_memory`),
+    when the process holds at least ``above`` bytes (always, where that cannot be
+    read). Returns whether it did.
 
     A long job that compiles programs of many shapes (the byte walk's tree calls, each
     analysis's fits) keeps every one: in the study, memory rose stage by stage to 15
     GB. A program needed again is recompiled, or read from the persistent
     compilation cache when one is on (`enable_compilation_cache`)."""
+    rss = resident_bytes() if above else None
+    if rss is not None and rss < above:
+        return False
     jax.clear_caches()
     release_memory()
+    return True

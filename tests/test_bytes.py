@@ -9,6 +9,7 @@ relative; every distribution (257 events) sums to 1 and its end-of-text event
 matches the brute-force mass of sequences that stop there.
 """
 
+import os
 import platform
 
 import jax
@@ -279,7 +280,26 @@ def test_release_memory_finds_malloc_trim():
     kept for other C libraries)."""
     from brf import runtime
     assert runtime._malloc_trim() is not None
-    runtime.release_memory()
+    assert runtime.release_memory() is True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc")
+def test_release_compiled_keeps_programs_below_its_threshold():
+    """The study's releases act only above the resident memory they are given: below
+    it the compiled programs stay (no retracing), above it they are dropped; the
+    resident size read is this process's (ru_maxrss bounds it from above)."""
+    import resource
+    from brf import runtime
+    rss = runtime.resident_bytes()
+    assert 0 < rss <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    f = jax.jit(lambda x: x + 1)
+    f(jnp.ones(3))
+    assert f._cache_size() == 1
+    assert runtime.release_compiled(above=rss + (1 << 40)) is False
+    assert runtime.release_memory(above=rss + (1 << 40)) is False
+    assert f._cache_size() == 1
+    assert runtime.release_compiled(above=1) is True
+    assert f._cache_size() == 0
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from brf.bytes.lm import ByteLM, score_text
 from brf.bytes.masses import N_EVENTS
 from brf.bytes.state import check_bounds
 from brf.event_table import EventTable
-from brf.runtime import release_memory
+from brf.runtime import RELEASE_ABOVE, release_memory
 
 STORE_VERSION = 2
 # score_segments hands freed memory back after a segment once this much scoring time
@@ -157,7 +157,8 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
         release: hand the memory the segments freed back to the system
             (`brf.runtime.release_memory`) after each segment once
             ``RELEASE_EVERY_S`` seconds of scoring have passed since the last
-            time, and at the end; without it glibc keeps the heap's high-water
+            time, and at the end, while the process holds at least
+            ``brf.runtime.RELEASE_ABOVE`` bytes; without it glibc keeps the heap's high-water
             mark, which grew a whole study past 24 GB. (Each release is a full
             garbage collection, about half a second in a process that has traced
             many programs: after every segment of a short text it cost more than
@@ -197,14 +198,14 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
         del sc
         unreleased = True
         if release and time.perf_counter() - last_release >= RELEASE_EVERY_S:
-            release_memory()
+            release_memory(RELEASE_ABOVE)
             last_release, unreleased = time.perf_counter(), False
         bar.update(len(data[len(done) - 1]))
         if store_path:
             save_partial(store_path, data, done, meta)
     bar.close()
     if release and unreleased:
-        release_memory()
+        release_memory(RELEASE_ABOVE)
     return assemble(data, done)
 
 
