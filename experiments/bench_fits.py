@@ -13,7 +13,13 @@ calibration split by each fitter, in one process:
   * ``lbfgs``: today's fitter (brf.eval.analysis.fit_specs with the study's
     settings: calibration temperatures bounded to [1/10, 10], the second round);
   * ``lbfgs_unbounded``: today's fitter on Adam's objective (calib_range=0), so
-    that calibration NLLs compare like with like with Adam's.
+    that calibration NLLs compare like with like with Adam's;
+  * ``lbfgs_fisher``: today's fitter with each run's inverse-Hessian estimate
+    started from the empirical Fisher information (``FitSettings.precondition``).
+
+With ``--trace`` every L-BFGS run of the ``lbfgs`` fitters is recorded (its value at
+each evaluation), and a table shows what a looser stopping rule (``ftol``) would
+have saved and how far such a stop lies above the run's end.
 
 The tables are loaded first; then each fitter fits every table in turn, after
 JAX's in-memory caches (and brf's compiled fitting programs) are cleared: each
@@ -58,7 +64,7 @@ from brf.eval.fitting import (Fitted, MethodSpec, clear_programs, context_nll, f
                               gold_nll, perplexity_weights_for)
 from brf.fusion import get_method
 
-FITTERS = ("adam", "reference", "lbfgs", "lbfgs_unbounded")
+FITTERS = ("adam", "reference", "lbfgs", "lbfgs_unbounded", "lbfgs_fisher")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("run_dir", "runs/validate", "a study's run directory (its score stores)")
@@ -72,6 +78,8 @@ flags.DEFINE_string("reference", "64302e9",
                     "the commit whose fitter 'reference' runs (default: the host-driven "
                     "L-BFGS with one evaluation per call, before the chunked programs)")
 flags.DEFINE_string("out", "", "write the results as JSON here")
+flags.DEFINE_bool("trace", False, "record every L-BFGS run and show what looser ftol "
+                  "stopping rules would have saved")
 flags.DEFINE_float("calib_range", None, "lbfgs's bound on the calibration temperatures, "
                    "[1/r, r] (default: the study's config.fit.calib_range)")
 
@@ -193,6 +201,50 @@ def reference_fits(specs, calib, settings):
 # --------------------------------------------------------------------------- the run
 
 _COMPILES = collections.Counter()
+_RUNS = collections.defaultdict(list)  # fitter -> each L-BFGS run's values, one per evaluation
+
+
+def _traced(minimize, fitter: list):
+    """lbfgs.minimize, recording each run's value at every evaluation under the fitter
+    now running (``fitter[0]``)."""
+    def run(fun, x0, **kw):
+        values = []
+        def recorded(x):
+            v, g = fun(x)
+            values.append(float(v))
+            return v, g
+        r = minimize(recorded, x0, **kw)
+        _RUNS[fitter[0]].append(values)
+        return r
+    return run
+
+
+def _stopping_table(runs: list[list[float]]) -> str:
+    """What each ftol would have saved: a run stops once two accepted iterations in a
+    row lower the value by less than ftol (relative), as brf.eval.lbfgs does; the
+    accepted values are read off the evaluations (an evaluation below the last
+    accepted value, within float32 resolution, is accepted)."""
+    from brf.eval.lbfgs import NOISE
+    total = sum(len(v) for v in runs)
+    rows = []
+    for ftol in (1e-8, 1e-7, 1e-6, 1e-5):
+        used, worst = 0, 0.0
+        for values in runs:
+            f, quiet, stop = values[0], 0, None
+            for i, v in enumerate(values[1:], 1):
+                if v > f + NOISE * abs(f):
+                    continue
+                quiet = quiet + 1 if f - v <= ftol * max(abs(f), 1.0) else 0
+                f = v
+                if quiet >= 2:
+                    stop = i
+                    break
+            used += len(values) if stop is None else stop + 1
+            if stop is not None:
+                worst = max(worst, values[stop] - min(values))
+        rows.append([f"{ftol:g}", used, f"{used / max(total, 1):.2f}", f"{worst:.2e}"])
+    return "\n" + markdown_table(["ftol", "evaluations", "of all", "worst stop above the run's end"],
+                                 rows)
 
 
 def _count_compiles(event, duration, **kw):
@@ -211,11 +263,12 @@ def fit_table(plan, specs, calib, fitter: str) -> dict:
     elif fitter == "reference":
         fits = reference_fits(specs, calib, plan.fit)
     else:
-        settings = (plan.fit if fitter == "lbfgs"
-                    else dataclasses.replace(plan.fit, calib_range=0.0))
+        settings = {"lbfgs": plan.fit,
+                    "lbfgs_unbounded": dataclasses.replace(plan.fit, calib_range=0.0),
+                    "lbfgs_fisher": dataclasses.replace(plan.fit, precondition=True)}[fitter]
         fits = fit_specs(specs, calib, settings, desc=f"{fitter}")
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "compilations": _COMPILES["n"],
+    return {"seconds": seconds, "compilations": _COMPILES["n"], "runs": _RUNS.pop(fitter, []),
             "compile_seconds": _COMPILES["seconds"], "load": os.getloadavg()[0],
             "fits": {f.label: (f.calib_nll, dict(f.info)) for f in fits}}
 
@@ -237,6 +290,10 @@ def main(argv):
     if not os.path.isdir(FLAGS.run_dir):
         raise UserError(f"--run_dir={FLAGS.run_dir!r} does not exist; run the study first")
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+    now = [None]
+    if FLAGS.trace:
+        from brf.eval import lbfgs
+        lbfgs.minimize = _traced(lbfgs.minimize, now)
     which = lambda corpus, a: not FLAGS.tables or f"{corpus}/{a.kind}" in FLAGS.tables
     tables = []
     bad = [lv for lv in FLAGS.levels if lv not in plan_lib.LEVELS]
@@ -256,6 +313,7 @@ def main(argv):
     for fitter in FLAGS.fitters:
         jax.clear_caches()
         clear_programs()
+        now[0] = fitter
         for entry, (name, calib, specs) in zip(results, tables):
             r = entry["fitters"][fitter] = fit_table(plan, specs, calib, fitter)
             print(f"{name} {fitter}: {r['seconds']:.1f} s for {len(specs)} specs "
@@ -263,6 +321,10 @@ def main(argv):
                   f"load {r['load']:.1f})", flush=True)
     for entry in results:
         print(_nll_table(entry), flush=True)
+        for fitter, r in entry["fitters"].items():
+            if r["runs"]:
+                print(f"\n{entry['table']} {fitter}: {len(r['runs'])} L-BFGS runs, "
+                      f"{sum(map(len, r['runs']))} evaluations", _stopping_table(r["runs"]))
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
           f"load {os.getloadavg()[0]:.1f}\n")
     ratios = [f"adam / {f}" for f in FLAGS.fitters if f != "adam" and "adam" in FLAGS.fitters]
@@ -275,7 +337,8 @@ def main(argv):
                                            for f in FLAGS.fitters}}))
     print(markdown_table(["table", "calibration P x n x E", "specs"]
                          + [f"{f} (s)" for f in FLAGS.fitters] + ratios, rows))
-    for a, b in (("reference", "lbfgs"), ("adam", "lbfgs"), ("adam", "lbfgs_unbounded")):
+    for a, b in (("reference", "lbfgs"), ("adam", "lbfgs"), ("adam", "lbfgs_unbounded"),
+                 ("lbfgs", "lbfgs_fisher")):
         if {a, b} <= set(FLAGS.fitters):
             worse = [(r["table"], label, x[0], r["fitters"][b]["fits"][label][0])
                      for r in results for label, x in r["fitters"][a]["fits"].items()
@@ -302,7 +365,8 @@ def _nll_table(entry: dict) -> str:
     """Every row's calibration NLL under each fitter (and lbfgs minus each other one)."""
     fitters = list(entry["fitters"])
     labels = list(entry["fitters"][fitters[0]]["fits"])
-    others = [f for f in ("adam", "reference") if "lbfgs" in fitters and f in fitters]
+    others = [f for f in ("adam", "reference", "lbfgs_fisher") if "lbfgs" in fitters
+              and f in fitters]
     rows = []
     for label in labels:
         nll = {f: entry["fitters"][f]["fits"][label][0] for f in fitters}

@@ -248,3 +248,35 @@ def test_lbfgs_reaches_an_optimum_on_the_bound_exactly():
                             bounds=[(-1.0, 1.0), (None, None)])
     assert r.converged and r.x[0] == 1.0
     np.testing.assert_allclose(r.x, ref.x, atol=1e-6)
+
+
+def test_a_hessian_start_takes_newton_steps():
+    """Given the Hessian of a quadratic whose scales differ 10^6-fold, L-BFGS's first
+    step is the Newton step (the minimiser at once); without it, dozens of steps."""
+    A = np.diag([1e4, 1.0, 1e-2]) + 0.1 * np.ones((3, 3))
+    b = np.array([1.0, 2.0, 3.0])
+    fun = lambda x: (0.5 * x @ A @ x - b @ x, A @ x - b)
+    args = dict(max_iter=500, ftol=1e-14, gtol=1e-9, history=10, max_step=1e3)
+    plain = lbfgs.minimize(fun, np.zeros(3), **args)
+    newton = lbfgs.minimize(fun, np.zeros(3), hessian=A, **args)
+    np.testing.assert_allclose(newton.x, np.linalg.solve(A, b), rtol=1e-9)
+    assert newton.iterations <= 2 < 10 < plain.iterations
+
+
+def test_fisher_information_is_the_mean_outer_product_of_position_gradients():
+    """The preconditioner's Fisher information of a linear pool's weight logit equals
+    a float64 NumPy one from the closed-form gradient of each position's NLL,
+    -s(1-s)(p1 - p0)/q with s = sigmoid(z), q = (1-s) p0 + s p1 (plus its ridge)."""
+    from brf.eval.fitting import FISHER_RIDGE, FitSettings, MethodSpec, _Problem
+    t = _table(P=700)
+    problem = _Problem(MethodSpec.coerce({"label": "lin", "method": "linear"}), t,
+                       FitSettings())
+    z = 0.4
+    got = problem.fisher({}, np.array([z]), problem.data())
+    p = np.exp(t.logp.astype(np.float64)[np.arange(t.n_positions), :, t.gold])  # [P, 2]
+    s = 1 / (1 + np.exp(-z))
+    q = (1 - s) * p[:, 0] + s * p[:, 1]
+    g = -s * (1 - s) * (p[:, 1] - p[:, 0]) / q
+    want = np.mean(g * g) * (1 + 2 * FISHER_RIDGE)
+    assert got.shape == (1, 1)
+    assert got[0, 0] == pytest.approx(want, rel=1e-4)

@@ -43,7 +43,7 @@ class Result(NamedTuple):
 def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarray, *,
              max_iter: int, ftol: float, gtol: float, history: int, max_step: float,
              pairs: Pairs | None = None, lower: np.ndarray | None = None,
-             upper: np.ndarray | None = None) -> Result:
+             upper: np.ndarray | None = None, hessian: np.ndarray | None = None) -> Result:
     """Minimises ``fun(x) -> (value, gradient)`` from ``x0`` within ``[lower, upper]``.
 
     Stops when an iteration lowers the value by less than ``ftol`` (relative) twice
@@ -61,6 +61,11 @@ def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarr
       max_step: the largest change of any coordinate in one step.
       pairs: curvature pairs to start from (e.g. from a fit on a subsample).
       lower, upper: bounds per coordinate (None or +-inf: none).
+      hessian: a symmetric positive definite estimate of the Hessian (e.g. the
+        empirical Fisher information of an NLL): the two-loop recursion starts from
+        its inverse instead of a scaled identity, so the first steps are nearly
+        Newton steps and parameters of very different scales need no tuning; the
+        curvature pairs refine it as usual.
 
     Returns:
       Result; ``converged`` is True when the ftol or gtol test ended the run.
@@ -91,7 +96,7 @@ def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarr
         if np.max(np.abs(pg), initial=0.0) < gtol:
             converged = True
             break
-        d = np.where(fixed, 0.0, -two_loop(pg, pairs))
+        d = np.where(fixed, 0.0, -two_loop(pg, pairs, hessian, fixed))
         if float(pg @ d) >= 0:  # not a descent direction: restart from steepest descent
             pairs.clear()
             d = -pg
@@ -120,15 +125,23 @@ def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarr
     return Result(x, f, pairs, it, evals, bool(converged))
 
 
-def two_loop(g: np.ndarray, pairs: Pairs) -> np.ndarray:
-    """H g for the L-BFGS inverse-Hessian estimate from the curvature pairs."""
+def two_loop(g: np.ndarray, pairs: Pairs, hessian: np.ndarray | None = None,
+             fixed: np.ndarray | None = None) -> np.ndarray:
+    """H g for the L-BFGS inverse-Hessian estimate from the curvature pairs, starting
+    from ``hessian``'s inverse on the coordinates not ``fixed`` (None: the scaled
+    identity of the newest pair)."""
     q = g.copy()
     alphas = []
     for s, y, rho in reversed(pairs):
         a = rho * float(s @ q)
         alphas.append(a)
         q -= a * y
-    if pairs:
+    if hessian is not None:
+        free = np.ones(q.shape, bool) if fixed is None else ~fixed
+        r = np.zeros_like(q)
+        r[free] = np.linalg.solve(hessian[np.ix_(free, free)], q[free])
+        q = r
+    elif pairs:
         s, y, _ = pairs[-1]
         q *= float(s @ y) / float(y @ y)
     for (s, y, rho), a in zip(pairs, reversed(alphas)):
