@@ -448,3 +448,27 @@ def test_gradients_finite_with_events_no_member_can_emit(method, params):
         assert np.isfinite(float(g)), (key, g)
     if method in ("linear", "loglinear", "power", "born"):
         assert np.abs(np.asarray(g_w)).max() > 0, "weights must receive a gradient"
+
+
+def test_sincos_is_float32_accurate_and_differentiates_to_itself():
+    """The Born kernel's vectorised sin and cos: within 1.2e-7 (about 2 ulp of
+    float32) of float64 NumPy's over |x| <= 3000 and at the quadrant boundaries;
+    their gradient is (cos, -sin) to the same accuracy; float64 input is NumPy's
+    (to 1e-15); inf and NaN give NaN like jnp.sin."""
+    from brf.fusion.born import sincos
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(-20, 20, 200_001), rng.uniform(-3000, 3000, 100_000),
+                        np.arange(-64, 65) * np.pi / 4]).astype(np.float32)
+    s, c = jax.jit(sincos)(jnp.asarray(x))
+    x64 = x.astype(np.float64)
+    assert np.abs(np.asarray(s, np.float64) - np.sin(x64)).max() < 1.2e-7
+    assert np.abs(np.asarray(c, np.float64) - np.cos(x64)).max() < 1.2e-7
+    g = jax.grad(lambda v: jnp.sum(2.0 * sincos(v)[0] + sincos(v)[1]))(jnp.asarray(x[::50]))
+    want = 2.0 * np.cos(x64[::50]) - np.sin(x64[::50])
+    assert np.abs(np.asarray(g, np.float64) - want).max() < 4e-7
+    with jax.enable_x64(True):
+        s64, c64 = sincos(jnp.asarray(x64))
+        np.testing.assert_allclose(np.asarray(s64), np.sin(x64), rtol=0, atol=1e-15)
+        np.testing.assert_allclose(np.asarray(c64), np.cos(x64), rtol=0, atol=1e-15)
+    bad = sincos(jnp.array([np.inf, -np.inf, np.nan], jnp.float32))
+    assert np.isnan(np.asarray(bad)).all()
