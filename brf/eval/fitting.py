@@ -293,6 +293,12 @@ def _bounds(name: str, size: int, calib_range: float) -> tuple[np.ndarray, np.nd
     return np.full(size, -r), np.full(size, r)
 
 
+# FitSettings.precondition's ridge on the Fisher information, relative to its mean
+# and to each diagonal entry: directions the positions' gradients never span stay
+# invertible.
+FISHER_RIDGE = 1e-3
+
+
 @dataclasses.dataclass(frozen=True)
 class FitSettings:
     """How :func:`fit_method` optimises (L-BFGS on the mean calibration NLL).
@@ -473,7 +479,6 @@ def _better(value: float, mine: bool, best: float, best_mine: bool) -> bool:
 # factor of about sqrt(2), each size a multiple of 8 just above a power of two or
 # its sqrt(2) multiple (the k strings of each of n members plus OTHER fit a
 # power-of-two k): the tables of a study share programs.
-FISHER_RIDGE = 1e-3  # relative ridge on the Fisher information (flat directions)
 CHUNK_BYTES = 5 << 17  # float32 log-probabilities per chunk: 640 KiB
 MIN_CHUNK, MAX_CHUNK = 64, 4096
 _WEIGHT_MODES = ("given", "logits", "perplexity")
