@@ -50,6 +50,12 @@ def resident_bytes() -> int | None:
         return None
 
 
+def _holds_less(above: int) -> bool:
+    """Whether this process provably holds less than ``above`` bytes (0: never)."""
+    rss = resident_bytes() if above else None
+    return rss is not None and rss < above
+
+
 @functools.cache
 def _malloc_trim():
     """glibc's ``malloc_trim`` (None without one), looked up on first use: nothing at
@@ -70,8 +76,7 @@ def release_memory(above: int = 0) -> bool:
     high-water mark; ``malloc_trim`` returns the free pages. A no-op beyond the
     collection where the C library has no ``malloc_trim``.
     """
-    rss = resident_bytes() if above else None
-    if rss is not None and rss < above:
+    if _holds_less(above):
         return False
     gc.collect()
     trim = _malloc_trim()
@@ -89,8 +94,7 @@ def release_compiled(above: int = RELEASE_ABOVE) -> bool:
     analysis's fits) keeps every one: in the study, memory rose stage by stage to 15
     GB. A program needed again is recompiled, or read from the persistent
     compilation cache when one is on (`enable_compilation_cache`)."""
-    rss = resident_bytes() if above else None
-    if rss is not None and rss < above:
+    if _holds_less(above):
         return False
     jax.clear_caches()
     release_memory()

@@ -699,8 +699,8 @@ class _Problem:
                 out = data.sources[seed] = [shuffle_sources(c[0], seed) for c in data.chunks]
         return out
 
-    def _evaluate(self, v: np.ndarray, program, x: np.ndarray, data: _Data, aux=None):
-        """(mean NLL, gradient over the free coordinates) at x: float64 on the host
+    def _chunks(self, v: np.ndarray, program, x: np.ndarray, data: _Data, aux=None) -> list:
+        """``program``'s output on every chunk of ``data`` at x, on the host
         (``aux``: each chunk's last program argument; None: :meth:`aux`)."""
         v = v.astype(np.float32)
         v[self.free_idx] = x
@@ -709,8 +709,13 @@ class _Problem:
                             jnp.int32(self.phase_index))
         run = lambda chunk, aux: jax.device_get(program(v, *self._consts, *chunk, aux))
         aux = self.aux(data) if aux is None else aux
-        out = (list(_evaluator().map(run, data.chunks, aux)) if len(data.chunks) > 1
-               else [run(data.chunks[0], aux[0])])
+        return (list(_evaluator().map(run, data.chunks, aux)) if len(data.chunks) > 1
+                else [run(data.chunks[0], aux[0])])
+
+    def _evaluate(self, v: np.ndarray, program, x: np.ndarray, data: _Data, aux=None):
+        """(mean NLL, gradient over the free coordinates) at x: float64 on the host
+        (``aux``: as :meth:`_chunks`)."""
+        out = self._chunks(v, program, x, data, aux)
         value = math.fsum(float(s) for s, _ in out) / data.n_positions
         grad = np.sum([np.asarray(g, np.float64) for _, g in out], axis=0) / data.n_positions
         return value, grad[self.free_idx]
@@ -736,17 +741,9 @@ class _Problem:
         coordinates (float64), regularised to be positive definite: a Hessian
         estimate for L-BFGS's first steps."""
         v, _ = self._program(point)
-        program = _compiled(("fisher",) + self.program_key(point))
-        v = v.astype(np.float32)
-        v[self.free_idx] = x
-        if self._consts is None:
-            self._consts = (jnp.asarray(self.base_w, jnp.float32), jnp.int32(self.wmode),
-                            jnp.int32(self.phase_index))
-        aux = self.aux(data)
-        run = lambda chunk, aux: np.asarray(jax.device_get(program(v, *self._consts, *chunk,
-                                                                   aux)), np.float64)
-        out = list(_evaluator().map(run, data.chunks, aux))
-        f = np.sum(out, axis=0)[np.ix_(self.free_idx, self.free_idx)] / data.n_positions
+        out = self._chunks(v, _compiled(("fisher",) + self.program_key(point)), x, data)
+        f = (np.sum([np.asarray(o, np.float64) for o in out], axis=0)
+             [np.ix_(self.free_idx, self.free_idx)] / data.n_positions)
         d = np.diag(f)
         return f + np.diag(FISHER_RIDGE * max(float(d.mean()), 1e-12) + FISHER_RIDGE * d)
 
