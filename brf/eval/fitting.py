@@ -390,7 +390,8 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     if (refine and warm is not None and warm.info.get("converged") and sub is not None
             and problem.layout.size):
         own = (problem.point_of(warm), x_starts[0])
-    runs = []  # [grid point, x, curvature pairs, x is the polished warm fit]
+    # [grid point, x, (curvature pairs, Hessian start or None), x is the polished warm fit]
+    runs = []
     for j, point in enumerate(points):
         fun_sub = problem.objective(point, sub if sub is not None else full)
         cands = list(x_starts)
@@ -425,11 +426,10 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     if sub is not None and problem.layout.size:
         polished = []
         for value, i in scored[:max(1, settings.polish)]:
-            point, x, pairs, mine = runs[i]
+            point, x, (pairs, h), mine = runs[i]
             if mine:
                 polished.append((value, i, x, bool(warm.info.get("converged", True))))
                 continue
-            pairs, h = pairs
             r = lbfgs.minimize(problem.objective(point, full), x, pairs=pairs, hessian=h,
                                **problem.lbfgs_args(settings))
             info["evaluations"] += r.evaluations
