@@ -1,22 +1,36 @@
 r"""Two study runs side by side: which verdicts moved, and every fitted row, old vs new.
 
 Reads two study directories (a committed ``results/study`` and a fresh run
-directory, say). First the verdicts: from each run's ``report.json``, every
-verdict both runs give at each level both ran (co-aligned positions, every
-byte), with the answer in each run (where its 95% CI lies, or the count it
-rests on) and the fitted rows it rests on (a difference's BRF and other row,
-chosen on calibration in each run; the cross-term test's setting): those whose
-answer moved, then those whose answer held while its rows changed. Then the per-analysis reports
+directory, say). First whether they ran on the same texts (each corpus's label,
+characters and hash: where they differ, the verdicts on those corpora and the pooled
+ones compare different data, and the comparison says so). Then the verdicts: from
+each run's ``report.json``, every verdict both runs give at each level both ran
+(co-aligned positions, every byte), with the answer in each run (where its 95% CI
+lies, or the count it rests on), whether it was *fragile* there (rows tied on
+calibration give another answer: ``brf.eval.analysis.TIE_MARGIN``) and the fitted
+rows it rests on (a difference's BRF and other row, chosen on calibration in each
+run; the cross-term test's setting): those whose answer moved (standing in both runs,
+or fragile in one), then those whose answer held while its rows changed, then each
+run's own stability check. Then the per-analysis reports
 (``report-*.json``, each level's): analyses matched by file name, rows by label
 and variant, per analysis a Markdown table of calibration NLL old / new / new -
 old and test NLL, and how many rows got worse on calibration by more than
 ``--tolerance``. Rows in only one run (controls, say) are listed as such.
 
   python experiments/compare_fits.py --old=results/study --new=runs/validate
+
+To check that a run's answers do not hang on the last bits, refit it under a
+perturbation (the score stores are reused; every fit is redone) and compare:
+
+  cp -r runs/validate runs/perturbed
+  python experiments/validate.py --config=configs/validate.py \
+      --config.out_dir=runs/perturbed --config.fit.perturb=sincos+order
+  python experiments/compare_fits.py --old=runs/validate --new=runs/perturbed
 """
 
 import glob
 import json
+import math
 import os
 
 from absl import flags
@@ -32,52 +46,106 @@ flags.DEFINE_float("tolerance", 1e-4, "calibration NLL worsening counted (nats)"
 flags.DEFINE_string("analyses", "", "comma-separated substrings of report names to keep")
 
 
+def _load(path: str, what: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {what} {path!r}: {e}") from None
+
+
 def _reports(root: str) -> dict[str, dict]:
     paths = (glob.glob(os.path.join(root, "*", "report-*.json"))
              + glob.glob(os.path.join(root, "*", "bytes", "report-*.json")))
     if not paths:
         raise UserError(f"no per-analysis reports (*/report-*.json) under {root!r}")
-    out = {}
-    for p in sorted(paths):
-        with open(p) as f:
-            out[os.path.relpath(p, root)] = json.load(f)
-    return out
+    return {os.path.relpath(p, root): _load(p, "the analysis report")
+            for p in sorted(paths)}
 
 
 def _study(root: str) -> dict:
-    path = os.path.join(root, "report.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read the study's report {path!r}: {e}") from None
+    rep = _load(os.path.join(root, "report.json"), "the study's report")
+    if not isinstance(rep, dict) or "per_corpus" not in rep:
+        raise UserError(f"{os.path.join(root, 'report.json')!r} is not a study report "
+                        f"(no 'per_corpus')")
+    return rep
 
 
-def verdict_lines(old: dict, new: dict) -> list[str]:
+def corpus_lines(old: dict, new: dict) -> tuple[list[str], set[str]]:
+    """Markdown lines saying where the two runs' texts differ, and the labels of the
+    corpora that differ (absent from one run, or other characters or text)."""
+    key = lambda c: (c.get("chars"), c.get("sha256"), c.get("prefix"))  # noqa: E731
+    o = {c["label"]: c for c in old.get("corpora", [])}
+    n = {c["label"]: c for c in new.get("corpora", [])}
+    differ = {label for label in o.keys() | n.keys()
+              if label not in o or label not in n or key(o[label]) != key(n[label])}
+    if not differ:
+        return [f"Both runs read the same {len(o)} corpora (labels, characters, text)."], set()
+    lines = ["**The runs differ in their texts**: verdicts on these corpora, and the "
+             "pooled ones, compare different data:", ""]
+    for label in sorted(differ):
+        a, b = o.get(label), n.get(label)
+        show = lambda c: "absent" if c is None else f"{c.get('chars')} characters"  # noqa: E731
+        same_text = a and b and a.get("sha256") == b.get("sha256")
+        lines.append(f"- {label}: old {show(a)}, new {show(b)}"
+                     + ("" if same_text or not (a and b) else " (other text)"))
+    return lines, differ
+
+
+def verdict_lines(old: dict, new: dict, differ: set[str] = frozenset()) -> list[str]:
     """Markdown: the verdicts that moved between two study reports, then those whose
-    rows changed while the answer held."""
+    rows changed while the answer held; verdicts on ``differ``'s corpora and pooled ones
+    are marked as comparing different data."""
     moves = run_moves(old, new)
 
     def rows(a) -> str:
         return "; ".join(a.rows) if a.rows else ""
+
+    def answer(a) -> str:
+        return f"{a.answer} ({a.value:+.4g})" + (" **fragile**" if a.fragile else "")
+
+    def mark(k: str) -> str:
+        where = k.split(": ")[1] if k.count(": ") >= 2 else ""
+        data = where.split(" ")[0] in differ or (differ and where == "pooled")
+        return k + (" (different data)" if data else "")
 
     def table(keys) -> list[str]:
         out = ["| verdict | old | new | rows it rests on, old | rows it rests on, new |",
                "|---|---|---|---|---|"]
         for k in keys:
             m = moves[k]
-            out.append(f"| {k} | {m.before.answer} ({m.before.value:+.4g}) | {m.after.answer} "
-                       f"({m.after.value:+.4g}) | {rows(m.before)} | {rows(m.after)} |")
+            out.append(f"| {mark(k)} | {answer(m.before)} | {answer(m.after)} | "
+                       f"{rows(m.before)} | {rows(m.after)} |")
         return out
 
     moved = [k for k, m in moves.items() if m.moved]
+    standing = [k for k in moved if not (moves[k].before.fragile or moves[k].after.fragile)]
     held = [k for k, m in moves.items() if not m.moved and m.rows_changed]
-    lines = [f"{len(moved)} of {len(moves)} verdicts both runs give moved."]
+    fragile = [k for k, m in moves.items() if m.before.fragile or m.after.fragile]
+    lines = [f"{len(moved)} of {len(moves)} verdicts both runs give moved ({len(standing)} of "
+             f"them standing in both runs; the others fragile in one: rows tied on "
+             f"calibration answer otherwise). {len(fragile)} verdicts are fragile in either "
+             f"run."]
     if moved:
         lines += [""] + table(moved)
     if held:
         lines += ["", f"{len(held)} held while the rows they rest on changed:", ""] + table(held)
     return lines
+
+
+def stability_lines(label: str, rep: dict) -> list[str]:
+    """Markdown: a run's own stability check (each level's), if it ran one."""
+    out = []
+    for level, sec in (("co-aligned", rep), ("every byte", rep.get("bytes") or {})):
+        s = sec.get("stability")
+        if not s:
+            continue
+        top = s.get("largest_row_move") or {}
+        out.append(f"- {label}, {level}: refitted under {s['perturbation']!r}, "
+                   f"{len(s['moved'])} of {s['verdicts']} verdicts moved "
+                   f"({len(s['moved_standing'])} standing); largest row move "
+                   f"{top.get('move', float('nan')):+.2g} nats ({top.get('label', '-')})")
+    return out
 
 
 def compare(old: dict, new: dict, tolerance: float) -> tuple[list[str], dict]:
@@ -103,14 +171,27 @@ def compare(old: dict, new: dict, tolerance: float) -> tuple[list[str], dict]:
 
 def main(argv):
     del argv
+    if not (math.isfinite(FLAGS.tolerance) and FLAGS.tolerance >= 0):
+        raise UserError(f"--tolerance must be a finite number >= 0 (nats); got "
+                        f"{FLAGS.tolerance}")
     studies = _study(FLAGS.old), _study(FLAGS.new)
     old, new = _reports(FLAGS.old), _reports(FLAGS.new)
-    print("## Verdicts\n")
-    print("\n".join(verdict_lines(*studies)))
     keep = [s.strip() for s in FLAGS.analyses.split(",") if s.strip()]
-    for name in sorted(set(old) & set(new)):
-        if keep and not any(s in name for s in keep):
-            continue
+    names = [name for name in sorted(set(old) & set(new))
+             if not keep or any(s in name for s in keep)]
+    if keep and not names:
+        raise UserError(f"--analyses={FLAGS.analyses!r} matches none of the analyses both "
+                        f"runs have: {', '.join(sorted(set(old) & set(new))) or 'none'}")
+    lines, differ = corpus_lines(*studies)
+    print("## Corpora\n")
+    print("\n".join(lines))
+    print("\n## Verdicts\n")
+    print("\n".join(verdict_lines(*studies, differ)))
+    checks = (stability_lines("old", studies[0]) + stability_lines("new", studies[1]))
+    if checks:
+        print("\n## Each run's stability check\n")
+        print("\n".join(checks))
+    for name in names:
         lines, c = compare(old[name], new[name], FLAGS.tolerance)
         print(f"\n## {name}\n")
         print("\n".join(lines))

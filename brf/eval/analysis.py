@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -25,10 +25,34 @@ from brf.eval import controls as controls_lib
 from brf.eval import forking, hypotheses, stats
 from brf.eval.caches import FitCache
 from brf.event_table import EventTable
-from brf.eval.fitting import (NLL_CAP, FitSettings, Fitted, MethodSpec, evaluate, fit_method,
-                              precompile)
+from brf.eval.fitting import (FIT_TOLERANCE, NLL_CAP, FitSettings, Fitted, MethodSpec, evaluate,
+                              fit_method, precompile)
 from brf.eval.plan import Plan, SweepCurve, split
 from brf.fusion import PHASE_MAPS, phase_map
+
+
+# Rows chosen on calibration NLL (BRF's best row, its rival, the per-token row the
+# controls are built from, the cross-term test's setting) are reported with every row
+# whose calibration NLL lies within TIE_MARGIN of the chosen one: each row's fit repeats
+# to FIT_TOLERANCE whatever the last bits (brf.eval.fitting), so two rows closer than
+# twice that may swap places under an unrelated change. A verdict *stands* when every
+# tied row gives the same answer, and is *fragile* otherwise.
+TIE_MARGIN = 2 * FIT_TOLERANCE
+
+
+def side(ci) -> str:
+    """'lower' / 'higher' / 'undecided': where a CI lies relative to 0."""
+    return "lower" if ci[1] < 0 else "higher" if ci[0] > 0 else "undecided"
+
+
+def tied(rows: Sequence[Any], margin: float = TIE_MARGIN) -> list:
+    """The rows (MethodResults or Fitted) whose calibration NLL lies within ``margin`` of
+    the lowest, lowest first (the first of equal rows as listed: the row :func:`_best`
+    chooses comes first)."""
+    if not rows:
+        return []
+    low = min(r.calib_nll for r in rows)
+    return sorted((r for r in rows if r.calib_nll <= low + margin), key=lambda r: r.calib_nll)
 
 
 @dataclasses.dataclass
@@ -84,12 +108,31 @@ class Difference(NamedTuple):
         return {**self._asdict(), "ci": list(self.ci)}
 
 
+class Alternative(NamedTuple):
+    """A chosen comparison redone with other rows among the tied ones (:data:`TIE_MARGIN`):
+    BRF's row, the other row, their difference on test."""
+    brf: str
+    other: str
+    difference: Difference
+
+    def as_dict(self, other_key: str) -> dict:
+        return {"brf": self.brf, other_key: self.other, **self.difference.as_dict()}
+
+
+def _stands(ci, alternatives: Sequence[Alternative]) -> bool:
+    return all(side(a.difference.ci) == side(ci) for a in alternatives)
+
+
 class Comparison(NamedTuple):
     """One variant's best BRF row against its best baseline (both chosen on
-    calibration NLL), compared on test."""
+    calibration NLL), compared on test; with the rows tied with each choice
+    (:data:`TIE_MARGIN`; the chosen one first) and the comparison for every other
+    pair of tied rows."""
     brf: str
     baseline: str
     difference: Difference
+    tied: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    alternatives: tuple[Alternative, ...] = ()
 
     @property
     def mean_difference(self) -> float:
@@ -99,9 +142,31 @@ class Comparison(NamedTuple):
     def ci(self) -> tuple[float, float]:
         return self.difference.ci
 
+    @property
+    def stands(self) -> bool:
+        """Whether every pair of tied rows puts the CI on the same side of 0."""
+        return _stands(self.ci, self.alternatives)
+
     def as_dict(self) -> dict:
         """The report's ``nll_comparison[variant]``."""
-        return {"brf": self.brf, "baseline": self.baseline, **self.difference.as_dict()}
+        return {"brf": self.brf, "baseline": self.baseline, **self.difference.as_dict(),
+                **_ties_dict(self.tied, ("brf", "baseline"), self.alternatives, "baseline",
+                             self.stands)}
+
+
+def _ties_dict(tied, names, alternatives: Sequence[Alternative], other_key: str,
+               stands: bool) -> dict:
+    return {"tied": {k: list(t) for k, t in zip(names, tied)},
+            "alternatives": [a.as_dict(other_key) for a in alternatives], "stands": stands}
+
+
+def _alternatives(a_rows: Sequence["MethodResult"], b_rows: Sequence["MethodResult"],
+                  diff: Callable[["MethodResult", "MethodResult"], Difference]
+                  ) -> tuple[Alternative, ...]:
+    """The comparison of every pair of tied rows (one of ``a_rows``, one of ``b_rows``)
+    but the chosen pair (both rows first)."""
+    return tuple(Alternative(a.label, b.label, diff(a, b))
+                 for i, a in enumerate(a_rows) for j, b in enumerate(b_rows) if i or j)
 
 
 class FairRow(NamedTuple):
@@ -126,10 +191,32 @@ class ControlComparison(NamedTuple):
         return {**self.control.as_dict(), **self.difference.as_dict()}
 
 
+class ControlSet(NamedTuple):
+    """A per-token BRF row against each of its controls."""
+    per_token: FairRow
+    controls: tuple[ControlComparison, ...]
+
+    def as_dict(self) -> dict:
+        return {"per_token": self.per_token.as_dict(),
+                "controls": [c.as_dict() for c in self.controls]}
+
+
+def controls_answer(controls: Sequence[ControlComparison | dict]) -> str:
+    """What a per-token row's controls say, in words that compare across runs: how many it
+    beats and whether shuffling its phases costs (the phase link carries its fit)."""
+    rows = [c.as_dict() if isinstance(c, ControlComparison) else c for c in controls]
+    beaten = sum(r["ci"][1] < 0 for r in rows)
+    shuffled = [r for r in rows if r["method"] == "born_shuffled"]
+    link = ("; shuffling its phases costs" if shuffled and shuffled[0]["ci"][1] < 0 else
+            "; shuffling its phases costs nothing shown" if shuffled else "")
+    return f"beats {beaten} of {len(rows)} controls{link}"
+
+
 class FairComparison(NamedTuple):
     """One variant's best BRF row against the best of every other row (baselines,
     controls, single members and the rest), and the per-token BRF row the controls
-    were built from against each control."""
+    were built from against each control; with the rows tied with each choice
+    (:data:`TIE_MARGIN`) and the same comparisons for the other tied rows."""
     brf: FairRow
     rival: FairRow
     difference: Difference
@@ -137,20 +224,40 @@ class FairComparison(NamedTuple):
     rival_candidates: int
     per_token: FairRow | None = None
     controls: tuple[ControlComparison, ...] = ()
+    tied: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    alternatives: tuple[Alternative, ...] = ()
+    per_token_tied: tuple[str, ...] = ()
+    per_token_alternatives: tuple[ControlSet, ...] = ()
 
     def pair(self) -> Comparison:
         """The best BRF row against the best other row, as a comparison (the other row
-        in the baseline's place)."""
-        return Comparison(self.brf.label, self.rival.label, self.difference)
+        in the baseline's place, the alternatives with it)."""
+        return Comparison(self.brf.label, self.rival.label, self.difference, self.tied,
+                          self.alternatives)
+
+    @property
+    def stands(self) -> bool:
+        return _stands(self.difference.ci, self.alternatives)
+
+    @property
+    def controls_stand(self) -> bool:
+        """Whether every tied per-token row gets the same answer from its controls."""
+        main = controls_answer(self.controls)
+        return all(controls_answer(a.controls) == main for a in self.per_token_alternatives)
 
     def as_dict(self) -> dict:
         """The report's ``fair_summary[variant]``."""
         out = {"brf": self.brf.as_dict(), "rival": self.rival.as_dict(),
                **self.difference.as_dict(), "brf_candidates": self.brf_candidates,
-               "rival_candidates": self.rival_candidates}
+               "rival_candidates": self.rival_candidates,
+               **_ties_dict(self.tied, ("brf", "rival"), self.alternatives, "rival",
+                            self.stands)}
         if self.per_token is not None:
             out["per_token"] = self.per_token.as_dict()
             out["controls"] = [c.as_dict() for c in self.controls]
+            out["per_token_tied"] = list(self.per_token_tied)
+            out["per_token_alternatives"] = [a.as_dict() for a in self.per_token_alternatives]
+            out["controls_stand"] = self.controls_stand
         return out
 
 
@@ -235,19 +342,15 @@ def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSetti
               before: Sequence[MethodResult] = ()) -> list[Fitted]:
     """Fits every spec on calibration, each once (``cache`` keeps them).
 
-    A spec in a variant other than 'proposed' starts from the proposed fit of the
-    same row (the last one listed before it), and from the temperatures and weights
-    of the best such fit listed before it (the calibrated objectives have local
-    optima); ``before`` are rows fitted earlier on the same table, which count as
-    listed before. The fits run in the order of :func:`_schedule` (the same fits as
-    in the listed order), beside the compilation of the programs they need.
+    A spec in a variant other than 'proposed' also starts from the proposed fit of the
+    same row (the last one listed before it, or in ``before``: rows fitted earlier on
+    the same table). No fit starts from any other row's fit: each depends on its own
+    spec, the table and its own proposed fit only, so fits do not depend on their
+    order, and a refit under other last bits starts where this one did. The fits run
+    in the order of :func:`_schedule`, beside the compilation of the programs they
+    need.
     """
-    proposed, calibrated = {}, []
-    for m in before:
-        if m.variant == "proposed":
-            proposed[_row_key(m.spec)] = m.fitted
-        elif m.role != "member":
-            calibrated.append(m.fitted)
+    proposed = {_row_key(m.spec): m.fitted for m in before if m.variant == "proposed"}
     order, warm_of = _schedule(specs)
     cached = {i: cache.get(specs[i]) for i in order} if cache is not None else {}
     precompile([specs[i] for i in order if cached.get(i) is None
@@ -257,29 +360,24 @@ def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSetti
     def own_proposed(i: int) -> Fitted | None:
         """Spec i's row fitted as proposed: earlier in this call (its fit runs first), or
         in ``before``."""
+        if specs[i].variant == "proposed":
+            return None
         return fits[warm_of[i]] if warm_of[i] is not None else proposed.get(_row_key(specs[i]))
 
     for i in tqdm(order, desc=desc, unit="method", dynamic_ncols=True):
-        spec, f = specs[i], cached.get(i)
+        f = cached.get(i)
         if f is None:
-            others = sorted(calibrated, key=lambda g: g.calib_nll)[:1]
-            f = fit_spec(spec, calib, settings, warm=own_proposed(i),
-                         starts=others if spec.variant != "proposed" else ())
+            f = fit_spec(specs[i], calib, settings, warm=own_proposed(i))
             if cache is not None:
-                cache.put(spec, f)
-        if spec.variant != "proposed" and spec.role != "member":
-            calibrated.append(f)
+                cache.put(specs[i], f)
         fits[i] = f
-    out = [fits[i] for i in range(len(specs))]
-    return _second_round(specs, out, calibrated, calib, settings, cache,
-                         {i: own_proposed(i) for i in range(len(specs))})
+    return [fits[i] for i in range(len(specs))]
 
 
 def _schedule(specs: Sequence[MethodSpec]) -> tuple[list[int], list[int | None]]:
     """(an order to fit ``specs`` in, the index of the proposed spec each one starts
     from or None). Each spec starts from the last proposed spec of its row listed
-    before it, and a non-proposed one from the non-proposed ones listed before it:
-    proposed specs keep their order, non-proposed ones theirs, and each
+    before it: proposed specs keep their order, non-proposed ones theirs, and each
     non-proposed one runs as soon as the proposed one it starts from has run (a
     table's calibrated rows then alternate with its proposed rows, and fitting
     overlaps the compilation of the programs that later rows need)."""
@@ -301,58 +399,6 @@ def _schedule(specs: Sequence[MethodSpec]) -> tuple[list[int], list[int | None]]
     return order, warm_of
 
 
-# The second round's version: cached fits refined by an earlier rule are refined again.
-# 3: it also refits each row from the row's own proposed fit.
-_SECOND_ROUND = 3
-
-
-def _second_round(specs: Sequence[MethodSpec], fits: list[Fitted], calibrated: list[Fitted],
-                  calib: EventTable, settings: FitSettings, cache: FitCache | None,
-                  own_proposed: dict[int, Fitted | None] | None = None) -> list[Fitted]:
-    """Each calibrated row refitted once more, twice: from its own fit, and from its
-    own proposed fit (``own_proposed[i]``, where the row has one), each also from the
-    best calibrated fit of the table and from the best calibrated fit of the same
-    method (their temperatures and weights; a method's own parameters too); the best
-    is kept (its info says ``second_round``, so a cached fit is not refined again).
-
-    The calibrated objectives have poor local optima (every member tempered towards
-    the bound, the fused distribution sharpened to make up for it): a row fitted
-    before a good fit of its family was found can sit in one (Hamlet: eight BRF rows
-    at 3.2828 nats while born token_tanh found 3.2476). From its own fit such a row
-    keeps that basin's values of its own parameters, which the better temperatures
-    alone may not get it out of; its proposed fit starts it afresh (the code corpus:
-    born token_tanh [calibrated] stayed at 2.0561 from its own fit and reached 2.0534
-    from its proposed fit with born token_log1p's temperatures).
-    """
-    if not calibrated:
-        return fits
-    best = _best(calibrated)
-    out = list(fits)
-    todo = [i for i, s in enumerate(specs) if s.variant != "proposed" and s.role != "member"
-            and fits[i].info.get("second_round") != _SECOND_ROUND]
-    for i in tqdm(todo, desc="second round", unit="method", dynamic_ncols=True,
-                  disable=not todo):
-        f = fits[i]
-        kin = _best([g for g in calibrated if g.method == f.method and g is not f])
-        starts = [g for g in (best, kin) if g is not None and g is not f]
-        keep = f
-        if starts:
-            runs = [dict(warm=f, refine=True)]
-            p = (own_proposed or {}).get(i)
-            if p is not None:
-                runs.append(dict(warm=p))
-            for kw in runs:
-                g = fit_spec(specs[i], calib, settings, starts=starts, **kw)
-                if g.calib_nll < keep.calib_nll:
-                    keep = g
-        out[i] = dataclasses.replace(keep, info={**dict(keep.info),
-                                                 "second_round": _SECOND_ROUND,
-                                                 "first_round_nll": f.calib_nll})
-        if cache is not None:
-            cache.put(specs[i], out[i])
-    return out
-
-
 def _row_key(spec: MethodSpec) -> str:
     return dataclasses.replace(spec, label="", variant="proposed").key()
 
@@ -362,8 +408,7 @@ def _nothing_to_fit(spec: MethodSpec) -> bool:
 
 
 def fit_spec(spec: MethodSpec, calib: EventTable, settings: FitSettings, *,
-             warm: Fitted | None = None, starts: Sequence[Fitted] = (),
-             refine: bool = False) -> Fitted:
+             warm: Fitted | None = None, starts: Sequence[Fitted] = ()) -> Fitted:
     """One spec fitted (:func:`brf.eval.fitting.fit_method`); a single member as proposed
     has nothing to fit."""
     if _nothing_to_fit(spec):
@@ -374,8 +419,7 @@ def fit_spec(spec: MethodSpec, calib: EventTable, settings: FitSettings, *,
         else:
             nll = evaluate(f, calib)["nll"]
         return dataclasses.replace(f, calib_nll=float(np.mean(nll)))
-    return fit_method(spec, calib, settings=settings, warm=warm, starts=starts,
-                      refine=refine)
+    return fit_method(spec, calib, settings=settings, warm=warm, starts=starts)
 
 
 def member_nll(table: EventTable, i: int) -> np.ndarray:
@@ -391,28 +435,32 @@ def member_nll(table: EventTable, i: int) -> np.ndarray:
 def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[MethodResult]
                 ) -> dict[str, Comparison]:
     """Per variant: the best BRF setting vs the best baseline, both chosen on calibration
-    NLL among rows of that variant (like with like); paired block bootstrap on test."""
+    NLL among rows of that variant (like with like); paired block bootstrap on test. The
+    rows tied with either choice (:data:`TIE_MARGIN`) are compared too."""
     out = {}
+    diff = lambda a, b: Difference.of(a.test_nll, b.test_nll, n_boot=plan.stats.n_boot,
+                                      seed=plan.stats.seed)
     for v in variants:
         rows = [m for m in result_methods if m.variant == v]
-        born = [m for m in rows if m.role == "brf"]
-        base = [m for m in rows if m.role == "baseline"]
+        born = tied([m for m in rows if m.role == "brf"])
+        base = tied([m for m in rows if m.role == "baseline"])
         if not born or not base:
             continue
-        b, a = _best(born), _best(base)
-        out[v] = Comparison(b.label, a.label, Difference.of(
-            b.test_nll, a.test_nll, n_boot=plan.stats.n_boot, seed=plan.stats.seed))
+        b, a = born[0], base[0]
+        out[v] = Comparison(b.label, a.label, diff(b, a),
+                            (tuple(m.label for m in born), tuple(m.label for m in base)),
+                            _alternatives(born, base, diff))
     return out
 
 
 def control_specs(methods: Sequence[MethodResult], n: int, variants: Sequence[str], *,
                   seed: int) -> list[MethodSpec]:
     """Per variant, the controls (:func:`brf.eval.controls.controls_for`) of the BRF row
-    with a per-token phase map and the lowest calibration NLL of that variant."""
+    with a per-token phase map and the lowest calibration NLL of that variant, and of
+    every per-token row tied with it (:data:`TIE_MARGIN`)."""
     out = []
     for v in variants:
-        b = _best([m for m in methods if m.variant == v and _per_token(m)])
-        if b is not None:
+        for b in tied([m for m in methods if m.variant == v and _per_token(m)]):
             out += list(controls_lib.controls_for(b.spec, n, seed=seed).values())
     return out
 
@@ -427,7 +475,9 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
     (baselines, controls, single members and the rest; both chosen on calibration NLL),
     with their free-parameter counts, and the per-token BRF row the controls were built
     from against each of its controls. Differences are BRF minus the other row on test
-    (paired block bootstrap); < 0 means BRF is better."""
+    (paired block bootstrap); < 0 means BRF is better. The rows tied with each choice
+    (:data:`TIE_MARGIN`) get the same comparisons (a tied per-token row against its own
+    controls, where they were fitted)."""
     st, out = plan.stats, {}
 
     def row(m: MethodResult) -> FairRow:
@@ -438,22 +488,34 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
     def diff(a: MethodResult, b: MethodResult) -> Difference:
         return Difference.of(a.test_nll, b.test_nll, n_boot=st.n_boot, seed=st.seed)
 
+    def control_set(token: MethodResult, rows: Sequence[MethodResult]) -> ControlSet | None:
+        labels = {c.label for c in controls_lib.controls_for(token.spec, n,
+                                                              seed=st.seed).values()}
+        mine = [m for m in rows if m.role == "control" and m.label in labels]
+        if not mine:
+            return None
+        return ControlSet(row(token), tuple(ControlComparison(row(c), diff(token, c))
+                                            for c in mine))
+
     for v in variants:
         rows = [m for m in methods if m.variant == v]
-        born = _best([m for m in rows if m.role == "brf"])
-        rival = _best([m for m in rows if m.role != "brf"])
-        if born is None or rival is None:
+        born = tied([m for m in rows if m.role == "brf"])
+        rival = tied([m for m in rows if m.role != "brf"])
+        if not born or not rival:
             continue
-        controls = [m for m in rows if m.role == "control"]
-        token = _best([m for m in rows if _per_token(m)])
-        per_token = token is not None and bool(controls)
+        tokens = tied([m for m in rows if _per_token(m)])
+        sets = [control_set(t, rows) for t in tokens]
+        main = sets[0] if sets else None
         out[v] = FairComparison(
-            row(born), row(rival), diff(born, rival),
+            row(born[0]), row(rival[0]), diff(born[0], rival[0]),
             brf_candidates=sum(m.role == "brf" for m in rows),
             rival_candidates=sum(m.role != "brf" for m in rows),
-            per_token=row(token) if per_token else None,
-            controls=tuple(ControlComparison(row(c), diff(token, c))
-                           for c in controls) if per_token else ())
+            per_token=main.per_token if main else None,
+            controls=main.controls if main else (),
+            tied=(tuple(m.label for m in born), tuple(m.label for m in rival)),
+            alternatives=_alternatives(born, rival, diff),
+            per_token_tied=tuple(t.label for t in tokens) if main else (),
+            per_token_alternatives=tuple(c for c in sets[1:] if c is not None) if main else ())
     return out
 
 
@@ -462,35 +524,43 @@ def forking_tokens(plan: Plan, variants: Sequence[str], result_methods: list[Met
     """Per variant: every method's gain over the best single member by the members' mean
     entropy (deciles, top fraction), and entropy-gated fusion that runs the other
     members only at the primary member's top-fraction entropy positions
-    (:mod:`brf.eval.forking`)."""
+    (:mod:`brf.eval.forking`). The rows tied with the gated BRF row and baseline and
+    with the reference member (:data:`TIE_MARGIN`) are named (``tied``,
+    ``reference_tied``), and the tied BRF rows' gains over each tied reference given
+    (``reference_alternatives``)."""
     ent_test = forking.member_entropy(test)
     ent_cal = forking.member_entropy(calib)
     n = test.logp.shape[1]
     top = plan.stats.forking_top_fraction
+    gain = lambda m, ref: forking.gain_by_entropy(
+        m.test_nll, ref.test_nll, ent_test.mean(1), top_fraction=top,
+        n_boot=min(plan.stats.n_boot, 500), seed=plan.stats.seed)
     out = {}
     for v in variants:
         rows = [m for m in result_methods if m.variant == v]
-        singles = [m for m in rows if m.role == "member"]
+        singles = tied([m for m in rows if m.role == "member"])
         if not singles:
             continue
-        ref = _best(singles)
+        ref = singles[0]
         primary = int(np.argmax(ref.fitted.weights))
-        primary_nll = next(m.test_nll for m in singles
-                           if int(np.argmax(m.fitted.weights)) == primary)
-        per_method = {m.label: forking.gain_by_entropy(
-            m.test_nll, ref.test_nll, ent_test.mean(1), top_fraction=top,
-            n_boot=min(plan.stats.n_boot, 500), seed=plan.stats.seed)
-            for m in rows if m.role != "member"}
+        primary_nll = next(m.test_nll for m in rows if m.role == "member"
+                           and int(np.argmax(m.fitted.weights)) == primary)
+        per_method = {m.label: gain(m, ref) for m in rows if m.role != "member"}
         thr = float(np.quantile(ent_cal[:, primary], 1 - top))
         gated = {}
         for kind, roles in (("brf", ("brf",)), ("baseline", ("baseline",))):
-            cands = [m for m in rows if m.role in roles]
+            cands = tied([m for m in rows if m.role in roles])
             if cands:
-                best = _best(cands)
+                best = cands[0]
                 gated[kind] = {"method": best.label, **forking.gated_fusion(
-                    best.test_nll, primary_nll, ref.test_nll, ent_test[:, primary], thr, n)}
+                    best.test_nll, primary_nll, ref.test_nll, ent_test[:, primary], thr, n),
+                    "tied": [m.label for m in cands]}
+        born = tied([m for m in rows if m.role == "brf"])
         out[v] = {"reference": ref.label, "primary_member": primary, "top_fraction": top,
-                  "by_method": per_method, "gated": gated}
+                  "by_method": per_method, "gated": gated,
+                  "reference_tied": [m.label for m in singles],
+                  "reference_alternatives": {r.label: {m.label: gain(m, r) for m in born}
+                                             for r in singles[1:]}}
     return out
 
 
@@ -536,20 +606,21 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
                            calib, test, cache_path=cache_path, desc="fitting controls",
                            before=methods)
     # The cross-term test reads the best BRF setting's weights and phase map; from the
-    # calibrated variant when it runs (its temperatures do not enter the test).
+    # calibrated variant when it runs (its temperatures do not enter the test). Every BRF
+    # row tied with it (TIE_MARGIN) is tested too.
     v_cross = "calibrated" if "calibrated" in variants else variants[0]
-    best_born = min((m for m in methods if m.role == "brf" and m.variant == v_cross),
-                    key=lambda m: m.calib_nll).fitted
+    st = plan.stats
+    cross = cross_terms(test, [m for m in methods if m.role == "brf" and m.variant == v_cross],
+                        n_boot=st.n_boot, seed=st.seed)
     # The coherence test reads each phase map as configured (a property of the
     # map, not of a fit); maps that ignore the logits (constant) are left out.
     usable = plan.phase_maps_for(n)
     phase_specs = {e.label: e.spec for e in usable if phase_map(e.spec).name != "constant"}
-    st = plan.stats
     return AnalysisResult(
         calib=calib, test=test, methods=methods,
         coherence=hypotheses.phase_coherence(test, phase_specs, n_perm=st.n_perm,
                                              seed=st.seed),
-        cross=hypotheses.cross_term_test(test, best_born, n_boot=st.n_boot, seed=st.seed),
+        cross=cross,
         comparisons=comparisons(plan, variants, methods),
         fair=fair_summary(plan, variants, methods, n),
         forking=forking_tokens(plan, variants, methods, calib, test),
@@ -557,6 +628,22 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
         left_out=sorted({e.label for e in plan.phase_maps} - {e.label for e in usable}))
 
 
-__all__ = ["AnalysisResult", "Comparison", "ControlComparison", "Difference", "FairComparison",
-           "FairRow", "MethodResult", "analyse", "control_specs", "fair_summary",
-           "fit_all", "fit_spec", "fit_specs", "metrics"]
+def cross_terms(test: EventTable, born: Sequence[MethodResult], *, n_boot: int,
+                seed: int) -> dict:
+    """The cross-term test (:func:`brf.eval.hypotheses.cross_term_test`) of the BRF row
+    with the lowest calibration NLL of ``born``, with ``tied`` (that row and every row
+    within :data:`TIE_MARGIN` of it) and ``alternatives`` (the test's ``rel`` AUROC with
+    each other tied row)."""
+    rows = tied(born)
+    out = hypotheses.cross_term_test(test, rows[0].fitted, n_boot=n_boot, seed=seed)
+    alternatives = []
+    for m in rows[1:]:
+        r = hypotheses.cross_term_test(test, m.fitted, n_boot=n_boot, seed=seed)
+        alternatives.append({"setting": r["setting"], "rel": r["rel"]})
+    return {**out, "tied": [m.label for m in rows], "alternatives": alternatives}
+
+
+__all__ = ["TIE_MARGIN", "Alternative", "AnalysisResult", "Comparison", "ControlComparison",
+           "ControlSet", "Difference", "FairComparison", "FairRow", "MethodResult", "analyse",
+           "control_specs", "controls_answer", "cross_terms", "fair_summary", "fit_all",
+           "fit_spec", "fit_specs", "metrics", "side", "tied"]

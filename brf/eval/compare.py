@@ -8,13 +8,14 @@ report.json (``brf.eval.study_report`` states them in words).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from brf.eval import stats
-from brf.eval.analysis import AnalysisResult, Comparison
+from brf.eval.analysis import AnalysisResult, Comparison, controls_answer, side
 
 ALPHA = 0.05  # a phase map "links" the members when its permutation p is below this
 
@@ -93,13 +94,28 @@ class CrossTermChange(NamedTuple):
     auroc_prefix: float
     auroc_change: float
     auroc_change_ci: tuple[float, float]
+    # the same change for every other pair of tied settings (brf.eval.analysis.TIE_MARGIN)
+    alternatives: tuple["CrossTermChange", ...] = ()
 
     CI_METHOD = ("normal approximation from the two bootstrap CIs, treated as independent "
                  "(conservative for paired positions)")
 
+    @classmethod
+    def of(cls, plain: dict, prefixed: dict) -> "CrossTermChange":
+        """The change between two cross-term tests (each ``{"setting", "rel"}``)."""
+        c0, c1 = plain["rel"], prefixed["rel"]
+        se = math.hypot((c0["ci"][1] - c0["ci"][0]) / 3.92, (c1["ci"][1] - c1["ci"][0]) / 3.92)
+        d = c1["auroc"] - c0["auroc"]
+        return cls(plain["setting"], prefixed["setting"], c0["auroc"], c1["auroc"], d,
+                   (d - 1.96 * se, d + 1.96 * se))
+
     def as_dict(self) -> dict:
-        return {**self._asdict(), "auroc_change_ci": list(self.auroc_change_ci),
-                "ci_method": self.CI_METHOD}
+        out = {**self._asdict(), "auroc_change_ci": list(self.auroc_change_ci),
+               "ci_method": self.CI_METHOD}
+        out["alternatives"] = [{k: v for k, v in a.as_dict().items()
+                                if k not in ("alternatives", "ci_method")}
+                               for a in self.alternatives]
+        return out
 
 
 class GapChange(NamedTuple):
@@ -113,9 +129,14 @@ class GapChange(NamedTuple):
     brf_prefix: str
     baseline_plain: str
     baseline_prefix: str
+    # the same change for every other choice among tied rows (TIE_MARGIN) in either analysis
+    alternatives: tuple["GapChange", ...] = ()
 
     def as_dict(self) -> dict:
-        return {**self._asdict(), "ci": list(self.ci)}
+        out = {**self._asdict(), "ci": list(self.ci)}
+        out["alternatives"] = [{k: v for k, v in a.as_dict().items() if k != "alternatives"}
+                               for a in self.alternatives]
+        return out
 
 
 class PrefixEffect(NamedTuple):
@@ -162,22 +183,28 @@ def prefix_effect(plain: AnalysisResult, prefixed: AnalysisResult, *, n_boot: in
             r0["mean_resultant_length"] - r0["null_mean_resultant_length"],
             r1["mean_resultant_length"] - r1["null_mean_resultant_length"],
             ch.estimate - dnull, (ch.ci[0] - dnull, ch.ci[1] - dnull)))
-    c0, c1 = plain.cross["rel"], prefixed.cross["rel"]
-    se = math.hypot((c0["ci"][1] - c0["ci"][0]) / 3.92, (c1["ci"][1] - c1["ci"][0]) / 3.92)
-    d = c1["auroc"] - c0["auroc"]
-    cross = CrossTermChange(plain.cross["setting"], prefixed.cross["setting"], c0["auroc"],
-                            c1["auroc"], d, (d - 1.96 * se, d + 1.96 * se))
+    crosses = [[{"setting": c["setting"], "rel": c["rel"]}, *c.get("alternatives", [])]
+               for c in (plain.cross, prefixed.cross)]
+    pairs = list(itertools.product(*crosses))
+    cross = CrossTermChange.of(*pairs[0])._replace(
+        alternatives=tuple(CrossTermChange.of(a, b) for a, b in pairs[1:]))
+
+    def gap(res: AnalysisResult, brf: str, base: str) -> np.ndarray:
+        return res.by_label(brf).test_nll - res.by_label(base).test_nll
+
     for v, a in plain.comparisons.items():
         b = prefixed.comparisons.get(v)
         if not b or not same:
             continue
-        gap0 = plain.by_label(a.brf).test_nll - plain.by_label(a.baseline).test_nll
-        gap1 = prefixed.by_label(b.brf).test_nll - prefixed.by_label(b.baseline).test_nll
-        ci = stats.paired_bootstrap_ci(gap1, gap0, n_boot=n_boot,
-                                       rng=np.random.default_rng(seed),
-                                       block_size=min(32, max(1, len(gap0) // 4)))
-        gaps[v] = GapChange(float(gap0.mean()), float(gap1.mean()), ci.estimate,
-                            (ci.ci_low, ci.ci_high), a.brf, b.brf, a.baseline, b.baseline)
+        changes = []
+        for (b0, a0), (b1, a1) in itertools.product(_pairs(a), _pairs(b)):
+            gap0, gap1 = gap(plain, b0, a0), gap(prefixed, b1, a1)
+            ci = stats.paired_bootstrap_ci(gap1, gap0, n_boot=n_boot,
+                                           rng=np.random.default_rng(seed),
+                                           block_size=min(32, max(1, len(gap0) // 4)))
+            changes.append(GapChange(float(gap0.mean()), float(gap1.mean()), ci.estimate,
+                                     (ci.ci_low, ci.ci_high), b0, b1, a0, a1))
+        gaps[v] = changes[0]._replace(alternatives=tuple(changes[1:]))
     return PrefixEffect(bool(same), tuple(concentration), cross, gaps)
 
 
@@ -193,45 +220,99 @@ class PooledCorpus(NamedTuple):
         return {**self._asdict(), "ci": list(self.ci)}
 
 
+class PooledAlternative(NamedTuple):
+    """The pooled difference with other tied rows chosen in some corpora."""
+    pairs: tuple[tuple[str, str, str], ...]   # (corpus, BRF row, other row) per corpus
+    mean_difference: float
+    ci: tuple[float, float]
+    p_value: float
+
+    def as_dict(self) -> dict:
+        return {"pairs": [list(p) for p in self.pairs], "mean_difference":
+                self.mean_difference, "ci": list(self.ci), "p_value": self.p_value}
+
+
 class Pooled(NamedTuple):
     """A BRF-minus-other NLL difference pooled over corpora (:func:`pooled`)."""
     mean_difference: float
     ci: tuple[float, float]
     p_value: float
     corpora: tuple[PooledCorpus, ...]
+    alternatives: tuple[PooledAlternative, ...] = ()
 
     WEIGHTING = ("equal weight per corpus; stratified circular block bootstrap (blocks of "
                  "32 positions within each corpus)")
+
+    @property
+    def stands(self) -> bool:
+        return all(side(a.ci) == side(self.ci) for a in self.alternatives)
 
     def as_dict(self) -> dict:
         """The report's ``pooled[variant]`` (or ``pooled_fair[variant]``)."""
         return {"mean_difference": self.mean_difference, "ci": list(self.ci),
                 "p_value": self.p_value, "corpora": [c.as_dict() for c in self.corpora],
-                "weighting": self.WEIGHTING}
+                "weighting": self.WEIGHTING,
+                "alternatives": [a.as_dict() for a in self.alternatives],
+                "stands": self.stands}
+
+
+# The most choices of tied rows a pooled comparison is redone for: beyond it, each corpus's
+# other choices are taken one corpus at a time (the others at their chosen rows).
+MAX_POOLED_CHOICES = 64
+
+
+def _choices(options: Sequence[Sequence]) -> list[tuple]:
+    """Index tuples into each corpus's options: every combination (the chosen one, all
+    zeros, first) or, beyond MAX_POOLED_CHOICES, one corpus changed at a time."""
+    if math.prod(len(o) for o in options) <= MAX_POOLED_CHOICES:
+        return list(itertools.product(*(range(len(o)) for o in options)))
+    out = [tuple(0 for _ in options)]
+    for i, o in enumerate(options):
+        out += [tuple(j if k == i else 0 for k in range(len(options))) for j in range(1, len(o))]
+    return out
 
 
 def pooled(per_corpus: Sequence[tuple[str, AnalysisResult]], variants: Sequence[str], *,
            n_boot: int, seed: int, fair: bool = False) -> dict[str, Pooled]:
     """Per variant: the BRF-minus-baseline NLL difference pooled over corpora (the
-    variants no corpus compares are left out).
+    variants no corpus compares are left out); redone for the other choices among each
+    corpus's tied rows (``alternatives``).
 
     With ``fair``, the fair summary's pair instead: the best BRF row minus the best
     of every other row (controls included)."""
     out = {}
     for v in variants:
-        pairs, used = [], []
+        used, options, results = [], [], []
         for label, res in per_corpus:
             c = _fair_pair(res, v) if fair else _baseline_pair(res, v)
             if c is None:
                 continue
-            pairs.append((res.by_label(c.brf).test_nll, res.by_label(c.baseline).test_nll))
             used.append(PooledCorpus(label, c.brf, c.baseline, c.mean_difference, c.ci))
-        if not pairs:
+            options.append(_pairs(c))
+            results.append((label, res))
+        if not used:
             continue
-        ci = stats.pooled_paired_bootstrap_ci(pairs, n_boot=n_boot,
-                                              rng=np.random.default_rng(seed), block_size=32)
-        out[v] = Pooled(ci.estimate, (ci.ci_low, ci.ci_high), ci.p_value, tuple(used))
+        found = []
+        for choice in _choices(options):
+            chosen = [o[j] for o, j in zip(options, choice)]
+            pairs = [(res.by_label(b).test_nll, res.by_label(a).test_nll)
+                     for (_, res), (b, a) in zip(results, chosen)]
+            ci = stats.pooled_paired_bootstrap_ci(pairs, n_boot=n_boot,
+                                                  rng=np.random.default_rng(seed),
+                                                  block_size=32)
+            found.append(PooledAlternative(
+                tuple((label, b, a) for (label, _), (b, a) in zip(results, chosen)),
+                ci.estimate, (ci.ci_low, ci.ci_high), ci.p_value))
+        main = found[0]
+        out[v] = Pooled(main.mean_difference, main.ci, main.p_value, tuple(used),
+                        tuple(found[1:]))
     return out
+
+
+def _pairs(c: Comparison) -> list[tuple[str, str]]:
+    """The (BRF row, other row) pairs of a comparison: the chosen pair, then every other
+    pair of tied rows."""
+    return [(c.brf, c.baseline)] + [(a.brf, a.other) for a in c.alternatives]
 
 
 def _baseline_pair(res: AnalysisResult, v: str) -> Comparison | None:
@@ -242,11 +323,6 @@ def _fair_pair(res: AnalysisResult, v: str) -> Comparison | None:
     """The fair summary's pair of ``v`` as a comparison (the rival as the baseline)."""
     c = res.fair.get(v)
     return c.pair() if c else None
-
-
-def side(ci) -> str:
-    """'lower' / 'higher' / 'undecided': where a CI lies relative to 0."""
-    return "lower" if ci[1] < 0 else "higher" if ci[0] > 0 else "undecided"
 
 
 class DifferenceMove(NamedTuple):
@@ -322,14 +398,27 @@ class Answer(NamedTuple):
     # the fitted rows the answer rests on: a difference's (BRF's, the other's); the
     # cross-term test's setting; a prefix effect's rows without and with the prefix
     rows: tuple[str, ...] | None = None
+    # the same verdict with the other rows tied with the chosen ones (TIE_MARGIN)
+    alternatives: tuple["Answer", ...] = ()
+
+    @property
+    def fragile(self) -> bool:
+        """Whether some choice among tied rows gives another answer."""
+        return any(a.answer != self.answer for a in self.alternatives)
+
+    def with_alternatives(self, alternatives) -> "Answer":
+        return self._replace(alternatives=tuple(alternatives))
 
 
 class Move(NamedTuple):
-    """One verdict at both levels."""
+    """One verdict at both levels (``*_fragile``: another choice among tied rows gives
+    another answer at that level)."""
     tokens: str
     bytes: str
     tokens_value: float
     bytes_value: float
+    tokens_fragile: bool = False
+    bytes_fragile: bool = False
 
     @property
     def moved(self) -> bool:
@@ -362,47 +451,85 @@ def _ci_answer(ci, value, low: str, high: str, neither: str = "not distinguishab
                   float(value), (float(ci[0]), float(ci[1])), rows=rows)
 
 
+def _difference_answers(c: dict, other_key: str, low: str, high: str) -> Answer:
+    """A comparison's answer (``c``: an ``nll_comparison`` or ``fair_summary`` entry),
+    with the answers of its tied rows' comparisons."""
+    def one(x: dict) -> Answer:
+        b = x["brf"]["label"] if isinstance(x["brf"], dict) else x["brf"]
+        o = x[other_key]["label"] if isinstance(x[other_key], dict) else x[other_key]
+        return _ci_answer(x["ci"], x["mean_difference"], low, high, rows=(b, o))
+    return one(c).with_alternatives(one(a) for a in c.get("alternatives", []))
+
+
+def _forking_answer(f: dict) -> Answer | None:
+    """The forking verdict of one variant (its gated BRF row's gain over the reference
+    member), with the answers of the tied BRF rows and tied reference members."""
+    g = f.get("gated", {}).get("brf")
+    if not g:
+        return None
+
+    def one(r: dict, label: str) -> Answer:
+        where = "mostly at" if r["top_share"] > 0.5 else "less than half at"
+        return Answer((f"gain over the best member, {where} the top-entropy positions"
+                       if r["total_gain"] > 0 else "no gain over the best member"),
+                      # the mean gain per position (the deciles are of equal size)
+                      float(np.mean(r["mean_gain"])), top_share=float(r["top_share"]),
+                      rows=(label,))
+
+    main = one(f["by_method"][g["method"]], g["method"])
+    alts = [one(f["by_method"][m], m) for m in g.get("tied", [])[1:] if m in f["by_method"]]
+    for ref, rows in f.get("reference_alternatives", {}).items():
+        alts += [one(r, m)._replace(rows=(m, ref)) for m, r in rows.items()]
+    return main.with_alternatives(alts)
+
+
 def answers(brief: dict) -> dict[str, Answer]:
     """The verdicts of one analysis (its brief report, ``study_report.brief``) as
     answers that can be compared across levels: key -> {"answer": words, "value":
     the number behind it}. A difference's answer is where its 95% CI lies
-    (sign and significance); the coherence answer counts the phase maps that reject
-    the permutation null; the forking answer says whether the best BRF setting gains
-    over the best single member and whether most of the gain lies at the
-    top-entropy positions (its value is the mean gain per position)."""
+    (sign and significance); the controls' answer how many controls the per-token BRF
+    row beats and whether shuffling its phases costs; the coherence answer counts the
+    phase maps that reject the permutation null; the forking answer says whether the
+    best BRF setting gains over the best single member and whether most of the gain
+    lies at the top-entropy positions (its value is the mean gain per position). Each
+    answer that rests on a choice of rows carries the answers of the rows tied with
+    the chosen ones (``alternatives``; ``fragile`` when one differs)."""
     out = {}
     for v, c in brief.get("nll_comparison", {}).items():
-        out[f"nll [{v}]"] = _ci_answer(c["ci"], c["mean_difference"],
-                                       "BRF better than the best baseline",
-                                       "BRF worse than the best baseline",
-                                       rows=(c["brf"], c["baseline"]))
+        out[f"nll [{v}]"] = _difference_answers(c, "baseline",
+                                                "BRF better than the best baseline",
+                                                "BRF worse than the best baseline")
     for v, c in brief.get("fair_summary", {}).items():
-        out[f"fair [{v}]"] = _ci_answer(c["ci"], c["mean_difference"],
-                                        "BRF better than every other row",
-                                        "BRF worse than the best other row",
-                                        rows=(c["brf"]["label"], c["rival"]["label"]))
+        out[f"fair [{v}]"] = _difference_answers(c, "rival", "BRF better than every other row",
+                                                 "BRF worse than the best other row")
+        if c.get("controls"):
+            beaten = sum(x["ci"][1] < 0 for x in c["controls"])
+            out[f"controls [{v}]"] = Answer(
+                controls_answer(c["controls"]), float(beaten),
+                rows=(c["per_token"]["label"],)).with_alternatives(
+                Answer(controls_answer(a["controls"]),
+                       float(sum(x["ci"][1] < 0 for x in a["controls"])),
+                       rows=(a["per_token"]["label"],))
+                for a in c.get("per_token_alternatives", []))
     if brief.get("cross_term"):
-        rel = brief["cross_term"]["rel"]
-        out["cross-term"] = _ci_answer([x - 0.5 for x in rel["ci"]], rel["auroc"],
-                                       "ranks gold below competitors",
-                                       "separates gold from competitors",
-                                       "does not separate gold",
-                                       rows=(brief["cross_term"]["setting"],))
+        ct = brief["cross_term"]
+
+        def cross(x: dict) -> Answer:
+            rel = x["rel"]
+            return _ci_answer([v - 0.5 for v in rel["ci"]], rel["auroc"],
+                              "ranks gold below competitors",
+                              "separates gold from competitors", "does not separate gold",
+                              rows=(x["setting"],))
+        out["cross-term"] = cross(ct).with_alternatives(
+            cross(a) for a in ct.get("alternatives", []))
     if brief.get("phase_coherence") is not None:
         pc = brief["phase_coherence"]
         k = sum(r["permutation_p"] < ALPHA for r in pc)
         out["phase coherence"] = Answer(f"{k} of {len(pc)} linked", float(k))
     for v, f in brief.get("forking", {}).items():
-        g = f.get("gated", {}).get("brf")
-        if not g:
-            continue
-        r = f["by_method"][g["method"]]
-        where = "mostly at" if r["top_share"] > 0.5 else "less than half at"
-        out[f"forking [{v}]"] = Answer(
-            (f"gain over the best member, {where} the top-entropy positions"
-             if r["total_gain"] > 0 else "no gain over the best member"),
-            # the mean gain per position (the deciles are of equal size)
-            float(np.mean(r["mean_gain"])), top_share=float(r["top_share"]))
+        a = _forking_answer(f)
+        if a is not None:
+            out[f"forking [{v}]"] = a
     return out
 
 
@@ -417,13 +544,18 @@ def effect_answers(effect: dict) -> dict[str, Answer]:
                                             float(up - down))
     ct = effect.get("cross_term")
     if ct:
-        out["cross-term AUROC change"] = _ci_answer(
-            ct["auroc_change_ci"], ct["auroc_change"], "falls", "rises", "no change shown",
-            rows=(ct["setting_plain"], ct["setting_prefix"]))
+        def cross(x: dict) -> Answer:
+            return _ci_answer(x["auroc_change_ci"], x["auroc_change"], "falls", "rises",
+                              "no change shown", rows=(x["setting_plain"], x["setting_prefix"]))
+        out["cross-term AUROC change"] = cross(ct).with_alternatives(
+            cross(a) for a in ct.get("alternatives", []))
     for v, g in effect.get("nll_gap", {}).items():
-        out[f"BRF's NLL gap change [{v}]"] = _ci_answer(
-            g["ci"], g["change"], "narrows", "widens", "no change shown",
-            rows=(g["brf_plain"], g["baseline_plain"], g["brf_prefix"], g["baseline_prefix"]))
+        def gap(x: dict) -> Answer:
+            return _ci_answer(x["ci"], x["change"], "narrows", "widens", "no change shown",
+                              rows=(x["brf_plain"], x["baseline_plain"], x["brf_prefix"],
+                                    x["baseline_prefix"]))
+        out[f"BRF's NLL gap change [{v}]"] = gap(g).with_alternatives(
+            gap(a) for a in g.get("alternatives", []))
     return out
 
 
@@ -446,8 +578,11 @@ def paired_answers(a: dict, b: dict) -> dict[str, tuple[Answer, Answer]]:
                 rows[f"{where}: {k}"] = (rx, ry)
 
     def pooled_answers(section: dict, key: str, what: str) -> dict[str, Answer]:
-        return {f"{what} [{v}]": _ci_answer(p["ci"], p["mean_difference"], "BRF better",
-                                            "BRF worse") for v, p in section.get(key, {}).items()}
+        def one(p: dict) -> Answer:
+            return _ci_answer(p["ci"], p["mean_difference"], "BRF better", "BRF worse")
+        return {f"{what} [{v}]": one(p).with_alternatives(
+            one(a) for a in p.get("alternatives", []))
+            for v, p in section.get(key, {}).items()}
 
     for label, r in b.get("per_corpus", {}).items():
         if label in a.get("per_corpus", {}):
@@ -480,7 +615,7 @@ def level_moves(tokens: dict, by_bytes: dict) -> LevelMoves:
       nats per byte), so only their signs and CIs compare; the answers say where
       each CI lies.
     """
-    return LevelMoves({k: Move(a.answer, b.answer, a.value, b.value)
+    return LevelMoves({k: Move(a.answer, b.answer, a.value, b.value, a.fragile, b.fragile)
                        for k, (a, b) in paired_answers(tokens, by_bytes).items()})
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import os
@@ -32,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from brf.eval import lbfgs
+from brf.eval import compass, lbfgs
 from brf.event_table import EventTable
 from brf.fusion import fuse, get_method, phase_map
 from brf.fusion.born import DEFAULT_Z_MIN, born_from_phases
+from brf.fusion.born import xla_sincos as _xla_sincos
 from brf.fusion.controls import born_from_sources, shuffle_sources
 from brf.fusion.phase import PHASE_MAPS, position_gap, token_gap
 
@@ -301,20 +303,29 @@ FISHER_RIDGE = 1e-3
 
 @dataclasses.dataclass(frozen=True)
 class FitSettings:
-    """How :func:`fit_method` optimises (L-BFGS on the mean calibration NLL).
+    """How :func:`fit_method` optimises (multi-start L-BFGS on the mean calibration NLL).
+
+    A fit runs in three stages, each on more positions than the one before, each keeping
+    fewer candidates: every start (the spec's initial values, the warm fit's, and
+    ``starts`` random ones) is *screened* by ``screen_iter`` L-BFGS iterations on
+    ``screen_positions`` positions; the ``keep`` lowest distinct ends are fitted to
+    convergence on ``subsample`` positions; the ``polish`` lowest distinct ends of those
+    are fitted to convergence on every position, and the lowest is the fit. A stage
+    whose positions would be more than half the table's runs on all of them.
 
     Attributes:
-      max_iter: L-BFGS iterations per run.
+      max_iter: L-BFGS iterations per run (of the second and third stages).
       ftol: a run stops when two iterations running lower the NLL by less than this,
         relative.
       gtol: a run stops when every gradient component is below this.
       history: L-BFGS memory (curvature pairs kept).
       max_step: the largest change of any free coordinate in one iteration.
-      subsample: a fit with several starts or grid points, on a table with more than
-        four times this many positions, is first fitted on this many (a fixed random
-        subset), from every start and at every grid point; the best grid points are
-        then polished on all positions (0: no subsample).
-      polish: how many grid points are polished on all positions.
+      starts: random starts per grid point (besides the structured ones), drawn from a
+        generator seeded by the spec alone, so a refit starts from the same points.
+      screen_positions, screen_iter: the first stage's positions and iterations.
+      keep: candidates fitted to convergence on ``subsample`` positions.
+      subsample: the second stage's positions (0: every position).
+      polish: candidates polished on every position.
       calib_range: the calibrated variant's temperatures lie in
         [1/calib_range, calib_range] (0: unbounded; the calibrated objectives then
         have no minimum, see the README).
@@ -323,152 +334,180 @@ class FitSettings:
         position's NLL gradient) instead of a scaled identity. Off in the study: on
         its swarm table it saved 13% of the evaluations and ended 9 of 24 rows in
         worse optima, up to 0.014 nats (BENCHMARKS.md, the fits' evaluations).
+      perturb: run under perturbations of the last bits (:data:`PERTURBATIONS`,
+        '+'-joined; '' for none): the stability check's refits.
     """
     max_iter: int = 200
     ftol: float = 1e-8
     gtol: float = 1e-5
     history: int = 10
     max_step: float = 1.0
+    starts: int = 8
+    screen_positions: int = 512
+    screen_iter: int = 25
+    keep: int = 3
     subsample: int = 1024
     polish: int = 2
     calib_range: float = 1000.0
     precondition: bool = False
+    perturb: str = ""
+
+    def __post_init__(self):
+        perturbations(self.perturb)  # checked here, so a bad name fails before any fit
 
     def key(self) -> tuple:
         return dataclasses.astuple(self)
 
 
+# The perturbations a fit can run under (FitSettings.perturb, '+'-joined): each changes
+# only the last bits of the objective, so a fit that finds its optimum ends within
+# FIT_TOLERANCE of where it ends without it. The study's stability check refits every
+# calibrated row under one (brf.eval.stability).
+PERTURBATIONS = {
+    "order": "the calibration positions in another (fixed random) order, so every sum "
+             "is taken in another order",
+    "ulp": "every finite log-probability of the table moved by -2 to +2 float32 ulps "
+           "(fixed random)",
+    "chunk": "chunks of half as many positions (other programs, other sums)",
+    "sincos": "Born's sin and cos from XLA (jnp.sin, jnp.cos) instead of brf's "
+              "polynomial (about two ulps apart)",
+}
+# How far apart two fits of one row may end in calibration NLL (nats) and still count
+# as the same answer: the fits' repeatability goal (item 1 of the study's stability
+# design; BENCHMARKS.md, the fits' stability).
+FIT_TOLERANCE = 1e-4
+
+
+def perturbations(spec: str) -> frozenset[str]:
+    """The set of perturbations a '+'-joined spec names ('' -> none)."""
+    names = frozenset(p.strip() for p in str(spec).split("+") if p.strip())
+    bad = sorted(names - set(PERTURBATIONS))
+    if bad:
+        raise ValueError(f"unknown fit perturbation(s) {bad}; use "
+                         f"{', '.join(PERTURBATIONS)} joined by '+'")
+    return names
+
+
+# Methods whose calibration NLL jumps where a decision flips (a member routed to, a gate,
+# a plausibility cut): fitted by compass search (brf.eval.compass), which compares
+# values only, instead of L-BFGS, which reads a gradient that sees no jump.
+PIECEWISE = frozenset({"routing", "entropy_gated", "contrastive"})
+# Two ends of a stage at the same grid point are one candidate when no free coordinate
+# differs by more than this (they lie in one basin).
+_SAME_END = 0.05
+
+
+class _Run(NamedTuple):
+    """A candidate: its grid point's index, its coordinates, value and curvature pairs."""
+    point: int
+    x: np.ndarray
+    value: float
+    pairs: list
+    converged: bool
+    order: int          # its start's place in the list (ties keep it)
+
+
 def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
                settings: FitSettings = FitSettings(), warm: Fitted | None = None,
-               starts: Sequence[Fitted] = (), refine: bool = False) -> Fitted:
+               starts: Sequence[Fitted] = ()) -> Fitted:
     """Fits one method spec on ``table`` (the calibration split).
 
-    The mean calibration NLL of a spec's continuous parameters is a small smooth
-    problem, minimised by L-BFGS (:mod:`brf.eval.lbfgs`) on a compiled float32 value
-    and gradient. On a large table every start and every grid combination is first
-    fitted on a fixed random subsample of positions; the grid combinations with the
-    lowest NLL on all positions are then polished on all positions, starting with
-    the subsample's curvature estimate, so that the answer is the optimum of the
-    whole calibration NLL. Several starts guard against the local optima of the
-    calibrated variant (its temperatures and weights interact).
+    The mean calibration NLL of a spec's continuous parameters is a small problem with
+    local optima (the calibrated variant's temperatures and weights interact; phase
+    offsets are periodic), minimised by L-BFGS (:mod:`brf.eval.lbfgs`; compass search,
+    :mod:`brf.eval.compass`, for the :data:`PIECEWISE` methods) on a compiled float32
+    value and gradient, from many starts in three stages (:class:`FitSettings`): every
+    start at every grid point screened briefly on a few positions, the lowest distinct
+    ends fitted to convergence on more, the lowest of those polished on all positions.
+    The starts are the spec's initial values, ``warm``'s and ``starts``' values of its
+    parameters, and random points drawn by a generator seeded by the spec alone: a fit
+    depends on its spec, its table and its warm start, never on the order of other fits,
+    and a refit under other last bits (:data:`PERTURBATIONS`) starts from the same
+    points and ends within :data:`FIT_TOLERANCE` of the same optimum when it finds it.
 
     Every float (fixed, fitted or a float grid value) is an argument of one compiled
     program per (method, kind of phase map, static values, chunk shape), which
     evaluates one chunk of positions (:func:`chunk_positions`): specs that differ
-    only in float values, both variants, the subsample and all positions, and tables
+    only in float values, both variants, the subsamples and all positions, and tables
     with the same chunk shape share it. :func:`precompile` compiles the programs of
     many specs ahead, beside the fits.
 
     Args:
       spec: the method and how it is tuned (:class:`MethodSpec`, or its dict form).
       table: calibration positions.
-      settings: the optimiser's budget, convergence test and subsample.
+      settings: the optimiser's budget, convergence test, starts and stages.
       warm: a fit of the same method whose values start this one where they apply
         (e.g. the *proposed* fit starting its *calibrated* variant).
       starts: more fits (of any method) whose values of the shared parameters
         (temperatures, weights) are tried as starts too.
-      refine: ``warm`` is this spec's own converged fit on all positions: on the
-        subsample it is fitted beside the other starts, and where it stays the best
-        (within a relative 1e-5) and its run ends no lower on all positions, it is
-        kept as it is, without polishing it again.
 
     Returns:
       Fitted, with the lowest calibration NLL over the grid, and in ``info`` the
-      iterations, evaluations (on the subsample and on all positions) and whether
-      the final fit met its convergence test.
+      iterations and evaluations on all positions, the evaluations on subsamples, the
+      number of starts, whether the final fit met its convergence test, and the
+      runner-up: the lowest calibration NLL of another polished candidate.
     """
     problem = _Problem(MethodSpec.coerce(spec), table, settings)
     points = problem.grid_points()
-    x_starts = problem.starts(warm, starts)
-    several = len(x_starts) > 1 or len(points) > 1
-    sub = problem.subsample(settings.subsample) if several else None
-    full = problem.data()
     offset = float(np.mean(table.offset))
-    info = {"iterations": 0, "evaluations": 0, "subsample_evaluations": 0,
+    full = problem.data()
+    info = {"iterations": 0, "evaluations": 0, "subsample_evaluations": 0, "starts": 0,
             "converged": True}
-    own = None  # (grid point index, x) of the warm fit when it is already polished
-    if (refine and warm is not None and warm.info.get("converged") and sub is not None
-            and problem.layout.size):
-        own = (problem.point_of(warm), x_starts[0])
-    # [grid point, x, (curvature pairs, Hessian start or None), x is the polished warm fit]
-    runs = []
-    for j, point in enumerate(points):
-        fun_sub = problem.objective(point, sub if sub is not None else full)
-        cands = list(x_starts)
-        if own is not None and j == own[0] and not any(x is own[1] for x in cands):
-            cands.append(own[1])
-        best = None
-        for x0 in cands:
-            if problem.layout.size == 0:
-                best = (x0, ([], None), math.nan, False)
-                break
-            h = (problem.fisher(point, x0, sub if sub is not None else full)
-                 if settings.precondition else None)
-            r = lbfgs.minimize(fun_sub, x0, hessian=h, **problem.lbfgs_args(settings))
-            info["subsample_evaluations" if sub is not None else "evaluations"] += r.evaluations
-            if sub is None:
-                info["iterations"] += r.iterations
-                info["converged"] &= r.converged
-            mine = own is not None and j == own[0] and x0 is own[1]
-            if best is None or _better(r.value, mine, best[2], best[3]):
-                best = (r.x, (r.pairs, h), r.value, mine)
-        runs.append([point, best[0], best[1], best[3]])
-        x_starts = [best[0]]  # later grid points start where this one ended
-    warm_value = (warm.calib_nll + offset) if own is not None else math.nan
-
-    def full_value(run):
-        value = problem.value(run[0], run[1], full)
-        if run[3]:  # the warm fit won: is it still there, or did the run leave its basin?
-            run[3] = not value < warm_value - 1e-5 * max(abs(warm_value), 1.0)
-        return warm_value if run[3] else value
-
-    scored = sorted((full_value(run), i) for i, run in enumerate(runs))
-    if sub is not None and problem.layout.size:
-        polished = []
-        for value, i in scored[:max(1, settings.polish)]:
-            point, x, (pairs, h), mine = runs[i]
-            if mine:
-                polished.append((value, i, x, bool(warm.info.get("converged", True))))
-                continue
-            r = lbfgs.minimize(problem.objective(point, full), x, pairs=pairs, hessian=h,
-                               **problem.lbfgs_args(settings))
-            info["evaluations"] += r.evaluations
-            info["iterations"] += r.iterations
-            polished.append((r.value, i, r.x, r.converged))
-        polished.sort(key=lambda p: p[0] if math.isfinite(p[0]) else math.inf)
-        info["converged"] = bool(polished[0][3])
-        for value, i, x, _ in polished:
-            runs[i][1] = x
-        scored = [(value, i) for value, i, _, _ in polished]
-    finite = [(v, i) for v, i in scored if math.isfinite(v)]
+    if problem.layout.size == 0:  # grid points only: each evaluated on every position
+        scored = sorted((problem.value(p, problem.layout.initial, full), j)
+                        for j, p in enumerate(points))
+        runs = [_Run(j, problem.layout.initial, v, [], True, j) for v, j in scored]
+        info["evaluations"] = len(points)
+    else:
+        structured = problem.starts(warm, starts)
+        cands = []
+        for j in range(len(points)):
+            xs = structured + problem.random_starts(settings.starts, j)
+            cands += [(j, x) for x in xs]
+        info["starts"] = len(cands)
+        stages = problem.stages(settings)
+        runs = [_Run(j, x, math.nan, [], False, i) for i, (j, x) in enumerate(cands)]
+        for s_i, (data, budget, keep) in enumerate(stages):
+            last = s_i == len(stages) - 1
+            out = []
+            for r in runs:
+                res = problem.minimize(points[r.point], r.x, data, budget, r.pairs, settings)
+                info["evaluations" if last else "subsample_evaluations"] += res.evaluations
+                if last:
+                    info["iterations"] += res.iterations
+                out.append(_Run(r.point, res.x, res.value, list(res.pairs), res.converged,
+                                r.order))
+            runs = _lowest_distinct(out, keep)
+    finite = [r for r in runs if math.isfinite(r.value)]
     if not finite:
         raise ValueError(f"{problem.spec.label}: no finite calibration NLL at any grid "
                          f"point (a method that truncates can give the gold event "
                          f"probability 0)")
-    value, i = finite[0]
-    point, x = runs[i][:2]
-    if runs[i][3]:
-        return dataclasses.replace(warm, info={**dict(warm.info), **info})
-    params, w = problem.result(point, x, table)
+    best = finite[0]
+    info["converged"] = bool(best.converged)
+    info["runner_up"] = (finite[1].value - offset) if len(finite) > 1 else None
+    params, w = problem.result(points[best.point], best.x, table)
     # The gold offsets are the same for every method: the fit never sees them, the
     # reported NLL is per string like the test NLL.
-    return Fitted(problem.spec.label, problem.spec.method, params, w, value - offset, info)
+    return Fitted(problem.spec.label, problem.spec.method, params, w, best.value - offset,
+                  info)
 
 
-def _better(value: float, mine: bool, best: float, best_mine: bool) -> bool:
-    """Whether a run ending at ``value`` beats the best so far; the polished warm fit
-    (``mine``) keeps its place unless another run is lower by a relative 1e-5 (runs
-    into one basin end that far apart, stopped by the convergence test)."""
-    if not math.isfinite(value):
-        return False
-    if not math.isfinite(best):
-        return True
-    tol = 1e-5 * max(abs(best), 1.0)
-    if best_mine:
-        return value < best - tol
-    if mine:
-        return value <= best + tol
-    return value < best
+def _lowest_distinct(runs: Sequence[_Run], k: int) -> list[_Run]:
+    """The ``k`` lowest runs (non-finite last; ties in the order of their starts), one
+    per basin: a run at the same grid point as a kept one and within :data:`_SAME_END`
+    of it in every coordinate is dropped."""
+    order = sorted(runs, key=lambda r: (r.value if math.isfinite(r.value) else math.inf,
+                                        r.order))
+    kept: list[_Run] = []
+    for r in order:
+        if len(kept) >= k:
+            break
+        if any(q.point == r.point and np.size(r.x)
+               and float(np.max(np.abs(q.x - r.x))) <= _SAME_END for q in kept):
+            continue
+        kept.append(r)
+    return kept
 
 
 # Positions are evaluated in chunks of a fixed number of positions, each chunk one
@@ -521,23 +560,50 @@ def _shuffle_seed(params: Mapping[str, Any]) -> int:
     return int(params.get("seed", get_method("born_shuffled").params["seed"].default))
 
 
-def _table_data(table: EventTable, subsample: int = 0) -> _Data:
-    """The positions of ``table`` (all, or a fixed random subset of ``subsample``) in
-    chunks on the device; kept for the tables of the last few fits."""
-    P, n, E = table.logp.shape
+def _chunk_size(n: int, E: int, perturb: frozenset = frozenset()) -> int:
+    """Positions per chunk of a table with n members and E events (halved under the
+    'chunk' perturbation)."""
     B = chunk_positions(n, E)
-    key = (id(table.logp), id(table.gold), id(table.segment), subsample, B)
+    return max(MIN_CHUNK // 2, B // 2) if "chunk" in perturb else B
+
+
+def _nudged(logp: np.ndarray, seed: int) -> np.ndarray:
+    """``logp`` with every finite entry moved by -2 to +2 float32 ulps (fixed random)."""
+    rng = np.random.default_rng(seed)
+    steps = rng.integers(-2, 3, logp.shape)
+    out = np.array(logp, np.float32)
+    for k in (1, 2):
+        for sign in (1, -1):
+            sel = (steps * sign >= k) & np.isfinite(out)
+            out[sel] = np.nextafter(out[sel], np.float32(sign * np.inf))
+    return out
+
+
+def _table_data(table: EventTable, subsample: int = 0,
+                perturb: frozenset = frozenset()) -> _Data:
+    """The positions of ``table`` (all, or a fixed random subset of ``subsample``) in
+    chunks on the device, under the perturbations ``perturb`` (:data:`PERTURBATIONS`:
+    'order', 'ulp' and 'chunk' act here); kept for the tables of the last few fits."""
+    P, n, E = table.logp.shape
+    B = _chunk_size(n, E, perturb)
+    key = (id(table.logp), id(table.gold), id(table.segment), subsample, B,
+           tuple(sorted(perturb)))
     hit = _DATA.get(key)
     if hit is not None and hit[0][0] is table.logp and hit[0][1] is table.gold:
         return hit[1]
     idx = (np.sort(np.random.default_rng(0).choice(P, subsample, replace=False))
            if subsample else np.arange(P))
+    if "order" in perturb:  # the same positions, summed in another order
+        idx = np.random.default_rng(1).permutation(idx)
     size = -(-len(idx) // B) * B
     pad = np.concatenate([idx, np.full(size - len(idx), idx[0])])
     logp = np.full((size, n, padded_events(E)), -np.inf,
                    np.float32)  # padding events: no member gives them mass
-    logp[:, :, :E] = np.asarray(table.logp)[pad]
+    logp[:, :, :E] = (_nudged(np.asarray(table.logp)[pad], 2) if "ulp" in perturb
+                      else np.asarray(table.logp)[pad])
     gold = np.asarray(table.gold)[pad]
+    # PackLLM's context NLL reads the positions in text order: computed before any
+    # reordering, from the table as given
     ctx = np.asarray(context_nll(table), np.float32)[pad]
     mask = np.arange(size) < len(idx)
     chunks = [tuple(jnp.asarray(a[i:i + B]) for a in (logp, gold, ctx, mask))
@@ -563,6 +629,7 @@ class _Problem:
 
     def __init__(self, spec: MethodSpec, table: EventTable, settings: FitSettings):
         self.spec, self.table, self.calib_range = spec, table, float(settings.calib_range)
+        self.perturb = perturbations(settings.perturb)
         declared = get_method(spec.method).params
         n = self.n = table.logp.shape[1]
         init = dict(spec.fit)
@@ -634,14 +701,6 @@ class _Problem:
         grid = dict(self.spec.grid)
         return [dict(zip(grid, vals)) for vals in itertools.product(*grid.values())]
 
-    def point_of(self, fit: Fitted) -> int:
-        """The index of the grid point ``fit`` was fitted at (-1: none)."""
-        for i, point in enumerate(self.grid_points()):
-            if all(k in fit.params and _canonical(fit.params[k]) == _canonical(v)
-                   for k, v in point.items()):
-                return i
-        return -1
-
     def starts(self, warm: Fitted | None, others: Sequence[Fitted]) -> list[np.ndarray]:
         """The warm fit's values of this spec's free parameters (or the initial values
         without one), then each other fit's (their other parameters at the initial
@@ -661,15 +720,71 @@ class _Problem:
         return out
 
     def data(self, subsample: int = 0) -> _Data:
-        return _table_data(self.table, subsample)
+        return _table_data(self.table, subsample, self.perturb)
 
-    def subsample(self, m: int) -> _Data | None:
-        """The data of a fixed random subset of m positions, or None when the table has
-        at most 4 m positions (it is fitted on all of them directly)."""
+    def random_starts(self, k: int, point: int) -> list[np.ndarray]:
+        """``k`` random starts at grid point ``point``, from a generator seeded by the
+        spec (and the point) alone: weight logits ~ N(0, 1), phase offsets uniform on
+        the circle, log temperatures of the calibrated variant uniform within e^-1..e
+        (the post-fusion one within e^-0.7..e^0.7) of their initial values, other
+        parameters around their initial values (positive ones by a factor e^N(0, 0.7),
+        the rest by N(0, 0.5 max(1, |x|))); each inside its box."""
+        if k <= 0 or not self.layout.size:
+            return []
+        digest = hashlib.sha256(f"{self.spec.key()}|{point}".encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+        base = self.layout.unflatten(self.layout.initial)
+        out = []
+        for _ in range(k):
+            values = {}
+            for key, shape in zip(self.layout.keys, self.layout.shapes):
+                x0 = np.asarray(base[key], np.float64)
+                if key == "_w":
+                    v = rng.normal(0.0, 1.0, shape)
+                elif key == "phase.offset":
+                    v = rng.uniform(-math.pi, math.pi, shape)
+                elif key == "calib.member_temperature":
+                    v = x0 + rng.uniform(-1.0, 1.0, shape)
+                elif key == "calib.temperature":
+                    v = x0 + rng.uniform(-0.7, 0.7, shape)
+                elif key in _POSITIVE:
+                    v = x0 + rng.normal(0.0, 0.7, shape)
+                else:
+                    v = x0 + rng.normal(0.0, 0.5, shape) * np.maximum(1.0, np.abs(x0))
+                values[key] = v
+            out.append(np.clip(self.layout.flatten(values), self.lower, self.upper))
+        return out
+
+    def stages(self, settings: FitSettings) -> list[tuple[_Data, str, int]]:
+        """The fit's stages (:class:`FitSettings`): (positions, 'screen' or 'converge',
+        how many distinct ends go on). A stage on more than half the table's positions
+        runs on all of them."""
         P = self.table.n_positions
-        if not m or P <= 4 * m:
-            return None
-        return self.data(m)
+        full = self.data()
+        sub = lambda m: self.data(m) if m and P > 2 * m else None  # noqa: E731
+        screen, middle = sub(settings.screen_positions), sub(settings.subsample)
+        out = [(screen or full, "screen", settings.keep)]
+        if middle is not None:
+            out.append((middle, "converge", settings.polish))
+        return out + [(full, "converge", settings.polish)]
+
+    def minimize(self, point: dict, x: np.ndarray, data: _Data, budget: str, pairs: list,
+                 settings: FitSettings):
+        """One local run from x on ``data``: L-BFGS (compass search for the
+        :data:`PIECEWISE` methods), briefly for a 'screen' budget, else to
+        convergence."""
+        fun = self.objective(point, data)
+        screen = budget == "screen"
+        if self.spec.method in PIECEWISE:
+            return compass.minimize(fun, x, step=0.5 if screen else 0.125,
+                                    min_step=0.05 if screen else 1e-3,
+                                    max_evals=4 * settings.screen_iter if screen else 400,
+                                    lower=self.lower, upper=self.upper)
+        h = self.fisher(point, x, data) if settings.precondition else None
+        args = self.lbfgs_args(settings)
+        if screen:
+            args["max_iter"] = settings.screen_iter
+        return lbfgs.minimize(fun, x, pairs=list(pairs) or None, hessian=h, **args)
 
     def program_key(self, point: dict) -> tuple:
         """What the compiled program at a grid point depends on (see :func:`_compile`)."""
@@ -678,7 +793,7 @@ class _Problem:
         _, n, E = self.table.logp.shape
         e = padded_events(E)
         return (self.spec.method, self.phases, static, self.all.signature,
-                (chunk_positions(n, E), n, e))
+                (_chunk_size(n, E, self.perturb), n, e), "sincos" in self.perturb)
 
     def _program(self, point: dict):
         """(the dynamic values at a grid point, its compiled program)."""
@@ -731,9 +846,9 @@ class _Problem:
         v, program = self._program(point)
         if not sort:
             return lambda x: self._evaluate(v, program, x, data)
-        method, phases, static, layout, _ = self.program_key(point)
+        method, phases, static, layout, _, xla = self.program_key(point)
         sorting = functools.partial(_chunk_value_and_grad, method=method, phases=phases,
-                                    static=static, layout=layout)
+                                    static=static, layout=layout, xla_sincos=xla)
         return lambda x: self._evaluate(v, sorting, x, data, aux=[_NO_AUX] * len(data.chunks))
 
     def fisher(self, point: dict, x: np.ndarray, data: _Data) -> np.ndarray:
@@ -804,7 +919,7 @@ def _compile(key: tuple):
     """The compiled value-and-gradient program of one chunk of positions (a key
     that starts with "fisher": the program of :func:`_chunk_fisher`)."""
     fisher = key[0] == "fisher"
-    method, phases, static, layout, (B, n, e) = key[1:] if fisher else key
+    method, phases, static, layout, (B, n, e), xla = key[1:] if fisher else key
     size = sum(int(np.prod(shape)) for _, shape in layout)
     sds = jax.ShapeDtypeStruct
     args = (sds((size,), jnp.float32), sds((n,), jnp.float32), sds((), jnp.int32),
@@ -813,7 +928,7 @@ def _compile(key: tuple):
             sds((B, n, e) if method == "born_shuffled" else (0,), jnp.int32))
     program = _chunk_fisher if fisher else _chunk_value_and_grad
     return program.lower(*args, method=method, phases=phases, static=static,
-                         layout=layout).compile()
+                         layout=layout, xla_sincos=xla).compile()
 
 
 def _compiled(key: tuple):
@@ -872,14 +987,14 @@ def clear_programs() -> None:
 
 
 def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *, method, phases,
-               static, layout):
+               static, layout, xla_sincos=False):
     """The summed NLL over the unmasked positions of a chunk, of a method with the
     dynamic values ``v`` (free coordinates, see :func:`_to_free`, laid out as
     ``layout``; ``_w`` the weight logits). ``wmode`` picks the member weights: the
     given ``base_w``, softmax of the logits, or PackLLM's perplexity weights.
     ``aux``: born_shuffled's permutation of the chunk (``sources`` of
     :func:`fused_logq`; empty: the kernel sorts), an empty array for every other
-    method."""
+    method. ``xla_sincos``: Born's sin and cos from XLA (the 'sincos' perturbation)."""
     values = _Layout.unflatten_traced(v, layout)
     params = {**dict(static), **{k: _from_free(k, x) for k, x in values.items() if k != "_w"}}
     n = logp.shape[1]
@@ -891,28 +1006,33 @@ def _chunk_nll(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *, met
                   w)
     phase_name = phases if phases is None or len(phases) > 1 else phases[0]
     sources = aux if method == "born_shuffled" and aux.shape[0] else None
-    nll = gold_nll(fused_logq(method, params, w, logp, phase_name, phase_index,
-                              sources=sources), gold)
+    with _xla_sincos(xla_sincos):
+        nll = gold_nll(fused_logq(method, params, w, logp, phase_name, phase_index,
+                                  sources=sources), gold)
     return jnp.sum(jnp.where(mask, nll, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("method", "phases", "static", "layout"))
+_STATIC = ("method", "phases", "static", "layout", "xla_sincos")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _chunk_value_and_grad(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *,
-                          method, phases, static, layout):
+                          method, phases, static, layout, xla_sincos=False):
     return jax.value_and_grad(_chunk_nll)(v, base_w, wmode, phase_index, logp, gold, ctx, mask,
                                           aux, method=method, phases=phases, static=static,
-                                          layout=layout)
+                                          layout=layout, xla_sincos=xla_sincos)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "phases", "static", "layout"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _chunk_fisher(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *,
-                  method, phases, static, layout):
+                  method, phases, static, layout, xla_sincos=False):
     """The summed outer products of each position's NLL gradient over a chunk (the
     unnormalised empirical Fisher information of the dynamic values ``v``)."""
     def one(v, logp, gold, ctx, mask, aux):
         return _chunk_nll(v, base_w, wmode, phase_index, logp[None], gold[None], ctx[None],
                           mask[None], aux[None] if aux.ndim > 1 else aux, method=method,
-                          phases=phases, static=static, layout=layout)
+                          phases=phases, static=static, layout=layout,
+                          xla_sincos=xla_sincos)
     per = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0, 0, 0 if aux.ndim > 1 else None))(
         v, logp, gold, ctx, mask, aux)
     per = jnp.where(jnp.isfinite(per), per, 0.0)

@@ -121,6 +121,7 @@ class Outcome:
     coverage: Any
     result: AnalysisResult
     report: dict
+    check: Any = None   # the stability check (brf.eval.stability.Check) or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from brf.bytes import (CHECK_BYTES, DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRES
 from brf.errors import UserError
 from brf.eval import config_specs
 from brf.eval import corpus as corpus_lib
-from brf.eval.fitting import VARIANTS, FitSettings, MethodSpec
+from brf.eval.fitting import VARIANTS, FitSettings, MethodSpec, perturbations
 from brf.specs import format_spec, parse_list, split_list
 
 MIN_SPLIT_POSITIONS = 50   # per split: below this no test or fit means much
@@ -201,6 +201,7 @@ class Plan:
     out_dir: str
     bytes: ByteSettings = BYTES_OFF
     controls: bool = True
+    stability: str = ""                      # the stability check's perturbation ('': off)
     mesh: Mapping[str, Any] | None = None
     distributed: Mapping[str, Any] | None = None
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -367,11 +368,17 @@ def from_config(cfg) -> Plan:
                              _variants(pr.variants or cfg.variants, "config.prompts.variants"))
     bottleneck = BottleneckSettings(int(cfg.bottleneck.positions), int(cfg.bottleneck.top_k))
     byte_settings = _byte_settings(cfg.get("bytes"))
+    stability = str(cfg.get("stability", "") or "")
+    try:
+        perturbations(stability)
+    except ValueError as e:
+        raise ValidationError(f"stability: {e}") from None
     plan = Plan(members=members, corpora=tuple(_corpora(cfg.corpora)), methods=methods,
                 phase_maps=phase_maps, variants=variants, nll_baselines=baselines,
                 sweep=tuple(_sweep(cfg.sweep)), scoring=scoring, fit=fit, stats=stats,
                 prompts=prompts, bottleneck=bottleneck, topk_sensitivity=k2,
                 out_dir=str(cfg.out_dir), bytes=byte_settings, controls=bool(cfg.controls),
+                stability=stability,
                 mesh=_plain(cfg.get("mesh")),
                 distributed=_plain(cfg.get("distributed")), config=cfg.to_dict())
     for c in plan.corpora:  # a corpus too short for the split fails here, not after scoring

@@ -58,6 +58,7 @@ import os
 
 import numpy as np
 
+from brf.eval.analysis import controls_answer
 from brf.eval.caches import write_json
 
 SCHEMA = "brf.analysis/3"
@@ -98,7 +99,8 @@ def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
         + ("the intervals overlap, so the separation is not shown to come from the phases."
            if overlap else
            "the phase map improves the separation beyond member agreement." if lo > c_hi else
-           "the phase map separates gold WORSE than member agreement alone."))
+           "the phase map separates gold WORSE than member agreement alone.")
+        + _cross_ties(ct))
     out["nll"] = " ".join(nll_sentence(c, v, u) for v, c in report["nll_comparison"].items())
     fair = " ".join(fair_sentence(c, v, u) for v, c in report.get("fair_summary", {}).items())
     if fair:
@@ -106,7 +108,37 @@ def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
     fk = forking_sentence(report.get("forking", {}), u)
     if fk:
         out["forking_bytes" if u == "byte" else "forking_tokens"] = fk
+    if report.get("stability"):
+        out["stability"] = stability_sentence(report["stability"])
     return out
+
+
+def stability_sentence(s: dict) -> str:
+    """The stability check of one analysis (:mod:`brf.eval.stability`) in words."""
+    top = s.get("largest_row_move")
+    largest = (f"the largest move of a row's calibration NLL {top['move']:+.2g} nats "
+               f"({top['label']})" if top else "no row moved")
+    over = s["rows_over_tolerance"]
+    moved = s["moved"]
+    return (f"Every calibrated row refitted under the perturbation {s['perturbation']!r} "
+            f"({s['refitted_rows']} rows): {largest}; {len(over)} moved by more than "
+            f"{s['tolerance']:g}. {len(moved)} of {s['verdicts']} verdicts resting on them "
+            f"moved" + (f" ({', '.join(moved)}; not warned of as fragile: "
+                        f"{', '.join(s['moved_standing']) or 'none'})." if moved else "."))
+
+
+def _cross_ties(ct: dict) -> str:
+    """The cross-term test with the BRF rows tied with its setting, when there are any."""
+    alts = ct.get("alternatives") or []
+    if not alts:
+        return ""
+    where = lambda rel: _where([x - 0.5 for x in rel["ci"]])
+    main = where(ct["rel"])
+    parts = [f"{a['setting']} {a['rel']['auroc']:.3f} [{a['rel']['ci'][0]:.3f}, "
+             f"{a['rel']['ci'][1]:.3f}]" for a in alts]
+    same = all(where(a["rel"]) == main for a in alts)
+    return (f" With the BRF rows tied with its setting ({TIE_WORDS}): " + "; ".join(parts)
+            + (" -- the verdict stands." if same else " -- FRAGILE: they answer otherwise."))
 
 
 VARIANT_WORDS = {"proposed": "as proposed (no temperature for either side, except a "
@@ -115,8 +147,41 @@ VARIANT_WORDS = {"proposed": "as proposed (no temperature for either side, excep
                                "temperature and per-member temperatures)"}
 
 
+# How a verdict that rests on rows chosen on calibration is qualified (TIE_MARGIN of
+# brf.eval.analysis; kept here as words so that reports need no import of the fitter).
+TIE_WORDS = "within 2e-4 nats on calibration, twice the fits' repeatability"
+_SIDES = {"lower": "lower", "higher": "higher", "undecided": "not distinguishable"}
+
+
+def _where(ci) -> str:
+    return "lower" if ci[1] < 0 else "higher" if ci[0] > 0 else "undecided"
+
+
+def ties_sentence(c: dict, names: tuple[str, str], other_key: str) -> str:
+    """'' when no other row is tied with a comparison's chosen rows; else which rows are
+    ({TIE_WORDS}) and whether the answer stands for every pair of them, with the
+    differences that disagree (a *fragile* verdict)."""
+    tied = c.get("tied") or {}
+    alts = c.get("alternatives") or []
+    if not alts:
+        return ""
+    named = "; ".join(f"{what} {', '.join(tied[key])}" for key, what in
+                      zip(names, ("BRF rows", "other rows")) if len(tied.get(key, [])) > 1)
+    main = _where(c["ci"])
+    differ = [a for a in alts if _where(a["ci"]) != main]
+    if not differ:
+        return (f" Rows tied with the chosen ones ({TIE_WORDS}): {named}; every pair gives "
+                f"the same answer: the verdict stands.")
+    parts = [f"{a['brf']} vs {a[other_key]} {a['mean_difference']:+.4f} [{a['ci'][0]:+.4f}, "
+             f"{a['ci'][1]:+.4f}] ({_SIDES[_where(a['ci'])]})" for a in differ]
+    return (f" FRAGILE: rows tied with the chosen ones ({TIE_WORDS}): {named}; "
+            f"{len(differ)} of {len(alts)} other pairs give another answer: "
+            + "; ".join(parts) + ".")
+
+
 def nll_sentence(c: dict, variant: str, unit: str = "position") -> str:
-    """One sentence: best BRF vs best baseline of one variant, with the CI."""
+    """One sentence: best BRF vs best baseline of one variant, with the CI (and the rows
+    tied with the chosen ones, :func:`ties_sentence`)."""
     lo, hi = c["ci"]
     if hi < 0:
         what = f"{c['brf']} has LOWER test NLL than the best baseline {c['baseline']}"
@@ -127,7 +192,8 @@ def nll_sentence(c: dict, variant: str, unit: str = "position") -> str:
                 f"distinguishable in test NLL")
     return (f"Comparing methods {VARIANT_WORDS.get(variant, variant)}: {what}: mean "
             f"difference {c['mean_difference']:+.4f} nats/{unit}, 95% CI "
-            f"[{lo:+.4f}, {hi:+.4f}] (paired block bootstrap).")
+            f"[{lo:+.4f}, {hi:+.4f}] (paired block bootstrap)."
+            + ties_sentence(c, ("brf", "baseline"), "baseline"))
 
 
 def _ci(c: dict) -> str:
@@ -144,7 +210,8 @@ def fair_sentence(c: dict, variant: str, unit: str = "position") -> str:
     out = (f"[{variant}] Best BRF row {b['label']} ({b['free_parameters']} free parameters; "
            f"best of {c['brf_candidates']} BRF rows on calibration) minus the best of the "
            f"{c['rival_candidates']} other rows, {r['label']} ({r['role']}, "
-           f"{r['free_parameters']} free parameters): {_ci(c)} nats/{unit}: {edge}.")
+           f"{r['free_parameters']} free parameters): {_ci(c)} nats/{unit}: {edge}."
+           + ties_sentence(c, ("brf", "rival"), "rival"))
     if c.get("controls"):
         t = c["per_token"]
         parts = [f"{x['label']} ({x['free_parameters']}) {_ci(x)}" for x in c["controls"]]
@@ -160,6 +227,16 @@ def fair_sentence(c: dict, variant: str, unit: str = "position") -> str:
         out += (f" The per-token BRF row {t['label']} ({t['free_parameters']}) minus each "
                 f"control: " + "; ".join(parts) + f" -- it beats {len(beaten)} of "
                 f"{len(c['controls'])} controls" + (f"; {why}." if why else "."))
+        alts = c.get("per_token_alternatives") or []
+        if alts:
+            main = controls_answer(c["controls"])
+            each = "; ".join(f"{a['per_token']['label']}: {controls_answer(a['controls'])}"
+                             for a in alts)
+            out += (f" Per-token rows tied with it ({TIE_WORDS}), each against its own "
+                    f"controls: {each} -- "
+                    + ("the verdict stands." if all(controls_answer(a["controls"]) == main
+                                                    for a in alts)
+                       else f"FRAGILE (the chosen row: {main})."))
     return out
 
 

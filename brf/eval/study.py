@@ -40,12 +40,13 @@ shared); the others return None.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from typing import Any, Callable
 
 from brf import sharding
-from brf.eval import caches, compare, report as report_lib, scorer, study_report
+from brf.eval import caches, compare, report as report_lib, scorer, stability, study_report
 from brf.eval.analysis import analyse
 from brf.eval.levels import Level, LoadedCorpus, Outcome, Views, levels
 from brf.eval.plan import Analysis, Plan, calibration_segments
@@ -65,18 +66,22 @@ def run_analysis(plan: Plan, level: Level, analysis: Analysis, corpus: LoadedCor
     name = level.report_name(analysis, f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:8]}")
     out_dir = level.out_dir(run_dir)
     os.makedirs(out_dir, exist_ok=True)
+    cache_path = os.path.join(out_dir, f"fits-{name}.json")
+    n = built.table.logp.shape[1]
     result = analyse(plan, built.table, len(corpus.segments), variants=analysis.variants,
-                     cache_path=os.path.join(out_dir, f"fits-{name}.json"),
-                     with_sweep=analysis.sweep)
+                     cache_path=cache_path, with_sweep=analysis.sweep)
+    check = stability.check(plan, result, analysis.variants, cache_path=cache_path, n=n)
     rep = {"analysis": analysis.label, "level": level.name,
            "members": [i.as_dict() for i in built.infos], **level.fields(analysis),
            "coverage": built.coverage.as_dict(), **result.section()}
+    if check is not None:
+        rep["stability"] = check.as_dict()
     rep["verdict"] = report_lib.verdicts(rep)
     report_lib.write_analysis(out_dir, name, rep, corpus=corpus.report_corpus(analysis),
                               figures=((result.coherence, result.cross["scores"])
                                        if analysis.sweep else None))
     release_compiled()  # the analysis's scoring and fit programs (brf.runtime)
-    return Outcome(analysis, built.infos, built.coverage, result, rep)
+    return Outcome(analysis, built.infos, built.coverage, result, rep, check)
 
 
 def run_level(plan: Plan, level: Level, corpora: list[LoadedCorpus], views: Views,
@@ -84,7 +89,7 @@ def run_level(plan: Plan, level: Level, corpora: list[LoadedCorpus], views: View
     """Every analysis of every corpus at one level, pooled over corpora, with the
     prompt study and the level's own extras: the level's section of the report (None
     on processes other than 0)."""
-    per_corpus, prompts, extras = [], {}, {}
+    per_corpus, prompts, extras, prompt_outcomes = [], {}, {}, []
     for index, corpus in enumerate(map(level.span, corpora)):
         run_dir = os.path.join(plan.out_dir, corpus.label)  # each level's build makes it
         # Every process makes the same run_analysis calls in the same order (their
@@ -98,6 +103,7 @@ def run_level(plan: Plan, level: Level, corpora: list[LoadedCorpus], views: View
         if "prefix" in done:
             prompts[corpus.label] = _prompt_entry(plan, corpus, done, run_dir, views,
                                                   bottleneck=level.bottleneck)
+            prompt_outcomes.append((corpus.label, done))
     if not lead:
         return None
     st = plan.stats
@@ -109,6 +115,7 @@ def run_level(plan: Plan, level: Level, corpora: list[LoadedCorpus], views: View
                   for key, fair in (("pooled", False), ("pooled_fair", True))},
                "prompts": prompts}
     level.finish(section, extras)
+    section["stability"] = _stability_section(plan, per_corpus, prompt_outcomes)
     section["verdict"] = study_report.verdicts(section, unit=level.unit)
     level.finish_verdicts(section)
     return section
@@ -151,6 +158,43 @@ def run(plan: Plan, *, load_model: Callable[[str], Any] | None = None) -> dict |
     rep["seconds"] = time.time() - t0
     study_report.write(plan.out_dir, rep)
     return rep
+
+
+def _stability_section(plan: Plan, per_corpus: list, prompts: list) -> dict | None:
+    """The stability check over the level: each analysis's (its report's ``stability``)
+    and the study-level verdicts recomputed from the refitted analyses; None when the
+    plan runs no check."""
+    outcomes = [o for _, o in per_corpus] + [o for _, done in prompts for k, o in done.items()
+                                              if k != "corpus"]
+    checks = [(o.analysis.label, o.check) for o in outcomes if o.check is not None]
+    if not checks:
+        return None
+    study = stability.study_moves(
+        plan, [(label, o.result, o.check.perturbed) for label, o in per_corpus
+               if o.check is not None],
+        [(label, done["corpus"].result, done["corpus"].check.perturbed,
+          done["prefix"].result, done["prefix"].check.perturbed) for label, done in prompts
+         if done["corpus"].check is not None and done["prefix"].check is not None])
+    per = {label: c.as_dict() for label, c in checks}
+    moved = [f"{label}: {k}" for label, c in checks for k in c.moved]
+    moved += [k for k, (a, b) in study.items() if a.answer != b.answer]
+    standing = [f"{label}: {k}" for label, c in checks for k in c.moved_standing]
+    standing += [k for k, (a, b) in study.items() if a.answer != b.answer and not a.fragile]
+    rows = [(label, r) for label, c in checks for r in c.rows]
+    finite = [(label, r) for label, r in rows if math.isfinite(r.move)]
+    top = max(finite, key=lambda x: abs(x[1].move)) if finite else None
+    return {"perturbation": plan.stability, "tolerance": stability.FIT_TOLERANCE,
+            "analyses": len(checks), "refitted_rows": len(rows),
+            "rows_over_tolerance": sum(not abs(r.move) <= stability.FIT_TOLERANCE
+                                       for _, r in rows),
+            "largest_row_move": (None if top is None else
+                                 {"analysis": top[0], "label": top[1].label,
+                                  "move": top[1].move}),
+            "verdicts": sum(len(c.verdicts) for _, c in checks) + len(study),
+            "moved": moved, "moved_standing": standing,
+            "study": {k: {"run": a.answer, "refit": b.answer, "fragile": a.fragile}
+                      for k, (a, b) in study.items()},
+            "seconds": sum(c.seconds for _, c in checks), "per_analysis": per}
 
 
 def study_tables(plan: Plan, load_model: Callable[[str], Any] | None = None, *,

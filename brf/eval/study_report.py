@@ -42,9 +42,13 @@ def brief(rep: dict | None) -> dict | None:
     if "forking" in rep:
         # Keep the gated methods' rows whole (gains, CIs, top share): the study's
         # plot and markdown read them as the per-corpus report has them.
-        out["forking"] = {v: {k: f[k] for k in ("reference", "top_fraction", "gated")}
-                          | {"by_method": {g["method"]: f["by_method"][g["method"]]
-                                           for g in f["gated"].values()}}
+        # The rows tied with a gated row (brf.eval.analysis.TIE_MARGIN) and the gains over
+        # tied reference members too: the verdict is stated for each of them.
+        keep = ("reference", "top_fraction", "gated", "reference_tied",
+                "reference_alternatives")
+        out["forking"] = {v: {k: f[k] for k in keep if k in f}
+                          | {"by_method": {m: f["by_method"][m] for g in f["gated"].values()
+                                           for m in [g["method"], *g.get("tied", [])]}}
                           for v, f in rep["forking"].items()}
     return out
 
@@ -53,6 +57,23 @@ def brief(rep: dict | None) -> dict | None:
 
 def _side(ci, what_low, what_high, what_none):
     return what_low if ci[1] < 0 else what_high if ci[0] > 0 else what_none
+
+
+def _alternatives_words(entry: dict, ci_of, words) -> str:
+    """'' when ``entry`` has no ``alternatives`` (other choices among rows tied on
+    calibration, brf.eval.analysis.TIE_MARGIN); else whether each gives the same side of
+    0 as the entry, naming those that do not (``words(alternative)``)."""
+    alts = entry.get("alternatives") or []
+    if not alts:
+        return ""
+    where = lambda ci: "lower" if ci[1] < 0 else "higher" if ci[0] > 0 else "undecided"
+    differ = [a for a in alts if where(ci_of(a)) != where(ci_of(entry))]
+    if not differ:
+        return (f" The {len(alts)} other choice(s) among rows tied on calibration "
+                f"({report_lib.TIE_WORDS}) give the same answer: it stands.")
+    return (f" FRAGILE: {len(differ)} of {len(alts)} other choices among rows tied on "
+            f"calibration ({report_lib.TIE_WORDS}) answer otherwise: "
+            + "; ".join(words(a) for a in differ) + ".")
 
 
 def bottleneck_words(b: dict) -> str:
@@ -94,7 +115,10 @@ def verdicts(rep: dict, unit: str = "position") -> dict[str, str]:
                 f"setting minus {what}, {report_lib.VARIANT_WORDS.get(v, v)}: "
                 f"{p['mean_difference']:+.4f} nats/{unit}, 95% CI [{lo:+.4f}, {hi:+.4f}]: "
                 "BRF is " + _side(p["ci"], "better", "worse", "not distinguishable from it")
-                + " on this evidence.")
+                + " on this evidence." + _alternatives_words(
+                    p, lambda a: a["ci"], lambda a: "; ".join(
+                        f"{c}: {b} vs {o}" for c, b, o in a["pairs"]) + " "
+                    + f"{a['mean_difference']:+.4f} [{a['ci'][0]:+.4f}, {a['ci'][1]:+.4f}]"))
     for label, pr in rep["prompts"].items():
         e = pr["effect"]
         parts = []
@@ -110,13 +134,21 @@ def verdicts(rep: dict, unit: str = "position") -> dict[str, str]:
             f"{g['ci'][1]:+.4f}])" for v, g in e["nll_gap"].items())
         tightened = [r for r in e["phase_concentration"] if r["rbar_change_ci"][0] > 0]
         loosened = [r for r in e["phase_concentration"] if r["rbar_change_ci"][1] < 0]
+        gap_ties = "".join(_alternatives_words(
+            g, lambda a: a["ci"], lambda a: f"{a['brf_plain']} - {a['baseline_plain']} -> "
+            f"{a['brf_prefix']} - {a['baseline_prefix']}: {a['change']:+.4f} "
+            f"[{a['ci'][0]:+.4f}, {a['ci'][1]:+.4f}]") for g in e["nll_gap"].values())
         out[f"prompts: {label}"] = (
             f"With the steadying prefix {pr['prefix']!r} on each member, the members' phase "
             f"relationship tightened for {len(tightened)} and loosened for {len(loosened)} "
             f"of {len(e['phase_concentration'])} phase maps (CIs excluding 0) -- "
             + "; ".join(parts) + f". Cross-term AUROC {ct['auroc_plain']:.3f} -> "
             f"{ct['auroc_prefix']:.3f} (change {ct['auroc_change']:+.3f} "
-            f"[{ct['auroc_change_ci'][0]:+.3f}, {ct['auroc_change_ci'][1]:+.3f}]). {gap}.")
+            f"[{ct['auroc_change_ci'][0]:+.3f}, {ct['auroc_change_ci'][1]:+.3f}])."
+            + _alternatives_words(ct, lambda a: a["auroc_change_ci"], lambda a: (
+                f"{a['setting_plain']} -> {a['setting_prefix']}: {a['auroc_change']:+.3f} "
+                f"[{a['auroc_change_ci'][0]:+.3f}, {a['auroc_change_ci'][1]:+.3f}]"))
+            + f" {gap}." + gap_ties)
         if pr.get("bottleneck"):
             out[f"softmax bottleneck: {label}"] = bottleneck_words(pr["bottleneck"])
         for key, what in (("same_model", "One model under two prefixes"),
@@ -125,6 +157,9 @@ def verdicts(rep: dict, unit: str = "position") -> dict[str, str]:
                 out[f"{key}: {label}"] = f"{what}: " + " ".join(
                     pr[key]["verdict"][k] for k in ("nll", "fair_summary")
                     if k in pr[key]["verdict"])
+    stab = rep.get("stability")
+    if stab:
+        out["stability"] = stability_words(stab)
     s = rep.get("topk_sensitivity")
     if s:
         out["event space"] = (
@@ -133,6 +168,21 @@ def verdicts(rep: dict, unit: str = "position") -> dict[str, str]:
             + ("no verdict moves." if not s["moved"] else
                f"these verdicts move: {', '.join(s['moved'])}."))
     return out
+
+
+def stability_words(s: dict) -> str:
+    """The level's stability check (:mod:`brf.eval.stability`) in one paragraph."""
+    top = s.get("largest_row_move")
+    largest = (f"the largest move of a row's calibration NLL {top['move']:+.2g} nats "
+               f"({top['analysis']}: {top['label']})" if top else "no row moved")
+    moved = s["moved"]
+    return (f"Every calibrated row of the {s['analyses']} analyses was fitted again under "
+            f"the perturbation {s['perturbation']!r} (the last bits of the objective "
+            f"changed; brf/eval/stability.py): {s['refitted_rows']} rows, "
+            f"{s['rows_over_tolerance']} of them moved by more than {s['tolerance']:g} "
+            f"nats, {largest}. {len(moved)} of {s['verdicts']} verdicts resting on them "
+            f"moved" + (f": {'; '.join(moved)} (not warned of as fragile: "
+                        f"{'; '.join(s['moved_standing']) or 'none'})." if moved else "."))
 
 
 def moved_sentence(moved: dict) -> str:

@@ -37,6 +37,8 @@ Sums over members are unrolled (see :mod:`brf.fusion.members`).
 from __future__ import annotations
 
 import itertools
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import jax
@@ -61,15 +63,32 @@ _SIN = (-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1)
 _COS = (2.443315711809948e-5, -1.388731625493765e-3, 4.166664568298827e-2)
 
 
+_XLA_SINCOS = contextvars.ContextVar("brf_xla_sincos", default=False)
+
+
+@contextlib.contextmanager
+def xla_sincos(on: bool = True):
+    """Within this context, :func:`sincos` traced in this thread takes sin and cos
+    from jnp (XLA's own, about two float32 ulps from the polynomial): the fits'
+    stability check uses it to show that no answer hangs on those last bits."""
+    token = _XLA_SINCOS.set(bool(on))
+    try:
+        yield
+    finally:
+        _XLA_SINCOS.reset(token)
+
+
 @jax.custom_jvp
 def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sin x, cos x): for float32, within 1.2e-7 of the exact values (about 2 ulp;
-    tested for |x| <= 3000); float64 and non-float input as jnp.sin and jnp.cos.
+    tested for |x| <= 3000); float64 and non-float input, and any input inside
+    :func:`xla_sincos`, as jnp.sin and jnp.cos.
 
     Its derivative reuses the values (d sin = cos dx, d cos = -sin dx) instead of
     evaluating them again."""
     x = jnp.asarray(x)
-    if x.dtype == jnp.float64 or not jnp.issubdtype(x.dtype, jnp.floating):
+    if (x.dtype == jnp.float64 or not jnp.issubdtype(x.dtype, jnp.floating)
+            or _XLA_SINCOS.get()):
         return jnp.sin(x), jnp.cos(x)
     dtype, x = x.dtype, x.astype(jnp.float32)
     j = jnp.round(x * (2.0 / 3.141592653589793))
