@@ -252,6 +252,25 @@ def test_mains_run_from_another_directory(tmp_path):
     assert "born, phase diff pi" in res.stdout
 
 
+def test_generate_prints_each_prompts_assembled_text(tmp_path):
+    """Issue 54: generate.py printed one token per line, interleaved across prompts, and
+    never the text; it prints each prompt with its text now (streaming is an option,
+    JSON rows go to --config.output, '-' for stdout)."""
+    args = ["experiments/generate.py", "--config=configs/generate.py:tiny",
+            "--config.max_new_tokens=3", '--config.prompts=("hi", "sea")',
+            "--config.sampler=greedy"]
+    shown = _run(args, tmp_path)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rows = _run(args + ["--config.output=-"], tmp_path)
+    assert rows.returncode == 0, rows.stderr[-2000:]
+    rows = [json.loads(ln) for ln in rows.stdout.splitlines()]
+    expected = "".join(f"{'' if b == 0 else chr(10)}[{b + 1}/2] prompt: {r['prompt']}\n"
+                       f"{r['text']}\n[{r['finish_reason']}: {r['n_events']} tokens]\n"
+                       for b, r in enumerate(rows))
+    assert [r["prompt"] for r in rows] == ["hi", "sea"]
+    assert shown.stdout == expected
+
+
 def test_a_bug_keeps_its_traceback(tmp_path):
     """A non-user exception is not swallowed into one line."""
     code = ("from brf import cli\n"

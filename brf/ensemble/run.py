@@ -696,6 +696,24 @@ def speculative_line(summary: Mapping[str, Any], index: int | None = None) -> st
             f"{summary['per_round'] or 0:.2f} {unit} per round")
 
 
+def print_texts(rows: Sequence[Mapping[str, Any]], out=None) -> None:
+    """Each prompt and its generated text, assembled (what generate.py prints by
+    default): a header line with the prompt, the text as generated, and why it
+    ended, a blank line between prompts."""
+    out = out or sys.stdout
+    n = len(rows)
+    for b, row in enumerate(rows):
+        unit = "bytes" if row.get("level") == "bytes" else "tokens"
+        count = row.get("n_bytes") if unit == "bytes" else row.get("n_events")
+        tag = f"[{b + 1}/{n}] " if n > 1 else ""
+        if b:
+            out.write("\n")
+        out.write(f"{tag}prompt: {row['prompt']}\n")
+        out.write(row["text"] + "\n")
+        out.write(f"[{row['finish_reason']}: {count} {unit}]\n")
+    out.flush()
+
+
 def print_stream(piece: Piece, n_prompts: int) -> None:
     """A streaming printer: text as it comes for one prompt, tagged pieces for several."""
     if n_prompts == 1:
