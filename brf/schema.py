@@ -12,17 +12,17 @@ the check against its registry), next to the code that reads the config:
     demo         brf.eval.tables.SCHEMA
 
 :func:`check` walks a config against its schema before anything is loaded or
-computed, and raises :class:`ConfigError` (a :class:`brf.errors.UserError`: one
-line, exit status 2 in a main) naming the first key that is wrong as the user
-typed it (``config.stats.n_boot must be an integer <= 100000; got 100000000``).
-A key the schema does not know is refused too, so a config file cannot grow a
-setting that nothing checks (``tests/test_config_schema.py`` walks every key of
-every config file against a table of bad values).
+computed, and raises the family's :class:`brf.errors.UserError` (one line, exit
+status 2 in a main) naming the first key that is wrong as the user typed it
+(``config.stats.n_boot must be an integer <= 100000; got 100000000``). A key the
+schema does not know is refused too, so a config file cannot grow a setting that
+nothing checks (``tests/test_config_schema.py`` walks every key of every config
+file against a table of bad values).
 
-Checks here are of one key at a time and never touch JAX (the study checks its
-config before ``jax.distributed.initialize``); what relates two keys (a phase
-map's offsets against the number of members) is checked by the family's reader
-right after.
+A schema checks one key at a time; what relates two keys (a phase map's offsets
+against the number of members, the study's methods against its NLL baselines) is
+checked by the family's reader right after. The study's schema never touches JAX
+(it runs before ``jax.distributed.initialize``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from brf.errors import UserError
 # Seeds: JAX's PRNGKey keeps 32 bits without x64 (2**32 gives the key of 0), so a
 # larger seed would silently repeat a smaller one's draws.
 SEED_MAX = 2**32 - 1
-# Resampling counts (bootstrap replicates, permutations): the p-value and CI
-# Monte Carlo error at 100,000 is far below what any table prints; more only
-# costs time and memory (a replicate vector per test).
+# Resampling counts (bootstrap replicates, permutations): 100,000 permutations give
+# p-values in steps of 1e-5, finer than any report prints; more only cost time and
+# memory (10^8 ran on at 4.4 GB, issue 54).
 RESAMPLES_MAX = 100_000
 # Counts that size a computation (tokens, positions, characters) and have no
 # tighter bound of their own.

@@ -334,16 +334,19 @@ LEVELS = ("tokens", "bytes")
 DTYPES = ("float32", "bfloat16", "float16")  # the members' compute dtypes
 
 
-def _method_check(value: str) -> None:
-    """A method spec alone: a registered name, its parameters by name and value
-    (arrays, such as the bottleneck's unembeddings, come from the members)."""
+def check_method_params(name: str, params: Mapping[str, Any]) -> None:
+    """A registered method and its parameters by name and value (arrays, such as the
+    bottleneck's unembeddings, come from the members and are not checked here)."""
     from brf.fusion import get_method
     from brf.fusion.methods import resolve_params
-    name, params = parse_spec(value, "method")
     m = get_method(name)
     declared = {k: p for k, p in m.params.items() if p.kind != "array"}
     resolve_params(dataclasses.replace(m, params=declared),
                    {k: v for k, v in params.items() if k not in set(m.params) - set(declared)})
+
+
+def _method_check(value: str) -> None:
+    check_method_params(*parse_spec(value, "method"))
 
 
 def _phase_check(value: str) -> None:
@@ -501,6 +504,12 @@ class Request:
         specs = tuple(member_specs(c.members))
         method, params = method_spec(c.method, c.method_params, c.phase)
         check_mixture_method(c.mode, method, params, c.method, c.method_params)
+        try:  # config.method_params and config.phase joined to the method's own
+            check_method_params(method, params)
+        except UserError as e:
+            raise EnsembleInputError(f"config.method={c.method!r} with config.method_params="
+                                     f"{dict(c.method_params)} and config.phase={c.phase!r}: "
+                                     f"{e}") from None
         if c.mode == "fuse":
             _check_phase_offsets(method, params, c, len(specs))
         from brf.drafting import parse_drafter
