@@ -260,8 +260,8 @@ def leaves(cfg: Any, schema: Mapping[str, Key] | None = None, prefix: str = ""):
 
 def check(cfg: Any, schema: Mapping[str, Key], *, where: str = "config",
           error: type[UserError] = ConfigError) -> None:
-    """Checks every key of ``cfg`` against ``schema``; a key absent from ``cfg``
-    keeps its reader's default and is not checked.
+    """Checks every key of ``cfg`` against ``schema``; a key absent from ``cfg`` (or
+    a section set to None) keeps its reader's default and is not checked.
 
     Args:
       cfg: the config (an ml_collections ConfigDict or a dict).
@@ -276,6 +276,8 @@ def check(cfg: Any, schema: Mapping[str, Key], *, where: str = "config",
     """
     for path, value in leaves(cfg, schema):
         key = schema.get(path)
+        if key is None and value is None and any(k.startswith(path + ".") for k in schema):
+            continue  # a section set to None (mesh=None): its reader's defaults
         try:
             if key is None:
                 sections = sorted({k.split(".")[0] for k in schema})

@@ -682,6 +682,7 @@ def test_run_with_perplexity_weighting_gives_each_prompt_its_weights(pair, monke
     from brf.ensemble import run as run_lib
     from brf.ensemble.packllm import perplexity_weight_table
     monkeypatch.setattr(run_lib, "load_members", lambda specs, dtype=None, mesh=None: list(pair))
+    monkeypatch.setattr(run_lib, "check_model_source", lambda source: None)  # 'a', 'b': pair
     c = ml_collections.ConfigDict(dict(
         members="a, b", aligner="auto", aligner_params={}, mode="fuse",
         method="loglinear(temperature=0.9)", phase="", method_params={},
