@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -100,18 +101,68 @@ def check_writable(path: str, what: str, *, directory: bool = False) -> None:
         raise UserError(f"{what}={path!r} cannot be written: {e.strerror or e}") from None
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def default_config(name: str) -> str:
+    """The absolute path of ``configs/<name>`` in this checkout: a main's default
+    ``--config``, so that the main runs from any directory (a relative default
+    is read against the current directory)."""
+    return os.path.join(REPO_ROOT, "configs", name)
+
+
+def _reason(message: str) -> str:
+    """The last line of a traceback ml_collections folded into a flag error, without
+    its exception's module path: what get_config (or the loader) said."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    last = lines[-1] if lines else message
+    return re.sub(r"^[A-Za-z_][\w.]*(Error|Exception|Warning)?: ", "", last)
+
+
+def _config_file_error(value, name: str, argv: list[str]) -> str | None:
+    """The reason a config flag's file could not be loaded (ml_collections keeps a
+    missing file's error inside the flag's value until it is read), else None."""
+    if type(value).__name__ != "_ErrorConfig":
+        return None
+    error = object.__getattribute__(value, "_error")
+    reason = _reason(str(error))
+    path = next((a.split("=", 1)[1] for a in argv[1:]
+                 if a.startswith(f"--{name}=")), None)
+    hint = ""
+    if path and not os.path.isabs(path.split(":", 1)[0]):
+        hint = (f" (a relative path is read from the current directory, {os.getcwd()}; "
+                f"this checkout's configs are in {os.path.join(REPO_ROOT, 'configs')})")
+    return f"flag --{name}{'=' + path if path else ''}: cannot load the config file: {reason}{hint}"
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except flags.Error as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        text = str(e)
+        first = text.splitlines()[0] if text else type(e).__name__
+        if "Error whilst parsing config file" in first:
+            # get_config refused its argument: the reason is the traceback's last line.
+            first = first.replace("Error whilst parsing config file:", _reason(text))
+        fail(first)
     except UserError as e:  # a config file's get_config refusing its argument
         fail(str(e))
+    except (SyntaxError, OSError) as e:  # a config file that is not Python, or unreadable
+        fail(f"cannot load the config file: {type(e).__name__}: {e}")
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         # ml_collections' config overrides: an unknown field or a value of the
         # wrong type, raised while absl parses --config.<field>=<value>.
         args = " ".join(a for a in argv[1:] if a.startswith("--config"))
         fail(f"bad --config override ({args}): {type(e).__name__}: {e}")
+    for name in list(flags.FLAGS):
+        try:
+            value = flags.FLAGS[name].value
+        except Exception:  # noqa: BLE001 -- a flag whose value cannot be read is not ours
+            continue
+        reason = _config_file_error(value, name, argv)
+        if reason:
+            fail(reason)
+    return rest
 
 
 INTERRUPTED = 130  # exit status after Ctrl-C: 128 + SIGINT

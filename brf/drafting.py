@@ -170,7 +170,9 @@ class SpecStats:
         rounds: verification rounds.
         drafted: draft tokens (bytes) proposed and examined.
         accepted: draft tokens accepted.
-        emitted: tokens (bytes) emitted (accepted + one per round, before any stop).
+        emitted: tokens (bytes) emitted: accepted + one per round, less those past
+            the end of the sequence (an EOS, a stop string or the length limit inside
+            a round; :meth:`discard`).
         by_k: per k (the round's draft budget): [rounds, drafted, accepted].
     """
     drafter: str = ""
@@ -190,6 +192,11 @@ class SpecStats:
         row[0] += 1
         row[1] += drafted
         row[2] += accepted
+
+    def discard(self, n: int) -> None:
+        """Takes back ``n`` tokens (bytes) a round verified past the sequence's end:
+        they were never emitted (``emitted`` then equals the sequence's length)."""
+        self.emitted -= n
 
     def merge(self, other: "SpecStats") -> "SpecStats":
         out = SpecStats(self.drafter or other.drafter, self.unit, self.rounds + other.rounds,

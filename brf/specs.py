@@ -31,6 +31,10 @@ class SpecError(UserError):
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.Pow: operator.pow}
+# Arithmetic in a spec is bounded: an integer result of more bits than this (or a
+# float that overflows) is refused instead of computed (``9**9**9`` would take
+# hours and gigabytes; no setting needs a number beyond float range).
+MAX_INT_BITS = 1024
 _OPEN, _CLOSE = "([{", ")]}"
 
 
@@ -65,7 +69,42 @@ def split_list(text: str) -> list[str]:
     return [s.strip() for s in items if s.strip()]
 
 
+def arithmetic(op: type, a: float, b: float, text: str) -> float:
+    """``a <op> b`` for one of +, -, *, /, ** (an ``ast`` operator class), bounded:
+    the result must be a finite number of at most MAX_INT_BITS bits.
+
+    Args:
+        op: ``ast.Add``, ``ast.Sub``, ``ast.Mult``, ``ast.Div`` or ``ast.Pow``.
+        a, b: the operands (ints or floats).
+        text: the expression as written, for the message.
+
+    Raises:
+        SpecError: a result too large (checked before an integer power is
+            computed), not finite, complex, or a division by zero.
+    """
+    if op is ast.Pow and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 \
+            and b > 0 and b * math.log2(abs(a)) > MAX_INT_BITS:
+        raise SpecError(f"{text!r} is too large a number (more than {MAX_INT_BITS} bits)")
+    try:
+        out = _BINOPS[op](a, b)
+    except ZeroDivisionError:
+        raise SpecError(f"{text!r} divides by zero") from None
+    except (OverflowError, ValueError):
+        raise SpecError(f"{text!r} is too large a number (beyond float range)") from None
+    if isinstance(out, complex):
+        raise SpecError(f"{text!r} is not a real number")
+    if isinstance(out, int) and out.bit_length() > MAX_INT_BITS:
+        raise SpecError(f"{text!r} is too large a number (more than {MAX_INT_BITS} bits)")
+    if isinstance(out, float) and not math.isfinite(out):
+        raise SpecError(f"{text!r} is not a finite number")
+    return out
+
+
 def _value(node: ast.AST, source: str) -> Any:
+    if isinstance(node, ast.Constant) and isinstance(node.value, float) \
+            and not math.isfinite(node.value):
+        raise SpecError(f"{ast.get_source_segment(source, node)!r} is not a finite number "
+                        f"(beyond float range)")
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str, bool)):
         return node.value
     if isinstance(node, ast.Constant) and node.value is None:
@@ -81,7 +120,7 @@ def _value(node: ast.AST, source: str) -> Any:
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         a, b = _value(node.left, source), _value(node.right, source)
         if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
-            return _BINOPS[type(node.op)](a, b)
+            return arithmetic(type(node.op), a, b, ast.get_source_segment(source, node))
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_value(e, source) for e in node.elts]
     if isinstance(node, (ast.Call, ast.Name)):  # a nested spec: keep its text

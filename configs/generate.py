@@ -92,8 +92,8 @@ def get_config(arg=None):
     c.prompts = ("Write one sentence about the sea.",
                  "What is the capital of France?")
     c.prompts_file = ""           # one prompt a line, or JSONL {"prompt": ...}; replaces prompts
-    c.output = ""                 # '' prints; a path writes JSONL
-    c.stream = True
+    c.output = ""                 # '' prints each prompt's text; a path writes JSONL ('-': to stdout)
+    c.stream = False              # True: print the text as it comes (tagged pieces for several prompts)
     # Devices (brf/sharding.py): each member's weights split over 'model', the
     # prompts over 'data'; placement="apart" gives each member its own devices
     # (members run at the same time; data/model then size each member's mesh).

@@ -8,13 +8,14 @@ See configs/analyze_csv.py and brf/eval/csv_analysis.py.
 from ml_collections import config_flags
 
 from brf import cli
-from brf.eval.csv_analysis import run
+from brf.eval.csv_analysis import check_config, run
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/analyze_csv.py")
+_CONFIG = config_flags.DEFINE_config_file("config", cli.default_config("analyze_csv.py"))
 
 
 def main(argv):
     del argv
+    check_config(_CONFIG.value)  # every key's type, range and names
     cli.check_writable(_CONFIG.value.out_dir, "config.out_dir", directory=True)
     paths = run(_CONFIG.value)
     print(open(paths["markdown"]).read())

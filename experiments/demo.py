@@ -6,14 +6,15 @@
 from ml_collections import config_flags
 
 from brf import cli
-from brf.eval.tables import cross_terms_table, fusion_table
+from brf.eval.tables import check_config, cross_terms_table, fusion_table
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py")
+_CONFIG = config_flags.DEFINE_config_file("config", cli.default_config("demo.py"))
 
 
 def main(argv):
     del argv
     c = _CONFIG.value
+    check_config(c)
     print("Next-token probabilities (%), two members and their fusions:\n")
     print(fusion_table(c.logits, c.tokens, c.rows, weights=c.weights,
                        member_names=c.member_names))

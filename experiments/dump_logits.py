@@ -8,13 +8,14 @@ See configs/dump_logits.py for every field and brf/eval/logit_csv.py for the for
 from ml_collections import config_flags
 
 from brf import cli
-from brf.eval.dump import run
+from brf.eval.dump import check_config, run
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/dump_logits.py")
+_CONFIG = config_flags.DEFINE_config_file("config", cli.default_config("dump_logits.py"))
 
 
 def main(argv):
     del argv
+    check_config(_CONFIG.value)  # every key's type, range and names
     cli.check_writable(_CONFIG.value.output, "config.output")  # before the model loads
     out = run(_CONFIG.value)
     print(f"wrote {out['rows_written']} rows ({out['rows']} in the file) to {out['path']} "

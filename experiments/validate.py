@@ -15,12 +15,13 @@ from brf.eval import plan as plan_lib
 from brf.eval.study import run
 from brf.runtime import enable_compilation_cache
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/validate.py")
+_CONFIG = config_flags.DEFINE_config_file("config", cli.default_config("validate.py"))
 
 
 def main(argv):
     del argv
     cfg = _CONFIG.value
+    plan_lib.check_config(cfg)  # every key's type and range, before JAX starts
     sharding.initialize_distributed(cfg.distributed)  # before any other JAX use
     plan = plan_lib.from_config(cfg)  # every mistake in the config is named here
     cli.check_writable(plan.out_dir, "config.out_dir", directory=True)

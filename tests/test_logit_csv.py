@@ -415,6 +415,71 @@ def test_hand_written_csv_is_read_and_analysed(tmp_path):
         csv_analysis.default_methods())
     assert {"born", "linear", "loglinear"} <= set(csv_analysis.default_methods())
     assert not any(m.startswith("bottleneck") for m in csv_analysis.default_methods())
+    # Issue 54: born_shuffled was an error row on every run (its phase map was lost on
+    # the way); its NLL is brf.fuse's on the event table, at the method's defaults.
+    assert not [f for f in rep["fusion"] if "error" in f], rep["fusion"]
+    import brf
+    lq = np.asarray(brf.fuse("born_shuffled", table.logp, np.full(2, 0.5)), np.float64)
+    nll = -lq[np.arange(len(table.gold)), table.gold] - table.offset
+    (row,) = [f for f in rep["fusion"] if f["method"] == "born_shuffled"]
+    assert row["nll"] == pytest.approx(nll.mean(), rel=1e-5)
+
+
+def _broken(kind, top, order, lse, positions):
+    """One row (row 6, line 8 of a _hand_csv file) broken as ``kind`` says."""
+    top, order, lse, positions = top.copy(), order.copy(), lse.copy(), positions.copy()
+    if kind == "repeated id":
+        order[5, 1] = order[5, 0]
+    elif kind == "ascending logits":
+        top[5, [0, 1]] = top[5, [1, 0]] + np.array([0.0, 0.5])
+    elif kind == "lse below the top":
+        lse[5] = top[5, 0] - 1.0
+    elif kind == "duplicate position":
+        positions[6] = positions[5]
+    elif kind == "id beyond the vocabulary":
+        order[5, 0] = 999_999_999
+    return top, order, lse, positions
+
+
+@pytest.mark.parametrize("kind,pattern", [
+    ("repeated id", r"line 8 \(row 6\), column 'id_2': id \d+ repeats id_1"),
+    ("ascending logits", r"line 8 \(row 6\), column 'logit_2': .* is above logit_1"),
+    ("lse below the top", r"line 8 \(row 6\), column 'lse': .* is below the log-sum-exp "
+                          r"of the row's top logits"),
+    ("duplicate position", r"line 9 \(row 7\), column 'position': \(seq 0, position 5\) "
+                           r"is also line 8"),
+    ("id beyond the vocabulary", r"line 8 \(row 6\), column 'id_1': token id 999999999 is "
+                                 r"not in \[0, 50\)"),
+])
+def test_rows_that_break_their_columns_promises_are_refused(tmp_path, kind, pattern):
+    """Issue 54: analyze_csv printed numbers for impossible CSVs. A row's top ids are
+    distinct tokens below V, its logits descend, lse is at least the log-sum-exp of
+    its top logits, a (seq, position) has one row; the first row that breaks one is
+    named (file, line, row, column). The intact file reads."""
+    rng = np.random.default_rng(4)
+    _, members = _hand_pair(tmp_path, rng, n=12)
+    logits, top, order, lse, tok, tl = members[0]
+    p = str(tmp_path / "ok.csv")
+    _hand_csv(p, top, order, lse, tok, tl)
+    assert lc.read_csv(p, vocab_size=50).n_rows == 12
+    top, order, lse, pos = _broken(kind, top, order, lse, np.arange(12))
+    p = str(tmp_path / "broken.csv")
+    _hand_csv(p, top, order, lse, tok, tl, positions=pos)
+    with pytest.raises(lc.CsvError, match=r"broken\.csv: " + pattern):
+        lc.read_csv(p, vocab_size=50)
+
+
+def test_analysis_progress_names_each_stage(tmp_path, capsys):
+    """Issue 54: analyze_csv was silent for minutes on a large CSV; with progress it
+    says what it reads and computes (the main turns it on at a terminal)."""
+    paths, _ = _hand_pair(tmp_path, np.random.default_rng(6), n=30)
+    csv_analysis.analyze(paths, vocab_sizes=[50, 50], n_perm=10, n_boot=10,
+                         methods=["linear"], progress=True)
+    err = capsys.readouterr().err
+    for needle in (f"reading {paths[0]}", "event table: 30 position-aligned positions",
+                   "phase coherence: 6 maps, 10 permutations",
+                   "cross-term test: 10 bootstrap replicates"):
+        assert needle in err, err
 
 
 def test_missing_entropy_column_is_reported_as_not_available(tmp_path):
@@ -474,6 +539,11 @@ def test_auto_alignment_reads_the_given_vocabulary_sizes(tmp_path):
     # Equal sizes keep position alignment, whose refusal names the way out.
     with pytest.raises(lc.CsvError, match=r"token_id .*not on the same positions.*"
                                           r"--config\.align=bytes"):
+        csv_analysis.load_table(paths, vocab_sizes=[60, 60])
+    # ... and a size below a file's ids is refused by name (issue 54).
+    with pytest.raises(lc.CsvError, match=r"tok1.csv: line \d+ \(row \d+\), column "
+                                          r"'(token_id|id_\d)': token id \d+ is not in "
+                                          r"\[0, 50\)"):
         csv_analysis.load_table(paths, vocab_sizes=[50, 50])
     with pytest.raises(csv_analysis.UserError, match="2 vocabulary sizes for 3 CSVs"):
         csv_analysis.load_table(paths + paths[:1], vocab_sizes=[50, 60])
@@ -560,7 +630,7 @@ def test_dump_main_bad_model_is_one_line(model, pattern, tmp_path):
         model = str(tmp_path / "bad.gguf")
         pathlib.Path(model).write_bytes(b"GGUF" + b"\x00" * 64)
     if model == "{mesh}":  # more devices than there are: refused before loading
-        model, extra = "no-such-model", ["--config.mesh.model=64"]
+        model, extra = "smollm2-135m-instruct", ["--config.mesh.model=64"]
     r = _main("dump_logits.py", f"--config={ROOT}/configs/dump_logits.py:tiny",
               f"--config.model={model}", f"--config.output={tmp_path}/x.csv",
               "--config.compilation_cache=False", *extra, cwd=str(tmp_path))

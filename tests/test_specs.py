@@ -1,6 +1,7 @@
 """brf.specs: the text grammar that configs and flags use to name things."""
 
 import math
+import re
 
 import pytest
 
@@ -77,3 +78,47 @@ def test_a_marker_call_with_a_key_given_twice_is_refused():
     assert parse_call('grid("a", k=1)') == ("grid", ["a"], {"k": 1})
     with pytest.raises(SpecError, match="'k' is given twice"):
         parse_call("fit(1.0, k=1, k=2)")
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("ngram(n=2, k=9**9**9)", "'9**9**9' is too large a number"),  # hung before issue 54
+    ("a(x=2**1025)", "more than 1024 bits"),
+    ("a(x=10**300*10**300*10**300)", "too large a number"),
+    ("a(x=9.0**9**9)", "beyond float range"),
+    ("a(x=1e999)", "'1e999' is not a finite number"),
+    ("a(x=[0, -1e999])", "'1e999' is not a finite number"),
+    ("a(x=1/0)", "divides by zero"),
+    ("a(x=(-8)**0.5)", "is not a real number"),
+])
+def test_arithmetic_is_bounded_and_finite(text, needle):
+    """Issue 54: `**` was evaluated without bound (9**9**9 ran for hours before
+    anything loaded) and 1e999 became inf, which methods then accepted. Values are
+    finite numbers of at most 1024 bits; the bound is checked before a power is
+    computed."""
+    import time
+    t0 = time.perf_counter()
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        parse_spec(text)
+    assert time.perf_counter() - t0 < 5  # refused, not computed
+    assert parse_spec("a(x=2**1000, y=-pi/2)")[1] == {"x": 2**1000, "y": -math.pi / 2}
+
+
+def test_a_phase_map_bounds_its_arithmetic_too():
+    from brf.fusion import phase_map
+    with pytest.raises(SpecError, match="too large a number"):
+        phase_map("tanh(rate=9**9**9)")
+    assert float(phase_map("tanh(rate=2**-2)").params["rate"]) == 0.25
+
+
+@pytest.mark.parametrize("params", [dict(temperature=math.inf), dict(temperature=math.nan),
+                                    dict(temperature=1e400)])
+def test_a_method_refuses_a_non_finite_parameter(params):
+    """Issue 54: loglinear(temperature=1e999) was accepted (positive() let inf pass)."""
+    import numpy as np
+
+    import brf
+    from brf.fusion import FusionInputError
+    logits = np.log(np.array([[[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]]], np.float32))
+    with pytest.raises(FusionInputError, match="temperature=.* must be finite"):
+        brf.fuse("loglinear", logits, None, **params)
+    assert np.isfinite(np.asarray(brf.fuse("loglinear", logits, None, temperature=1e30))).all()

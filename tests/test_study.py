@@ -280,3 +280,16 @@ def test_run_moves_names_the_verdicts_whose_answer_or_rows_changed():
     assert not any(m.moved or m.rows_changed for m in run_moves(before, before).values())
     # a run without the byte level compares the co-aligned level alone
     assert all(k.startswith("co-aligned") for k in run_moves(before, {**after, "bytes": None}))
+
+
+@pytest.mark.parametrize("controls", [True, False])
+def test_the_fair_verdict_says_controls_only_when_they_ran(controls):
+    """Issue 54: with --config.controls=False the pooled fair verdict still said
+    '(controls included)'."""
+    from brf.eval import study_report
+    rep = {"per_corpus": {}, "pooled": {}, "prompts": {}, "config": {"controls": controls},
+           "pooled_fair": {"calibrated": {"mean_difference": -0.1, "ci": [-0.2, -0.05],
+                                          "corpora": ["a", "b"]}}}
+    (line,) = study_report.verdicts(rep).values()
+    assert ("controls included" in line) == controls, line
+    assert "the best of every other row" in line

@@ -440,6 +440,8 @@ class _ByteLoop:
             acc = min(acc, len(draft))
             emitted, reason = list(draft[:acc]), e.reason
         self.out.spec.add(k_round, len(draft), acc)
+        if reason is not None:  # the round stopped: no byte of its own after the drafts
+            self.out.spec.discard(1)
         self.sched.update(len(draft), acc)
         if self.trace:
             for i, e in enumerate(emitted):
@@ -468,6 +470,7 @@ class _ByteLoop:
             for i, event in enumerate(emitted):
                 if event == EOT:
                     stop = "eot"
+                    self.out.spec.discard(len(emitted) - i - 1)  # verified past the end
                     break
                 data.append(event)
                 piece = text.update(utf8_prefix(bytes(data)))
@@ -475,9 +478,11 @@ class _ByteLoop:
                     on_piece(BytePiece(piece))
                 if text.stopped:
                     stop = "stop"
+                    self.out.spec.discard(len(emitted) - i - 1)
                     break
                 if len(data) >= self.max_bytes and (not self.utf8 or _valid_text(bytes(data))):
                     stop = "length"
+                    self.out.spec.discard(len(emitted) - i - 1)
                     break
                 if i == len(emitted) - 1 and reason is None:
                     stop = self._read_emitted(event)

@@ -83,6 +83,37 @@ class Member:
         return frozenset(ids)
 
 
+TEMPLATE_FIELDS = ("prompt", "prefix")
+
+
+def check_template(template: str, where: str = "template") -> None:
+    """Refuses a prompt template that would not use the prompt: one without a
+    ``{prompt}`` field (every prompt would give the same text), one naming a field
+    other than ``{prompt}`` and ``{prefix}``, or one that is not a format string
+    (a lone ``{``; write ``{{`` for a brace).
+
+    Raises:
+        EnsembleInputError: naming ``where`` and the field.
+    """
+    import string
+    if not isinstance(template, str):
+        raise EnsembleInputError(f"{where} must be a string with {{prompt}}; got {template!r}")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise EnsembleInputError(f"{where} {template!r} is not a format string ({e}); write "
+                                 "{{ and }} for literal braces") from None
+    bad = sorted({f for f in fields if f not in TEMPLATE_FIELDS})
+    if bad:
+        raise EnsembleInputError(f"{where} {template!r} names unknown field(s) "
+                                 f"{', '.join('{' + f + '}' for f in bad)}; it may use "
+                                 "{prompt} and {prefix} (write {{ and }} for literal braces)")
+    if "prompt" not in fields:
+        raise EnsembleInputError(f"{where} {template!r} has no {{prompt}} field, so every "
+                                 "prompt would give the same text; put {prompt} where the "
+                                 "prompt goes")
+
+
 def from_model(model: Any, name: str | None = None, **kwargs) -> Member:
     """A Member from a loaded ``brf.checkpoints.registry.Model`` (cfg, params, tokenizer)."""
     if model.tokenizer is None:

@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brf import schema as S
 from brf import sharding
-from brf.ensemble.decode import Generation, Piece, generate
-from brf.ensemble.member import EnsembleInputError, Member, same_vocabulary
+from brf.ensemble.decode import CHOICES, MODES, Generation, Piece, generate
+from brf.ensemble.member import EnsembleInputError, Member, check_template, same_vocabulary
+from brf.errors import UserError
 from brf.specs import parse_list, parse_spec
 
 
@@ -56,6 +58,60 @@ def member_specs(specs: str | Sequence[Any]) -> list[dict]:
         out.append({"model": name, **params})
     if not out:
         raise EnsembleInputError("no members: set config.members")
+    return out
+
+
+MEMBER_FIELDS = ("weight", "prefix", "chat", "template", "name")
+
+
+def check_model_source(source: str) -> None:
+    """Refuses a model source that is neither a registered name, an existing file or
+    directory, nor ``random:<tokenizer source>[:seed]`` (checked before any model
+    loads; ``brf.checkpoints.registry.resolve`` would assemble a registered GGUF)."""
+    from brf.checkpoints.registry import MODELS, ModelSourceError
+    import os
+    if source.startswith("random:"):  # a tiny random model (_random_model)
+        parts = source.split(":")
+        if len(parts) not in (2, 3) or not parts[1] or (len(parts) == 3
+                                                        and not parts[2].isdigit()):
+            raise EnsembleInputError(f"model {source!r}: write random:<tokenizer source> or "
+                                     "random:<tokenizer source>:<seed>")
+        check_model_source(parts[1])
+        return
+    if source in MODELS or os.path.exists(os.path.expanduser(source)):
+        return
+    raise ModelSourceError(f"{source!r} is neither a model name ({', '.join(MODELS.names())}) "
+                           "nor an existing .gguf file or directory")
+
+
+def check_member_specs(specs: str | Sequence[Any]) -> list[dict]:
+    """:func:`member_specs`, each member's fields checked (before any model loads):
+    only ``weight`` (a finite number >= 0), ``prefix`` (text), ``chat`` (True or
+    False), ``template`` (a format string with ``{prompt}``, not with chat=True) and
+    ``name`` (text); the model a known source."""
+    out = member_specs(specs)
+    for spec in out:
+        src = spec["model"]
+        unknown = sorted(set(spec) - {"model", *MEMBER_FIELDS})
+        if unknown:
+            raise EnsembleInputError(f"member {src!r}: unknown field(s) {unknown}; a member "
+                                     f"takes {list(MEMBER_FIELDS)}")
+        w = spec.get("weight")
+        if w is not None:
+            S.number(0).validate(w, f"member {src!r}: weight")
+        for key in ("prefix", "name"):
+            if key in spec and not isinstance(spec[key], str):
+                raise EnsembleInputError(f"member {src!r}: {key} must be a string (quoted); "
+                                         f"got {spec[key]!r}")
+        if "chat" in spec and not isinstance(spec["chat"], bool):
+            raise EnsembleInputError(f"member {src!r}: chat must be True or False; got "
+                                     f"{spec['chat']!r}")
+        if spec.get("template") is not None:
+            check_template(spec["template"], f"member {src!r}: template")
+            if spec.get("chat"):
+                raise EnsembleInputError(f"member {src!r}: give chat=True or a template, "
+                                         "not both")
+        check_model_source(src)
     return out
 
 
@@ -126,16 +182,27 @@ def _check_prompt_text(prompt: str, where: str) -> None:
 
 def read_prompts(prompts: Iterable[str], prompts_file: str = "") -> list[str]:
     """The prompts: those of a file if one is named (one per line, or JSONL with a
-    'prompt' field), which replace ``prompts``; else the non-empty ``prompts``.
+    'prompt' field; blank lines skipped), which replace ``prompts``; else
+    ``prompts``, every one of them (one output row each, in order).
 
     Raises:
         EnsembleInputError: no prompts (a prompts file without any is an error of
-            its own), a file that cannot be read, a bad JSON line, or a prompt that
-            is not valid UTF-8 text.
+            its own), an empty prompt in ``prompts`` (dropping it would shift the
+            rows against the prompts), a file that cannot be read, a bad JSON line,
+            or a prompt that is not valid UTF-8 text.
     """
     if not prompts_file:
-        out = [p for p in prompts if p]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        out = list(prompts)
         for i, p in enumerate(out, 1):
+            if not isinstance(p, str):
+                raise EnsembleInputError(f"config.prompts: prompt {i} must be a string; got "
+                                         f"{p!r}")
+            if not p:
+                raise EnsembleInputError(f"config.prompts: prompt {i} of {len(out)} is empty; "
+                                         "give it text or leave it out (each prompt makes one "
+                                         "output row, in order)")
             _check_prompt_text(p, f"config.prompts: prompt {i}")
     else:
         out = []
@@ -143,7 +210,7 @@ def read_prompts(prompts: Iterable[str], prompts_file: str = "") -> list[str]:
             with open(prompts_file, encoding="utf-8") as f:
                 lines = f.read().splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise EnsembleInputError(f"cannot read prompts_file {prompts_file}: "
+            raise EnsembleInputError(f"cannot read config.prompts_file {prompts_file}: "
                                      f"{getattr(e, 'strerror', None) or e}") from None
         for i, line in enumerate(lines, 1):
             if not line.strip():
@@ -162,7 +229,7 @@ def read_prompts(prompts: Iterable[str], prompts_file: str = "") -> list[str]:
             else:
                 out.append(line)
         if not out:
-            raise EnsembleInputError(f"prompts_file {prompts_file} holds no prompts (it is "
+            raise EnsembleInputError(f"config.prompts_file {prompts_file} holds no prompts (it is "
                                      "empty or blank); a prompts file replaces "
                                      "config.prompts")
     if not out:
@@ -233,8 +300,9 @@ def weighting_spec(weighting: str) -> float | None:
         raise EnsembleInputError(f"unknown weighting {weighting!r}; use '' (the members' "
                                  "weights) or 'perplexity(temperature=1.0)' (PackLLM)")
     t = params.get("temperature", 1.0)
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-        raise EnsembleInputError(f"weighting {weighting!r}: temperature must be > 0")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+        raise EnsembleInputError(f"weighting {weighting!r}: temperature must be > 0 and "
+                                 "finite")
     return float(t)
 
 
@@ -263,6 +331,127 @@ def place_members(members: Sequence[Member], mesh) -> list[Member]:
 
 
 LEVELS = ("tokens", "bytes")
+DTYPES = ("float32", "bfloat16", "float16")  # the members' compute dtypes
+
+
+def check_method_params(name: str, params: Mapping[str, Any]) -> None:
+    """A registered method and its parameters by name and value (arrays, such as the
+    bottleneck's unembeddings, come from the members and are not checked here)."""
+    from brf.fusion import get_method
+    from brf.fusion.methods import resolve_params
+    m = get_method(name)
+    declared = {k: p for k, p in m.params.items() if p.kind != "array"}
+    resolve_params(dataclasses.replace(m, params=declared),
+                   {k: v for k, v in params.items() if k not in set(m.params) - set(declared)})
+
+
+def _method_check(value: str) -> None:
+    check_method_params(*parse_spec(value, "method"))
+
+
+def _phase_check(value: str) -> None:
+    if value:
+        from brf.fusion import phase_map
+        phase_map(value)
+
+
+def _aligner_check(value: str) -> None:
+    from brf.align import ALIGNERS
+    if value != "auto" and value.removeprefix("align:") not in ALIGNERS:
+        raise EnsembleInputError(f"unknown vocabulary aligner {value!r}; use 'auto' (identity "
+                                 f"for one vocabulary, else union) or one of "
+                                 f"{', '.join(ALIGNERS.names())}")
+
+
+def _sampler_check(value: str) -> None:
+    from brf.fusion import Sampler
+    Sampler.parse(value)
+
+
+def _drafter_check(value: str) -> None:
+    from brf.drafting import parse_drafter
+    parse_drafter(value)
+
+
+def check_file(value: str) -> None:
+    """A file the config names ('' for none) exists and is a file."""
+    import os
+    if value and not os.path.isfile(value):
+        raise EnsembleInputError("no such file" if not os.path.exists(value)
+                                 else "not a file (a directory?)")
+
+
+def _stop_check(value) -> None:
+    for i, s in enumerate(value, 1):
+        if not s:
+            raise EnsembleInputError(f"config.stop: stop string {i} is empty (it would stop "
+                                     "before the first token)")
+
+
+def _mesh_axis():
+    return S.integer(1, S.DEVICES_MAX, special=(-1,),
+                     note="-1: every device the other axis leaves")
+
+
+# configs/generate.py, every key (brf.schema): checked by Request.from_config before
+# any model loads.
+SCHEMA = {
+    "members": S.text(empty=False, check=check_member_specs),
+    "aligner": S.text(check=_aligner_check),
+    "aligner_params.k": S.integer(1, 2**18),
+    "mode": S.text(choices=MODES),
+    "method": S.text(empty=False, check=_method_check),
+    "phase": S.text(check=_phase_check, note="'': the method's default"),
+    "method_params": S.mapping(),
+    "weighting": S.text(check=weighting_spec),
+    "sampler": S.text(check=_sampler_check),
+    "choice": S.text(choices=CHOICES),
+    "max_new_tokens": S.integer(1, 10**6),
+    "stop": S.texts(check=_stop_check),
+    "seed": S.seed(),
+    "dtype": S.text(choices=DTYPES),
+    "prompts": S.texts(),
+    "prompts_file": S.text(check=check_file),
+    "output": S.text(),
+    "stream": S.flag(),
+    "level": S.text(choices=LEVELS),
+    "speculative": S.text(check=_drafter_check),
+    "beam": S.integer(1, 2**16),
+    "threshold": S.number(0, 1, high_open=True),
+    "max_new_bytes": S.integer(1, 10**6),
+    "utf8": S.flag(),
+    "check_precision": S.flag(),
+    "mesh.data": _mesh_axis(),
+    "mesh.model": _mesh_axis(),
+    "mesh.placement": S.text(choices=sharding.PLACEMENTS),
+}
+
+
+def check_config(c) -> None:
+    """Every key of a generation config against :data:`SCHEMA` (types, ranges, names).
+
+    Raises:
+        EnsembleInputError: the first key that is wrong, named.
+    """
+    S.check(c, SCHEMA, error=EnsembleInputError)
+
+
+def _check_phase_offsets(method: str, params: Mapping[str, Any], c, n_members: int) -> None:
+    """A phase map with one offset per member must have as many as config.members."""
+    if "phase" not in params:
+        return
+    from brf.fusion import phase_map
+    offset = np.asarray(phase_map(params["phase"]).params["offset"])
+    if offset.ndim == 0 or offset.shape[0] == n_members:
+        return
+    in_method = "phase" in parse_spec(c.method, "method")[1]
+    where, given = ("config.method", c.method) if in_method else ("config.phase", c.phase)
+    hint = (" With one member every method gives that member's distribution; set "
+            "--config.phase='' (the method's default map) for plain decoding."
+            if n_members == 1 else f" Give {n_members} offsets or one for all.")
+    raise EnsembleInputError(f"{where}={given!r} gives {offset.shape[0]} phase offsets (one "
+                             f"per member) but config.members names {n_members} "
+                             f"member{'s' if n_members != 1 else ''}.{hint}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,12 +499,19 @@ class Request:
     @classmethod
     def from_config(cls, c) -> "Request":
         """The request a config asks for; a UserError names what cannot be honoured."""
+        check_config(c)
         level = c.level
-        if level not in LEVELS:
-            raise EnsembleInputError(f"unknown level {level!r}; use 'tokens' or 'bytes'")
         specs = tuple(member_specs(c.members))
         method, params = method_spec(c.method, c.method_params, c.phase)
         check_mixture_method(c.mode, method, params, c.method, c.method_params)
+        try:  # config.method_params and config.phase joined to the method's own
+            check_method_params(method, params)
+        except UserError as e:
+            raise EnsembleInputError(f"config.method={c.method!r} with config.method_params="
+                                     f"{dict(c.method_params)} and config.phase={c.phase!r}: "
+                                     f"{e}") from None
+        if c.mode == "fuse":
+            _check_phase_offsets(method, params, c, len(specs))
         from brf.drafting import parse_drafter
         drafter = parse_drafter(c.speculative)
         if drafter is not None:
@@ -338,9 +534,6 @@ class Request:
         if c.weighting:
             raise EnsembleInputError("config.weighting is token-level only; set it to '' "
                                      "with level='bytes'")
-        if not isinstance(c.check_precision, bool):
-            raise EnsembleInputError(f"config.check_precision must be True or False; got "
-                                     f"{c.check_precision!r}")
         return cls(**common, max_new=c.max_new_bytes, beam=c.beam, threshold=c.threshold,
                    utf8=c.utf8, check_precision=c.check_precision)
 
@@ -510,6 +703,24 @@ def speculative_line(summary: Mapping[str, Any], index: int | None = None) -> st
             f"{summary['drafted']} {unit} drafted, {summary['accepted']} accepted "
             f"(acceptance {'-' if acc is None else f'{acc:.2f}'}), "
             f"{summary['per_round'] or 0:.2f} {unit} per round")
+
+
+def print_texts(rows: Sequence[Mapping[str, Any]], out=None) -> None:
+    """Each prompt and its generated text, assembled (what generate.py prints by
+    default): a header line with the prompt, the text as generated, and why it
+    ended, a blank line between prompts."""
+    out = out or sys.stdout
+    n = len(rows)
+    for b, row in enumerate(rows):
+        unit = "bytes" if row.get("level") == "bytes" else "tokens"
+        count = row.get("n_bytes") if unit == "bytes" else row.get("n_events")
+        tag = f"[{b + 1}/{n}] " if n > 1 else ""
+        if b:
+            out.write("\n")
+        out.write(f"{tag}prompt: {row['prompt']}\n")
+        out.write(row["text"] + "\n")
+        out.write(f"[{row['finish_reason']}: {count} {unit}]\n")
+    out.flush()
 
 
 def print_stream(piece: Piece, n_prompts: int) -> None:

@@ -244,6 +244,24 @@ def speculative_generate(members: Sequence[Member], prompts: Sequence[str], *,
     return generate_speculative(members, prompts, drafter=drafter, **kwargs)
 
 
+def _control_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's control tokens (added tokens marked special: chat markers,
+    BOS, EOS)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(int(i) for i, t in added.items() if getattr(t, "special", False))
+
+
+def _before_control(draft: list[int], control: frozenset[int]) -> list[int]:
+    """An n-gram draft cut before its first control token. With a chat template the
+    prompt's last token ('\n' after 'assistant') occurs earlier in the template,
+    before '<|im_start|>': copying that would draft the template's own markup, which
+    the members never accept (issue 54: every first round wasted so)."""
+    for j, e in enumerate(draft):
+        if e in control:
+            return draft[:j]
+    return draft
+
+
 class _Loop:
     """One call of :func:`generate_speculative` (host bookkeeping, device states)."""
 
@@ -260,6 +278,7 @@ class _Loop:
         self.streams = [TextStream(stop) for _ in prompts]
         self.done = [False] * self.B
         self.history = [list(prompt_ids[0][b]) for b in range(self.B)]  # n-gram context
+        self.control = _control_ids(members[0].tokenizer)
         slots = (catchup.bucket(max(len(p) for ids in prompt_ids for p in ids), 8)
                  + 2 * max_new_tokens + 4 * (spec.k + 1))
         # groups of members that share weights: one state, rows member-major
@@ -294,8 +313,9 @@ class _Loop:
             return drafts, p_rows
         if self.spec.kind == "ngram":
             for b in live:
-                drafts[b] = ngram_draft(self.history[b], self.spec.n, self.spec.min_n,
-                                        min(k, caps[b]))
+                drafts[b] = _before_control(ngram_draft(
+                    self.history[b], self.spec.n, self.spec.min_n, min(k, caps[b])),
+                    self.control)
             return drafts, p_rows
         steps = min(k, max(caps[b] for b in live))
         m = self.members[self.d_index]
@@ -422,12 +442,13 @@ class _Loop:
             if self.dstate is not None:
                 self._d_start = (self.dstate.n_read, self.dstate.pending)
             for b, emitted, _ in self._round():
-                for e in emitted:
+                for j, e in enumerate(emitted):
                     piece, reason = self._advance(b, e)
                     if (piece or reason) and on_piece is not None:
                         on_piece(Piece(b, piece, reason))
                     if reason is not None:
                         self.done[b] = True
+                        self.gens[b].spec.discard(len(emitted) - j - 1)  # past the end
                         break
         return self.gens
 

@@ -272,6 +272,9 @@ def load_named(spec_name: str, *, max_chars: int = 0, skip_chars: int = 0,
     Returns:
         (text, source description, licence).
     """
+    for key, value in (("max_chars", max_chars), ("skip_chars", skip_chars)):
+        if value < 0:  # would cut from the end, as a slice does
+            raise CorpusError(f"corpus {spec_name}: {key} must be >= 0; got {value}")
     if spec_name in CORPORA:
         text, source, licence = CORPORA.get(spec_name)()
     elif os.path.exists(spec_name):

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from brf import schema as S
 from brf.errors import UserError
 from brf.eval import hypotheses, report as report_lib
 from brf.event_table import EventTable
@@ -47,7 +49,7 @@ DEFAULT_PHASE_MAPS = {
 
 
 def load_table(paths: Sequence[str], *, align: str = "auto",
-               vocab_sizes: Sequence[int] | None = None):
+               vocab_sizes: Sequence[int] | None = None, progress: bool = False):
     """Reads the CSVs and builds their event table.
 
     Args:
@@ -57,6 +59,7 @@ def load_table(paths: Sequence[str], *, align: str = "auto",
         where given, else each file's metadata).
       vocab_sizes: each run's V (one per path; 0 or None: the metadata's);
         needed when a CSV has no metadata line.
+      progress: say on stderr which file is read, with a bar over the positions.
 
     Returns:
       (runs, rows_PxN, EventTable, align used).
@@ -69,7 +72,10 @@ def load_table(paths: Sequence[str], *, align: str = "auto",
     if vocab_sizes and len(vocab_sizes) != len(paths):
         raise UserError(f"{len(vocab_sizes)} vocabulary sizes for {len(paths)} CSVs; give "
                         f"one per CSV (0: read it from the file's metadata)")
-    runs = [read_csv(p) for p in paths]
+    runs = []
+    for p in paths:
+        _stage(progress, f"reading {p}")
+        runs.append(read_csv(p, vocab_size=_given(vocab_sizes, len(runs))))
     if align == "auto":
         sizes = {(vocab_sizes[j] if vocab_sizes and vocab_sizes[j] else r.meta.get("vocab_size"))
                  for j, r in enumerate(runs)}
@@ -82,8 +88,13 @@ def load_table(paths: Sequence[str], *, align: str = "auto",
         by = "bytes"
     else:
         raise UserError(f"align={align!r}; use auto, position or bytes")
-    table = event_table(runs, rows, by=by, vocab_sizes=vocab_sizes)
+    _stage(progress, f"event table: {len(rows)} {align}-aligned positions")
+    table = event_table(runs, rows, by=by, vocab_sizes=vocab_sizes, progress=progress)
     return runs, rows, table, align
+
+
+def _given(vocab_sizes, j: int) -> int | None:
+    return int(vocab_sizes[j]) if vocab_sizes and vocab_sizes[j] else None
 
 
 def _member_summary(run: LogitRun, rows: np.ndarray) -> dict:
@@ -105,20 +116,41 @@ def default_methods() -> list[str]:
             if not any(p.kind == "array" for p in METHODS.get(m).params.values())]
 
 
+def check_methods(methods: Sequence[str]) -> None:
+    """Refuses a name that is not a registered method, or one a CSV cannot feed: the
+    softmax-bottleneck methods need the members' unembeddings and full
+    distributions, which a CSV does not carry."""
+    usable = default_methods()
+    for m in methods:
+        METHODS.get(m)  # an unknown name, with the known ones
+        if m not in usable:
+            raise UserError(f"fusion method {m!r} needs the members' unembeddings and full "
+                            f"distributions, which a logit CSV does not carry; the methods "
+                            f"a CSV can feed: {', '.join(usable)}")
+
+
+def _default_params(method: str) -> dict:
+    """The method's phase map made explicit (the evaluation path reads a phase only
+    when one is given: born_shuffled's per-token default was lost)."""
+    p = METHODS.get(method).params.get("phase")
+    return {"phase": p.default} if p is not None else {}
+
+
 def fusion_rows(table: EventTable, methods: Sequence[str] | None = None, *,
-                seed: int = 0) -> list[dict]:
+                seed: int = 0, progress: bool = False) -> list[dict]:
     """Every method (default: all registered that need no extra input) at default
     parameters, uniform weights. The softmax-bottleneck methods need the members'
     unembeddings and full distributions, which a CSV does not carry: they are left
-    out by default."""
+    out by default and refused by name (:func:`check_methods`)."""
     n = table.logp.shape[1]
     w = np.full(n, 1.0 / n)
     specs = [(f"member {i} alone", "linear", np.eye(n)[i]) for i in range(n)]
     specs += [(m, m, w) for m in (methods or default_methods())]
     out = []
-    for label, method, weights in specs:
+    for label, method, weights in _bar(specs, progress, "fusing", "method"):
         try:
-            ev = evaluate(Fitted(label, method, {}, weights, float("nan")), table)
+            ev = evaluate(Fitted(label, method, _default_params(method), weights,
+                                 float("nan")), table)
         except FusionInputError as e:
             out.append({"label": label, "method": method, "error": str(e)})
             continue
@@ -130,12 +162,30 @@ def fusion_rows(table: EventTable, methods: Sequence[str] | None = None, *,
     return out
 
 
+def _bar(items, progress: bool, desc: str, unit: str):
+    """``items`` with a progress bar on stderr when ``progress`` (the main's runs on
+    large CSVs take minutes)."""
+    if not progress:
+        return items
+    from tqdm.auto import tqdm
+    return tqdm(items, desc=desc, unit=unit, dynamic_ncols=True, leave=False)
+
+
+def _stage(progress: bool, text: str) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
+
+
 def analyze(paths: Sequence[str], *, align: str = "auto",
             phase_maps: Mapping[str, Any] | None = None,
             born_phase: str = "tanh(scale=1.5, rate=0.5)", methods: Sequence[str] | None = None,
             vocab_sizes: Sequence[int] | None = None, n_perm: int = 2000,
-            n_boot: int = 1000, seed: int = 0) -> tuple[dict, dict]:
+            n_boot: int = 1000, seed: int = 0, progress: bool = False) -> tuple[dict, dict]:
     """All analyses on two or more CSVs.
+
+    Args:
+      progress: say on stderr what runs (reading, the event table, each test), with
+        a bar over the positions and the methods.
 
     Returns:
       (report dict, arrays for plots: {"coherence": rows with "diffs"}).
@@ -146,18 +196,23 @@ def analyze(paths: Sequence[str], *, align: str = "auto",
             phase_map(spec)
         except ValueError as e:
             raise UserError(f"phase map {label!r}: {e}") from None
-    for m in methods or ():
-        if m not in METHODS.names():
-            raise UserError(f"unknown fusion method {m!r}; known: {', '.join(METHODS.names())}")
-    runs, rows, table, align = load_table(paths, align=align, vocab_sizes=vocab_sizes)
+    try:
+        phase_map(born_phase)
+    except ValueError as e:
+        raise UserError(f"born_phase={born_phase!r}: {e}") from None
+    if n_perm < 1 or n_boot < 2:
+        raise UserError(f"n_perm must be >= 1 and n_boot >= 2; got n_perm={n_perm}, "
+                        f"n_boot={n_boot}")
+    check_methods(methods or ())
+    runs, rows, table, align = load_table(paths, align=align, vocab_sizes=vocab_sizes,
+                                          progress=progress)
     n = len(runs)
+    _stage(progress, f"phase coherence: {len(phase_maps)} maps, {n_perm} permutations")
     coherence = hypotheses.phase_coherence(table, phase_maps, n_perm=n_perm, seed=seed)
     born = Fitted(f"born {born_phase}", "born", {"phase": born_phase}, np.full(n, 1.0 / n),
                   float("nan"))
-    try:
-        cross = hypotheses.cross_term_test(table, born, n_boot=n_boot, seed=seed)
-    except ValueError as e:
-        raise UserError(f"born_phase={born_phase!r}: {e}") from None
+    _stage(progress, f"cross-term test: {n_boot} bootstrap replicates")
+    cross = hypotheses.cross_term_test(table, born, n_boot=n_boot, seed=seed)
     ids = [r.top_ids[rows[:, i], 0] for i, r in enumerate(runs)]
     report = {
         "inputs": [_member_summary(r, rows[:, i]) for i, r in enumerate(runs)],
@@ -165,7 +220,7 @@ def analyze(paths: Sequence[str], *, align: str = "auto",
         "top1_agreement": float(np.mean(ids[0] == ids[1])) if align == "position" else None,
         "phase_coherence": hypotheses.coherence_summary(coherence),
         "cross_term": {k: v for k, v in cross.items() if k != "scores"},
-        "fusion": fusion_rows(table, methods, seed=seed),
+        "fusion": fusion_rows(table, methods, seed=seed, progress=progress),
         "settings": {"phase_maps": phase_maps, "born_phase": born_phase, "n_perm": n_perm,
                      "n_boot": n_boot, "seed": seed},
     }
@@ -244,18 +299,90 @@ __all__ = ["CsvError", "DEFAULT_PHASE_MAPS", "analyze", "fusion_rows", "load_tab
            "markdown", "plot", "write_report"]
 
 
-def run(c) -> dict:
-    """What experiments/analyze_csv.py runs, for a configs/analyze_csv.py config."""
+def _paths(value) -> list[str]:
     from brf.specs import split_list
-    paths = split_list(c.csvs) if isinstance(c.csvs, str) else list(c.csvs)
-    sizes = None
-    if c.vocab_sizes:
+    return split_list(value) if isinstance(value, str) else list(value)
+
+
+def _csvs_check(value) -> None:
+    if not isinstance(value, (str, list, tuple)):
+        raise UserError(f"give the CSV paths comma-separated; got {value!r}")
+    paths = _paths(value)
+    if len(paths) < 2:
+        raise UserError(f"give at least two CSVs to compare (comma-separated); got "
+                        f"{len(paths)}")
+
+
+def _sizes(value) -> list[int] | None:
+    from brf.specs import split_list
+    if not value:
+        return None
+    try:
+        sizes = [int(v) for v in split_list(str(value))]
+    except ValueError:
+        raise UserError(f"config.vocab_sizes={value!r}: give integers, comma-separated (0: "
+                        f"the CSV's metadata)") from None
+    for v in sizes:
+        if v != 0 and not 2 <= v <= 2**24:
+            raise UserError(f"config.vocab_sizes={value!r}: each must be 0 (the CSV's "
+                            f"metadata) or a vocabulary size in [2, {2**24}]; got {v}")
+    return sizes
+
+
+def _phase_check(value) -> None:
+    phase_map(value)
+
+
+def _phase_maps_check(value) -> None:
+    if not len(value):
+        raise UserError("names no phase map")
+    for label, spec in dict(value).items():
+        if not isinstance(spec, str) and not hasattr(spec, "items"):
+            raise UserError(f"phase map {label!r} must be a spec string such as "
+                            f"'tanh(rate=0.5)'; got {spec!r}")
         try:
-            sizes = [int(v) for v in split_list(str(c.vocab_sizes))]
-        except ValueError:
-            raise UserError(f"config.vocab_sizes={c.vocab_sizes!r}: give integers") from None
+            phase_map(spec if isinstance(spec, str) else dict(spec))
+        except ValueError as e:
+            raise UserError(f"phase map {label!r}: {e}") from None
+
+
+def _methods_check(value) -> None:
+    from brf.specs import split_list
+    check_methods(split_list(value))
+
+
+# configs/analyze_csv.py, every key (brf.schema): checked by run before any CSV is read.
+SCHEMA = {
+    "csvs": S.custom(_csvs_check),
+    "out_dir": S.text(empty=False),
+    "align": S.text(choices=("auto", "position", "bytes")),
+    "vocab_sizes": S.text(check=_sizes),
+    "phase_maps": S.mapping(check=_phase_maps_check),
+    "born_phase": S.text(empty=False, check=_phase_check),
+    "fusion_methods": S.text(check=_methods_check, note="'': every method a CSV can feed"),
+    "n_perm": S.integer(1, S.RESAMPLES_MAX),
+    "n_boot": S.integer(2, S.RESAMPLES_MAX),
+    "seed": S.seed(),
+}
+
+
+def check_config(c) -> None:
+    """Every key of an analysis config against :data:`SCHEMA`.
+
+    Raises:
+        UserError: the first key that is wrong, named.
+    """
+    S.check(c, SCHEMA, error=UserError)
+
+
+def run(c) -> dict:
+    """What experiments/analyze_csv.py runs, for a configs/analyze_csv.py config
+    (progress on stderr when it is a terminal: large CSVs take minutes)."""
+    from brf.specs import split_list
+    check_config(c)
     methods = split_list(c.fusion_methods) if c.fusion_methods else None
-    report, arrays = analyze(paths, align=c.align, phase_maps=dict(c.phase_maps),
-                             born_phase=c.born_phase, methods=methods, vocab_sizes=sizes,
-                             n_perm=c.n_perm, n_boot=c.n_boot, seed=c.seed)
+    report, arrays = analyze(_paths(c.csvs), align=c.align, phase_maps=dict(c.phase_maps),
+                             born_phase=c.born_phase, methods=methods,
+                             vocab_sizes=_sizes(c.vocab_sizes), n_perm=c.n_perm,
+                             n_boot=c.n_boot, seed=c.seed, progress=sys.stderr.isatty())
     return write_report(c.out_dir, report, arrays["coherence"])

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from brf import schema as S
 from brf.errors import UserError
 from brf.eval.logit_csv import CsvWriter, RowBlock, vocab_texts
 from brf.eval.scoring import raw_summary
@@ -109,6 +110,9 @@ def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
         raise DumpError("nothing to score: the text is empty")
     if k < 2 or k > cfg.vocab_size:
         raise DumpError(f"k={k} must lie in [2, vocab size {cfg.vocab_size}]")
+    if max_positions < 0 or chunk < 1:  # a negative count would cut from the end
+        raise DumpError(f"max_positions={max_positions} must be >= 0 (0: all) and "
+                        f"chunk={chunk} >= 1")
     ctx = context_ids(model, system=system, prefix=prefix)
     ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
     if max_positions:
@@ -323,6 +327,76 @@ def _score_text(c) -> str:
     return text[:c.max_chars] if c.max_chars else text
 
 
+# Top entries per row: a row holds 3k + 9 fields.
+K_MAX = 1024
+# Tokens per forward pass: a pass's logits are chunk x vocabulary floats.
+CHUNK_MAX = 4096
+
+
+def _model_check(value: str) -> None:
+    from brf.ensemble.run import check_model_source
+    if value.startswith("random:"):
+        raise DumpError(f"model {value!r}: a dump needs a real model (a registered name, "
+                        ".gguf file, HF directory or brf checkpoint)")
+    try:
+        check_model_source(value)
+    except UserError as e:
+        raise DumpError(f"model {value!r}: {e}") from None
+
+
+def _file_check(value: str) -> None:
+    from brf.ensemble.run import check_file
+    check_file(value)
+
+
+def _template_check(value: str) -> None:
+    if value:
+        from brf.ensemble.member import check_template
+        check_template(value, "config.template")
+
+
+def _sampler_check(value: str) -> None:
+    from brf.fusion import Sampler
+    Sampler.parse(value)
+
+
+# configs/dump_logits.py, every key (brf.schema): checked by run before the model loads.
+SCHEMA = {
+    "model": S.text(empty=False, check=_model_check,
+                    note="give a model name, .gguf file or directory"),
+    "mode": S.text(choices=("score", "generate")),
+    "output": S.text(),
+    "overwrite": S.flag(),
+    "k": S.integer(2, K_MAX, note="and at most the model's vocabulary"),
+    "system": S.text(),
+    "prefix": S.text(),
+    "text": S.text(),
+    "text_file": S.text(check=_file_check),
+    "max_chars": S.integer(0, S.COUNT_MAX, note="0: all"),
+    "max_positions": S.integer(0, S.COUNT_MAX, note="0: all"),
+    "segment_tokens": S.integer(2, 10**6),
+    "chunk": S.integer(1, CHUNK_MAX),
+    "prompts": S.text(),
+    "prompts_file": S.text(check=_file_check),
+    "chat": S.flag(),
+    "template": S.text(check=_template_check),
+    "sampler": S.text(check=_sampler_check),
+    "max_new_tokens": S.integer(1, 10**6),
+    "seed": S.seed(),
+    "compilation_cache": S.flag(),
+    "mesh.model": S.integer(1, S.DEVICES_MAX, special=(-1,), note="-1: every device"),
+}
+
+
+def check_config(c) -> None:
+    """Every key of a dump config against :data:`SCHEMA` (types, ranges, names).
+
+    Raises:
+        DumpError: the first key that is wrong, named.
+    """
+    S.check(c, SCHEMA, error=DumpError)
+
+
 def _prompts(c) -> list[str]:
     from brf.ensemble.run import read_prompts
     prompts = [p for p in str(c.prompts).split("\n") if p.strip()]
@@ -331,19 +405,13 @@ def _prompts(c) -> list[str]:
 
 def run(c) -> dict:
     """What experiments/dump_logits.py runs, for a configs/dump_logits.py config."""
-    if c.mode not in ("score", "generate"):
-        raise DumpError(f"config.mode={c.mode!r}; use score or generate")
+    check_config(c)
     if c.get("compilation_cache"):
         from brf.runtime import enable_compilation_cache
         enable_compilation_cache()
     # Settings are checked before the model is loaded.
     text = _score_text(c) if c.mode == "score" else None
     prompts = _prompts(c) if c.mode == "generate" else None
-    if c.mode == "score":
-        check_segment_tokens(c.segment_tokens)
-    if c.mode == "generate":
-        from brf.fusion import Sampler
-        Sampler.parse(c.sampler)
     model = load_model(c.model, dump_mesh(c.get("mesh")))
     meta = {"model": c.model}
     if c.mode == "score":

@@ -416,13 +416,20 @@ def _column(path, name, values, lines, kind):
     return arr
 
 
-def read_csv(path: str) -> LogitRun:
+def read_csv(path: str, vocab_size: int | None = None) -> LogitRun:
     """Reads a logit CSV (ours, or another tool's with the documented columns).
+
+    Args:
+      path: the file.
+      vocab_size: the model's vocabulary size when the file's metadata lacks it
+        (or to override it): token ids must lie below it.
 
     Raises:
       CsvError: unreadable file, no header, a missing column, a row with the
         wrong number of fields, a bad checksum, a non-numeric value, an empty
-        file; the message names the file, line (1-based), row and column.
+        file, or a row that breaks what its columns promise
+        (:func:`check_invariants`); the message names the file, line (1-based),
+        row and column.
     """
     raw_lines = _text_lines(path)
     meta, i = _read_meta(path, raw_lines)
@@ -451,7 +458,100 @@ def read_csv(path: str) -> LogitRun:
         if len(r) != len(header):
             raise CsvError(f"{path}: line {lines[j]} (row {j + 1}): {len(r)} fields, the "
                            f"header has {len(header)}")
-    return _run_from_columns(path, meta, list(zip(*rows)), col, k, lines)
+    run = _run_from_columns(path, meta, list(zip(*rows)), col, k, lines)
+    check_invariants(run, vocab_size or run.meta.get("vocab_size"))
+    return run
+
+
+# Float32 logits written with 9 digits read back exactly; another tool's file may
+# round (6 digits): a relative slack of 1e-5 on comparisons of logits, 1e-3 on the
+# top-k mass (a sum of k rounded exponentials).
+_REL = 1e-5
+_MASS_SLACK = 1e-3
+
+
+def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
+    """Refuses rows that cannot come from a next-token distribution, naming the first:
+
+    * a (seq, position) given twice, or positions going back within a sequence
+      (rows are in text order: byte alignment reads them so);
+    * the top ids of a row not distinct tokens, or an id (top or ``token_id``)
+      negative or not below ``vocab_size`` (when known);
+    * ``logit_1..logit_k`` not descending (``-inf`` only at the end);
+    * ``lse`` below the log-sum-exp of the row's top logits (the top k would hold
+      more than all the probability), or ``token_logit`` above ``lse``;
+    * a negative ``entropy`` or ``gap``.
+
+    Raises:
+      CsvError: file, line, row and column of the first broken row.
+    """
+    seq, pos = run.seq, run.position
+    key = np.stack([seq, pos], 1)
+    order = np.lexsort((pos, seq))
+    same = np.all(key[order][1:] == key[order][:-1], axis=1)
+    if same.any():
+        a, b = sorted(order[np.argmax(same):][:2])
+        raise CsvError(f"{run.where(int(b), 'position')}: (seq {int(seq[b])}, position "
+                       f"{int(pos[b])}) is also line {int(run.lines[a])}: a position has one "
+                       f"row")
+    back = (seq[1:] == seq[:-1]) & (pos[1:] < pos[:-1])
+    if back.any():
+        r = int(np.argmax(back)) + 1
+        raise CsvError(f"{run.where(r, 'position')}: position {int(pos[r])} after "
+                       f"{int(pos[r - 1])} in sequence {int(seq[r])}: rows must be in text "
+                       f"order")
+    ids = run.top_ids
+    srt = np.sort(ids, axis=1)
+    rep = srt[:, 1:] == srt[:, :-1]
+    if rep.any():
+        r = int(np.argmax(rep.any(axis=1)))
+        dup = int(srt[r, 1:][rep[r]][0])
+        js = [j + 1 for j in np.nonzero(ids[r] == dup)[0][:2]]
+        raise CsvError(f"{run.where(r, f'id_{js[1]}')}: id {dup} repeats id_{js[0]} (a row's "
+                       f"top ids are distinct tokens)")
+    for name, arr in (("id_{}", ids), ("token_id", run.token_id)):
+        if arr is None:
+            continue
+        arr2 = arr.reshape(len(arr), -1)
+        bad = (arr2 < 0) | ((arr2 >= vocab_size) if vocab_size else False)
+        if bad.any():
+            r, j = np.argwhere(bad)[0]
+            col = name.format(j + 1) if "{" in name else name
+            limit = f"[0, {vocab_size})" if vocab_size else ">= 0"
+            raise CsvError(f"{run.where(int(r), col)}: token id {int(arr2[r, j])} is not in "
+                           f"{limit}" + ("" if not vocab_size else
+                                         f" (the vocabulary has {vocab_size} tokens)"))
+    top = run.top_logits.astype(np.float64)
+    slack = _REL * np.maximum(1.0, np.abs(top[:, :-1]))
+    finite_next = np.isfinite(top[:, 1:])
+    up = (top[:, 1:] > top[:, :-1] + slack) & finite_next | (
+        ~np.isfinite(top[:, :-1]) & finite_next)
+    if up.any():
+        r, j = np.argwhere(up)[0]
+        raise CsvError(f"{run.where(int(r), f'logit_{j + 2}')}: {top[r, j + 1]:.9g} is above "
+                       f"logit_{j + 1} = {top[r, j]:.9g} (the top logits are in descending "
+                       f"order)")
+    lse = run.lse.astype(np.float64)
+    m = top[:, 0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        top_lse = m + np.log(np.exp(top - m[:, None]).sum(1))
+    over = top_lse > lse + np.log1p(_MASS_SLACK) + _REL * np.maximum(1.0, np.abs(lse))
+    if over.any():
+        r = int(np.argmax(over))
+        raise CsvError(f"{run.where(r, 'lse')}: {lse[r]:.9g} is below the log-sum-exp of the "
+                       f"row's top logits ({top_lse[r]:.9g}): the top k would hold more than "
+                       f"all the probability (lse is the log-normaliser of all the logits)")
+    if run.token_logit is not None:
+        tl = run.token_logit.astype(np.float64)
+        above = tl > lse + _REL * np.maximum(1.0, np.abs(lse))
+        if above.any():
+            r = int(np.argmax(above))
+            raise CsvError(f"{run.where(r, 'token_logit')}: {tl[r]:.9g} is above lse "
+                           f"{lse[r]:.9g} (a token's probability would exceed 1)")
+    for name, arr in (("entropy", run.entropy), ("gap", run.gap)):
+        if arr is not None and (arr < -_REL).any():
+            r = int(np.argmax(arr < -_REL))
+            raise CsvError(f"{run.where(r, name)}: {float(arr[r]):.9g} is negative")
 
 
 def _text_lines(path: str) -> list[str]:
@@ -623,7 +723,7 @@ def align_bytes(runs: Sequence[LogitRun]) -> np.ndarray:
 
 
 def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id",
-                vocab_sizes: Sequence[int | None] | None = None):
+                vocab_sizes: Sequence[int | None] | None = None, progress: bool = False):
     """The validation experiment's event table (:class:`brf.eval.fitting.EventTable`).
 
     Per aligned position, the rules of :mod:`brf.eval.events`: events are every
@@ -643,6 +743,7 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
       rows_PxN: aligned rows (:func:`align_positions` / :func:`align_bytes`).
       by: "id" (same tokenizer) or "bytes".
       vocab_sizes: per run V (default: the metadata's ``vocab_size``).
+      progress: a bar over the positions on stderr.
 
     Returns:
       EventTable (gold_bytes from the token texts, 1 where unknown; segment =
@@ -672,7 +773,12 @@ def event_table(runs: Sequence[LogitRun], rows_PxN: np.ndarray, *, by: str = "id
     top_lp = [r.top_logp() for r in runs]
     gold_lp = [(r.token_logit - r.lse).astype(np.float32) for r in runs]
     gold_bytes = np.ones(p, np.int64)
-    for q in range(p):
+    positions = range(p)
+    if progress:
+        from tqdm.auto import tqdm
+        positions = tqdm(positions, desc="event table", unit="pos", dynamic_ncols=True,
+                         leave=False)
+    for q in positions:
         rows = rows_PxN[q]
         if by == "bytes":
             g = texts[0][rows[0]]
@@ -720,6 +826,7 @@ def _listed_mass(keys, top_lp, *, skip_empty: bool) -> dict:
 
 
 __all__ = ["CsvError", "CsvWriter", "FIXED_COLUMNS", "FORMAT", "LogitRun", "MAGIC",
-           "REQUIRED", "RowBlock", "VERSION", "align_bytes", "align_positions", "columns",
+           "REQUIRED", "RowBlock", "VERSION", "align_bytes", "align_positions",
+           "check_invariants", "columns",
            "escape_bytes", "escape_token", "event_table", "format_rows", "read_csv",
            "unescape", "vocab_texts"]

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from brf import schema as S
 from brf.bytes import (CHECK_BYTES, DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE,
                        Settings)
 from brf.errors import UserError
@@ -319,6 +320,165 @@ def load_segments(plan: Plan, corpus: Corpus) -> tuple[list[str], str, str]:
 
 MEMBER_KEYS = ("prefix",)
 CORPUS_KEYS = ("max_chars", "skip_chars", "prefix", "label")
+# Top strings per member: the event table holds positions x members x (1 + members
+# x top_k) floats, 2.6 GB at 10,000 positions, two members and 4096.
+TOP_K_MAX = 4096
+# Tokens per forward pass: a pass's logits are chunk x vocabulary floats (4 GB at
+# 4096 x Gemma's 262,144).
+CHUNK_MAX = 4096
+
+
+def _spec_list(what: str, registry: str, *, key: str = "name", empty: bool = True):
+    """A check that a spec list (a comma-separated string, or a list of specs or
+    dicts) parses and that each spec names an entry of the registry
+    (``'methods'`` or ``'phase maps'``); the values are checked by from_config,
+    which may touch JAX."""
+    def check(value):
+        if not isinstance(value, (str, list, tuple)):
+            raise ValidationError(f"must be a comma-separated string of {what} specs; got "
+                                  f"{value!r}")
+        if isinstance(value, str) and registry == "phase maps":
+            specs = [parse_list(spec, what)[0] for spec, _ in
+                     config_specs.phase_map_entries(value).values()]
+        else:
+            specs = parse_list(value, what, key=key)
+        if not specs and not empty:
+            raise ValidationError(f"names no {what}")
+        from brf.fusion import METHODS
+        from brf.fusion.phase import PHASE_MAPS
+        for name, _ in specs:
+            (METHODS if registry == "methods" else PHASE_MAPS).get(name)
+    return check
+
+
+def _members_check(value):
+    members = _members(value)
+    seen = set()
+    for m in members:
+        if m in seen:
+            raise ValidationError(
+                f"config.members lists {m.label!r} twice: two identical members fuse to "
+                f"themselves, so the study would compare a model with itself; give one of "
+                f"them another prefix= (a prompt ensemble) or name another model")
+        seen.add(m)
+
+
+def _sweep_check(value):
+    from brf.fusion.phase import PHASE_MAPS
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValidationError(f"config.sweep must be a list of curves (dicts); got {value!r}")
+    for i, entry in enumerate(value, 1):
+        if not hasattr(entry, "items"):
+            raise ValidationError(f"config.sweep[{i}] must be a dict; got {entry!r}")
+        e = dict(entry)
+        missing = [k for k in ("label", "phase_map", "param", "values") if k not in e]
+        unknown = sorted(set(e) - {"label", "phase_map", "param", "values", "fixed"})
+        if missing or unknown:
+            raise ValidationError(f"config.sweep[{i}]: " + (
+                f"missing {missing}" if missing else f"unknown keys {unknown}")
+                + "; a curve has label, phase_map, param, values and optionally fixed")
+        for key in ("label", "phase_map", "param"):
+            if not isinstance(e[key], str) or not e[key]:
+                raise ValidationError(f"config.sweep[{i}].{key} must be a non-empty string; "
+                                      f"got {e[key]!r}")
+        d = PHASE_MAPS.get(parse_list(e["phase_map"], "phase map")[0][0])
+        allowed = sorted(set(d.defaults) | {"offset", "offset_difference"})
+        if e["param"] not in allowed:
+            raise ValidationError(f"config.sweep[{i}].param={e['param']!r}: the phase map "
+                                  f"{e['phase_map']!r} has no such parameter; use one of "
+                                  f"{allowed}")
+        values = e["values"]
+        S.numbers().validate(list(values) if isinstance(values, (list, tuple)) else values,
+                             f"config.sweep[{i}].values")
+        if not hasattr(e.get("fixed", {}), "items"):
+            raise ValidationError(f"config.sweep[{i}].fixed must be a dict of the map's "
+                                  f"parameters; got {e['fixed']!r}")
+
+
+def _variants_check(where: str, allow_empty: bool = False):
+    def check(value):
+        if allow_empty and not _names(value):
+            return
+        _variants(value, where)
+    return check
+
+
+def _corpora_check(value):
+    for c in _corpora(value):
+        if c.name not in corpus_lib.CORPORA and not os.path.isfile(c.name):
+            raise corpus_lib.CorpusError(
+                f"unknown corpus {c.name!r}: neither a registered corpus "
+                f"({', '.join(corpus_lib.CORPORA.names())}) nor an existing file")
+
+
+def _mesh_axis():
+    return S.integer(1, S.DEVICES_MAX, special=(-1,),
+                     note="-1: every device the other axis leaves")
+
+
+SCHEMA = {
+    "members": S.text(empty=False, check=_members_check),
+    "corpora": S.text(empty=False, check=_corpora_check),
+    "out_dir": S.text(empty=False),
+    "variants": S.text(check=_variants_check("config.variants")),
+    "methods": S.custom(_spec_list("method", "methods", key="method")),
+    "nll_baselines": S.custom(_spec_list("method", "methods", empty=False)),
+    "controls": S.flag(),
+    "phase_maps": S.custom(_spec_list("phase map", "phase maps", empty=False)),
+    "sweep": S.custom(_sweep_check),
+    "scoring.segment_chars": S.integer(16, 10**6),
+    "scoring.top_k": S.integer(2, TOP_K_MAX),
+    "scoring.chunk": S.integer(1, CHUNK_MAX),
+    "scoring.min_chars": S.integer(0, S.COUNT_MAX),
+    "scoring.calibration_fraction": S.number(0, 1, low_open=True, high_open=True,
+                                             note="so that both splits have positions"),
+    "fit.max_iter": S.integer(1, 10**6),
+    "fit.ftol": S.number(0, 1, low_open=True, high_open=True),
+    "fit.gtol": S.number(0, 1, low_open=True, high_open=True),
+    "fit.calib_range": S.number(1, None, low_open=True, special=(0, 0.0),
+                                note="0: unbounded"),
+    "stats.n_boot": S.integer(10, S.RESAMPLES_MAX),
+    "stats.n_perm": S.integer(10, S.RESAMPLES_MAX),
+    "stats.seed": S.seed(),
+    "stats.forking_top_fraction": S.number(0, 1, low_open=True, high_open=True),
+    "prompts.enabled": S.flag(),
+    "prompts.second_prefix": S.text(),
+    "prompts.swarm": S.flag(),
+    "prompts.variants": S.text(check=_variants_check("config.prompts.variants", True)),
+    "bottleneck.positions": S.integer(0, 100_000, note="0: off"),
+    "bottleneck.top_k": S.integer(0, 2**18, note="0: the whole vocabulary"),
+    "topk_sensitivity": S.integer(0, TOP_K_MAX, note="0: off"),
+    "bytes.enabled": S.flag(),
+    "bytes.beam": S.integer(1, 2**16),
+    "bytes.threshold": S.number(0, 1, high_open=True),
+    "bytes.max_lag": S.integer(0, 10**6),
+    "bytes.swarm": S.flag(),
+    "bytes.check_bytes": S.integer(0, 10**6, note="0: no precision check"),
+    "bytes.reference_beam": S.integer(1, 2**16),
+    "bytes.reference_threshold": S.number(0, 1, high_open=True),
+    "bytes.max_chars": S.integer(0, S.COUNT_MAX, note="0: every segment"),
+    "bytes.prompts": S.flag(),
+    "compilation_cache": S.flag(),
+    "compilation_cache_dir": S.text(),
+    "mesh.data": _mesh_axis(),
+    "mesh.model": _mesh_axis(),
+    "mesh.placement": S.text(choices=("shared", "apart")),
+    "distributed.enabled": S.flag(),
+    "distributed.coordinator_address": S.text(),
+    "distributed.num_processes": S.integer(0, S.DEVICES_MAX, note="0: detect"),
+    "distributed.process_id": S.integer(0, S.DEVICES_MAX - 1, special=(-1,),
+                                        note="-1: detect"),
+}
+
+
+def check_config(cfg) -> None:
+    """Every key of a validation config against :data:`SCHEMA`: types, ranges and
+    names, without JAX (the main checks before ``jax.distributed.initialize``).
+
+    Raises:
+        ConfigError (a UserError): the first key that is wrong, named.
+    """
+    S.check(cfg, SCHEMA, error=ValidationError)
 
 
 def from_config(cfg) -> Plan:
@@ -328,41 +488,33 @@ def from_config(cfg) -> Plan:
         ValidationError (and the other UserErrors of config_specs and corpus): a
         mistake in the config, named.
     """
+    check_config(cfg)
     members = tuple(_members(cfg.members))
     if len(members) < 2:
-        raise ValidationError("validation needs at least two members")
+        raise ValidationError(f"config.members={cfg.members!r} names {len(members)}: "
+                              f"the study needs at least two members")
     baselines = tuple(_names(cfg.nll_baselines))
     methods = tuple(_methods(cfg.methods, baselines))
+    if not any(m.role == "baseline" for m in methods):
+        raise ValidationError(
+            f"config.methods={cfg.methods!r} holds none of config.nll_baselines "
+            f"({', '.join(baselines)}): the study's NLL verdict compares BRF with them; "
+            f"add one (e.g. --config.methods=linear) or name a configured method in "
+            f"config.nll_baselines")
     phase_maps = tuple(_phase_maps(cfg.phase_maps))
     variants = _variants(cfg.variants, "config.variants")
     sc = cfg.scoring
     scoring = ScoringSettings(int(sc.segment_chars), int(sc.top_k), int(sc.chunk),
                               int(sc.min_chars), float(sc.calibration_fraction))
-    if not 0.0 < scoring.calibration_fraction < 1.0:
-        raise ValidationError(
-            f"scoring.calibration_fraction must lie in (0, 1) so that both splits have "
-            f"positions; got {scoring.calibration_fraction}")
-    if scoring.top_k < 2:
-        raise ValidationError(f"scoring.top_k must be >= 2; got {scoring.top_k}")
     k2 = int(cfg.topk_sensitivity)
     if k2 and k2 <= scoring.top_k:
         raise ValidationError(f"topk_sensitivity ({k2}) must exceed scoring.top_k "
                               f"({scoring.top_k}), or be 0 (off)")
     fit = FitSettings(max_iter=int(cfg.fit.max_iter), ftol=float(cfg.fit.ftol),
                       gtol=float(cfg.fit.gtol), calib_range=float(cfg.fit.calib_range))
-    if fit.max_iter < 1 or fit.ftol <= 0 or fit.gtol <= 0:
-        raise ValidationError(f"fit: max_iter must be >= 1 and ftol, gtol > 0; got {fit}")
-    if fit.calib_range != 0 and not fit.calib_range > 1:
-        raise ValidationError(f"fit.calib_range must be 0 (unbounded) or > 1; "
-                              f"got {fit.calib_range}")
     st = cfg.stats
     stats = StatsSettings(int(st.n_boot), int(st.n_perm), int(st.seed),
                           float(st.forking_top_fraction))
-    if stats.n_boot < 10 or stats.n_perm < 10:
-        raise ValidationError(f"stats.n_boot and stats.n_perm must be >= 10; got {stats}")
-    if not 0.0 < stats.forking_top_fraction < 1.0:
-        raise ValidationError(f"stats.forking_top_fraction must lie in (0, 1); got "
-                              f"{stats.forking_top_fraction}")
     pr = cfg.prompts
     prompts = PromptSettings(bool(pr.enabled), str(pr.second_prefix), bool(pr.swarm),
                              _variants(pr.variants or cfg.variants, "config.prompts.variants"))
@@ -392,41 +544,19 @@ def from_config(cfg) -> Plan:
 
 
 def _byte_settings(section) -> ByteSettings:
-    """config.bytes, checked (a beam or threshold the byte level refuses is named here
-    even when the byte level is off); no section: off."""
+    """config.bytes (checked by :data:`SCHEMA`: a beam or threshold the byte level
+    refuses is named even when the byte level is off), its absent keys at brf.bytes'
+    defaults; no section: off."""
     if section is None:
         return BYTES_OFF
-
-    def integer(key: str, default: int, low: int, note: str = "") -> int:
-        value = section.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValidationError(f"config.bytes.{key} must be an integer >= {low}{note}; "
-                                  f"got {value!r}")
-        return int(value)
-
-    def fraction(key: str, default: float) -> float:
-        value = section.get(key, default)
-        if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating))
-                or not 0.0 <= value < 1.0):
-            raise ValidationError(f"config.bytes.{key} must lie in [0, 1); got {value!r}")
-        return float(value)
-
-    def flag(key: str) -> bool:
-        value = section.get(key, True)
-        if not isinstance(value, bool):
-            raise ValidationError(f"config.bytes.{key} must be True or False; got {value!r}")
-        return value
-
-    beam = integer("beam", DEFAULT_BEAM, 1)
-    threshold = fraction("threshold", DEFAULT_THRESHOLD)
-    max_lag = integer("max_lag", DEFAULT_MAX_LAG, 0)
-    swarm, prompts = flag("swarm"), flag("prompts")
-    max_chars = integer("max_chars", 0, 0, " (0: every segment)")
-    check = integer("check_bytes", ByteSettings.check_bytes, 0, " (0: no precision check)")
-    reference = Settings(integer("reference_beam", REFERENCE.beam, 1),
-                         fraction("reference_threshold", REFERENCE.threshold), 0)
-    return ByteSettings(bool(section.enabled), beam, threshold, max_lag, swarm, check,
-                        reference, max_chars, prompts)
+    get = section.get
+    reference = Settings(int(get("reference_beam", REFERENCE.beam)),
+                         float(get("reference_threshold", REFERENCE.threshold)), 0)
+    return ByteSettings(bool(section.enabled), int(get("beam", DEFAULT_BEAM)),
+                        float(get("threshold", DEFAULT_THRESHOLD)),
+                        int(get("max_lag", DEFAULT_MAX_LAG)), bool(get("swarm", True)),
+                        int(get("check_bytes", ByteSettings.check_bytes)), reference,
+                        int(get("max_chars", 0)), bool(get("prompts", True)))
 
 
 def _plain(x):
@@ -494,9 +624,18 @@ def _corpora(value) -> list[Corpus]:
         if bad:
             raise ValidationError(
                 f"corpus {name!r}: unknown parameter(s) {bad}; it takes {list(CORPUS_KEYS)}")
+        for key in ("max_chars", "skip_chars"):  # a negative count would act as a slice
+            S.integer(0, S.COUNT_MAX, note="0: all" if key == "max_chars" else "").validate(
+                params.get(key, 0), f"corpus {name!r}: {key}")
+        for key in ("prefix", "label"):
+            if not isinstance(params.get(key, ""), str):
+                raise ValidationError(f"corpus {name!r}: {key} must be a string (quoted); "
+                                      f"got {params[key]!r}")
         label = params.get("label", os.path.basename(name).split(".")[0] or name)
-        out.append(Corpus(name, str(label), int(params.get("max_chars", 0)),
-                          int(params.get("skip_chars", 0)), str(params.get("prefix", ""))))
+        if not label:
+            raise ValidationError(f"corpus {name!r}: label is empty")
+        out.append(Corpus(name, label, int(params.get("max_chars", 0)),
+                          int(params.get("skip_chars", 0)), params.get("prefix", "")))
     if not out:
         raise ValidationError("config.corpora names no corpus")
     labels = [c.label for c in out]

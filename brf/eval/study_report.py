@@ -106,8 +106,9 @@ def verdicts(rep: dict, unit: str = "position") -> dict[str, str]:
         out[f"nll: {label}"] = r["verdict"]["nll"]
         if "fair_summary" in r["verdict"]:
             out[f"fair: {label}"] = r["verdict"]["fair_summary"]
-    for key, what in (("pooled", "the best baseline"),
-                      ("pooled_fair", "the best of every other row (controls included)")):
+    rivals = "the best of every other row" + (
+        " (controls included)" if rep.get("config", {}).get("controls", True) else "")
+    for key, what in (("pooled", "the best baseline"), ("pooled_fair", rivals)):
         for v, p in rep.get(key, {}).items():
             lo, hi = p["ci"]
             out[f"{'nll' if key == 'pooled' else 'fair'}: pooled ({v})"] = (
@@ -244,7 +245,9 @@ def markdown(rep: dict) -> str:
     for v, p in rep["pooled"].items():
         lines.append(f"| **pooled** | {v} | | | {p['mean_difference']:+.4f} "
                      f"[{p['ci'][0]:+.4f}, {p['ci'][1]:+.4f}] |")
-    lines += ["", "## Fair summary: best BRF vs best of every other row (controls included)",
+    controls = rep.get("config", {}).get("controls", True)
+    lines += ["", "## Fair summary: best BRF vs best of every other row" + (
+              " (controls included)" if controls else " (no controls: config.controls=False)"),
               "", "| analysis | variant | BRF (k) | other (role, k) | difference [95% CI] |",
               "|---|---|---|---|---|"]
     fair = [(label, r) for label, r in rep["per_corpus"].items()]
@@ -262,8 +265,9 @@ def markdown(rep: dict) -> str:
     for v, p in rep.get("pooled_fair", {}).items():
         lines.append(f"| **pooled** | {v} | | | {p['mean_difference']:+.4f} "
                      f"[{p['ci'][0]:+.4f}, {p['ci'][1]:+.4f}] |")
-    lines += ["", "Each analysis's report lists the per-token BRF row against each of its "
-              "controls (phases shuffled, reshaping + pool, per-member power mean).", ""]
+    if controls:
+        lines += ["", "Each analysis's report lists the per-token BRF row against each of its "
+                  "controls (phases shuffled, reshaping + pool, per-member power mean).", ""]
     lines += ["", "## Forking tokens", ""]
     lines += _forking_lines(rep["per_corpus"], "top {}% entropy positions")
     lines += ["", "Plots: `gain_by_entropy.png` (this directory and each corpus's), "

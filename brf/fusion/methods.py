@@ -18,6 +18,7 @@ checked by the parameter's own ``check``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
@@ -82,6 +83,8 @@ def _coerce(method: str, key: str, p: Param, value: Any) -> Any:
         what = "a number" if one else "a number or a list of numbers"
         if isinstance(value, bool) or value is None:
             raise FusionInputError(f"{where} must be {what}")
+        if not _finite_literal(value):  # 1e999 parses as inf: refused, as the sampler does
+            raise FusionInputError(f"{where} must be finite")
         try:
             arr = jnp.asarray(value, dtype=jnp.result_type(float))
         except (TypeError, ValueError):
@@ -116,6 +119,17 @@ def _coerce(method: str, key: str, p: Param, value: Any) -> Any:
         if msg:
             raise FusionInputError(f"{where}: {msg}")
     return value
+
+
+def _finite_literal(value) -> bool:
+    """False for a Python number (or list of them) that is inf or nan; arrays pass
+    (they come from code, not from a user's spec, and checking one would wait for
+    the device)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_finite_literal(v) for v in value)
+    return True
 
 
 def _is_traced(value) -> bool:

@@ -154,7 +154,9 @@ def _literal(node: ast.AST):
         v = _literal(node.operand)
         return -v if isinstance(node.op, ast.USub) else v
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        return _BINOPS[type(node.op)](_literal(node.left), _literal(node.right))
+        from brf.specs import arithmetic  # bounded: 9**9**9 is refused, not computed
+        return arithmetic(type(node.op), _literal(node.left), _literal(node.right),
+                          ast.unparse(node))
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e) for e in node.elts]
     raise FusionInputError(
