@@ -122,8 +122,13 @@ def get_config(arg=None):
     # Fits: full-batch L-BFGS on the calibration NLL (brf/eval/fitting.py). The
     # calibrated variant's temperatures lie in [1/calib_range, calib_range] (0 =
     # unbounded; README, "Fits").
+    # Each fit starts from its initial values (its proposed fit, for a calibrated row) and
+    # `starts` random points, screened and polished (brf/eval/fitting.py); every other
+    # positive parameter lies in [1/param_range, param_range]. `perturb` refits under
+    # other last bits (order, ulp, chunk, sincos, '+'-joined: compare_fits' check).
     c.fit = ml_collections.ConfigDict(dict(max_iter=200, ftol=1e-8, gtol=1e-5,
-                                           calib_range=1000.0))
+                                           calib_range=1000.0, param_range=1000.0,
+                                           starts=8, perturb=""))
     c.stats = ml_collections.ConfigDict(dict(
         n_boot=2000, n_perm=2000, seed=0,
         forking_top_fraction=0.2,     # the "forking tokens": top-20% entropy positions

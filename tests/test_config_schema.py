@@ -99,6 +99,8 @@ ACCEPTS = {
         "scoring.segment_chars": "", "scoring.top_k": "", "scoring.chunk": "",
         "scoring.min_chars": "zero", "scoring.calibration_fraction": "",
         "fit.max_iter": "", "fit.ftol": "", "fit.gtol": "", "fit.calib_range": "zero huge",
+        "fit.param_range": "zero huge", "fit.starts": "zero", "fit.perturb": "empty",
+        "stability": "empty",
         "stats.n_boot": "", "stats.n_perm": "", "stats.seed": "zero",
         "stats.forking_top_fraction": "",
         "prompts.enabled": "", "prompts.second_prefix": "empty name", "prompts.swarm": "",

@@ -293,3 +293,63 @@ def test_the_fair_verdict_says_controls_only_when_they_ran(controls):
     (line,) = study_report.verdicts(rep).values()
     assert ("controls included" in line) == controls, line
     assert "the best of every other row" in line
+
+
+def _result(label, role, calib_nll, test_nll, variant="calibrated"):
+    """A fitted row as the analysis holds it (a MethodResult), for the choice tests."""
+    from brf.eval.analysis import MethodResult
+    from brf.eval.fitting import MethodSpec
+    spec = MethodSpec(label, "linear", role=role).in_variant(variant)
+    f = Fitted(spec.label, "linear", {}, np.array([0.5, 0.5]), calib_nll)
+    return MethodResult(spec, f, {"nll": float(np.mean(test_nll))}, np.asarray(test_nll))
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_a_near_tie_is_fragile_when_its_rows_disagree_and_stands_when_they_agree(agree):
+    """Two BRF rows 5e-5 nats apart on calibration (within the tie margin) and a third
+    1e-3 behind: the comparison names the two, gives the answer with each, and the
+    verdict stands when both beat the baseline on test, and is fragile (in the answer,
+    the report's sentence and compare_fits' answers) when only the chosen one does."""
+    import types
+
+    from brf.eval import compare, report
+    from brf.eval.analysis import TIE_MARGIN, comparisons, tied
+    rng = np.random.default_rng(0)
+    n = 3000
+    base = 2.0 + rng.normal(0.0, 0.3, n)
+    better = base - 0.05 + rng.normal(0.0, 0.01, n)
+    rows = [_result("brf a", "brf", 1.00000, better),
+            _result("brf b", "brf", 1.00005, better if agree else base + rng.normal(0, 0.01, n)),
+            _result("brf c", "brf", 1.00100, base + 0.5),
+            _result("base", "baseline", 1.1, base)]
+    assert [r.label for r in tied(rows[:3])] == ["brf a [calibrated]", "brf b [calibrated]"]
+    assert 5e-5 < TIE_MARGIN < 1e-3
+    plan = types.SimpleNamespace(stats=types.SimpleNamespace(n_boot=300, seed=0))
+    c = comparisons(plan, ["calibrated"], rows)["calibrated"]
+    assert c.brf == "brf a [calibrated]" and c.tied[0] == ("brf a [calibrated]",
+                                                            "brf b [calibrated]")
+    assert [(a.brf, a.other) for a in c.alternatives] == [("brf b [calibrated]",
+                                                             "base [calibrated]")]
+    assert c.stands == agree
+    d = c.as_dict()
+    answer = compare.answers({"nll_comparison": {"calibrated": d}})["nll [calibrated]"]
+    assert answer.answer == "BRF better than the best baseline"
+    assert answer.fragile == (not agree)
+    sentence = report.nll_sentence(d, "calibrated")
+    assert ("FRAGILE" in sentence) == (not agree)
+    assert ("the verdict stands" in sentence) == agree
+
+
+def test_no_tie_gives_no_alternatives():
+    """Rows apart by more than the margin: one chosen row, nothing else said."""
+    import types
+
+    from brf.eval import report
+    from brf.eval.analysis import comparisons
+    x = np.linspace(1.0, 2.0, 500)
+    rows = [_result("a", "brf", 1.0, x - 0.1), _result("b", "brf", 1.01, x),
+            _result("base", "baseline", 1.1, x)]
+    plan = types.SimpleNamespace(stats=types.SimpleNamespace(n_boot=100, seed=0))
+    c = comparisons(plan, ["calibrated"], rows)["calibrated"]
+    assert c.alternatives == () and c.stands
+    assert "tied" not in report.nll_sentence(c.as_dict(), "calibrated")

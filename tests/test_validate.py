@@ -152,7 +152,17 @@ def test_one_corpus_end_to_end(tmp_path, text, members):
     for r in data["phase_coherence"]:
         assert 0 <= r["rayleigh_p"] <= 1 and 0 < r["permutation_p"] <= 1
     assert set(data["verdict"]) == {"phase_coherence", "cross_term", "nll", "fair_summary",
-                                    "forking_tokens"}
+                                    "forking_tokens", "stability"}
+    # The stability check: every calibrated row (controls included) refitted under other
+    # last bits (positions reordered, the table moved by ulps, XLA's sin and cos); no
+    # verdict resting on them moves, no row by more than the fits' tolerance.
+    stab = data["stability"]
+    calibrated = [m for m in data["methods"] if m["variant"] == "calibrated"]
+    assert stab["perturbation"] == "order+ulp+sincos"
+    assert stab["refitted_rows"] == len(calibrated) and stab["verdicts"] >= 4
+    assert stab["moved"] == [] and stab["rows_over_tolerance"] == [], stab
+    study = json.load(open(os.path.join(cfg.out_dir, "report.json")))
+    assert study["stability"]["moved"] == [] and "stability" in study["verdict"]
     by = {m["label"]: m for m in data["methods"]}
     # Tuned weights moved away from uniform (the fit has gradients).
     assert by["linear (tuned)"]["weights"] != [0.5, 0.5]

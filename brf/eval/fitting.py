@@ -179,7 +179,8 @@ def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
             raise ValueError(f"a phase shuffle's sources are for 'born_shuffled'; got "
                              f"{method!r}")
         lq = born_from_sources(logp_PxNxE, weights, sources,
-                               phase=phase_map(phase_name, **phase),
+                               phase=(phase_map(phase_name, **phase) if phase_name is not None
+                                      else None),
                                z_min=plain.get("z_min", DEFAULT_Z_MIN))[0]
     elif isinstance(phase_name, tuple):
         if method != "born":
@@ -265,17 +266,17 @@ def gold_nll(logq_PxE, gold_P):
 POSITIVE_FLOOR = float(np.finfo(np.float32).tiny)
 
 
-def _to_free(name, v, calib_range: float, xp=jnp):
+def _to_free(name, v, box: float, xp=jnp):
     """A parameter value -> the coordinate it is fitted in: log space for positive
-    parameters, floored at log(POSITIVE_FLOOR) (the calibration temperatures, when
-    bounded to [1/calib_range, calib_range], clipped to that box: see
-    :func:`_bounds`). ``xp``: jnp (traced) or np (float64 on the host)."""
+    parameters, floored at log(POSITIVE_FLOOR) and, within a box [1/box, box] (box > 0,
+    see :func:`_box`), clipped to it. ``xp``: jnp (traced) or np (float64 on the
+    host)."""
     v = xp.asarray(v, xp.float32 if xp is jnp else xp.float64)
     if name not in _POSITIVE:
         return v
     log_v = xp.log(xp.maximum(v, POSITIVE_FLOOR))
-    if name in _BOUNDED and calib_range:
-        r = math.log(calib_range)
+    if box:
+        r = math.log(box)
         return xp.clip(log_v, -r, r)
     return log_v
 
@@ -288,10 +289,22 @@ def _from_free(name, v, xp=jnp):
 _BOUNDED = {"calib.temperature", "calib.member_temperature"}
 
 
-def _bounds(name: str, size: int, calib_range: float) -> tuple[np.ndarray, np.ndarray]:
-    """The box of a parameter's fitted coordinates: [-log r, log r] for the bounded
-    calibration temperatures, unbounded otherwise."""
-    r = math.log(calib_range) if name in _BOUNDED and calib_range else math.inf
+def _box(name: str, settings: "FitSettings") -> float:
+    """r of a parameter's box, [1/r, r] for a positive one (its log coordinate in
+    [-log r, log r]) and [-log r, log r] for the weight logits ``_w``; 0: unbounded.
+    The calibration temperatures take ``calib_range``, every other positive parameter
+    and the weight logits ``param_range``."""
+    if name in _BOUNDED:
+        return float(settings.calib_range)
+    if name in _POSITIVE or name == "_w":
+        return float(settings.param_range)
+    return 0.0
+
+
+def _bounds(name: str, size: int, box: float) -> tuple[np.ndarray, np.ndarray]:
+    """The box of a parameter's fitted coordinates: [-log r, log r] for r = ``box``
+    (:func:`_box`), unbounded for 0."""
+    r = math.log(box) if box else math.inf
     return np.full(size, -r), np.full(size, r)
 
 
@@ -329,6 +342,12 @@ class FitSettings:
       calib_range: the calibrated variant's temperatures lie in
         [1/calib_range, calib_range] (0: unbounded; the calibrated objectives then
         have no minimum, see the README).
+      param_range: every other positive parameter (a phase map's rate and scale, a
+        temperature, a threshold) lies in [1/param_range, param_range], and the
+        member weights' logits within +-log(param_range) (0: unbounded). A fit whose
+        infimum lies at 0 or infinity (a sigmoid's rate running off to a step, a
+        scale shrinking to 0) then ends on the bound, where it repeats, instead of
+        wherever a line search gave up along a flat valley.
       precondition: each run starts L-BFGS's inverse-Hessian estimate from the
         empirical Fisher information of its start (the outer products of every
         position's NLL gradient) instead of a scaled identity. Off in the study: on
@@ -349,6 +368,7 @@ class FitSettings:
     subsample: int = 1024
     polish: int = 2
     calib_range: float = 1000.0
+    param_range: float = 1000.0
     precondition: bool = False
     perturb: str = ""
 
@@ -628,7 +648,7 @@ class _Problem:
     """
 
     def __init__(self, spec: MethodSpec, table: EventTable, settings: FitSettings):
-        self.spec, self.table, self.calib_range = spec, table, float(settings.calib_range)
+        self.spec, self.table, self.settings = spec, table, settings
         self.perturb = perturbations(settings.perturb)
         declared = get_method(spec.method).params
         n = self.n = table.logp.shape[1]
@@ -687,7 +707,7 @@ class _Problem:
         self.layout = _Layout({k: values0[k] for k in free})
         self.free_idx = np.concatenate(
             [self.all.slice_of(k) for k in self.layout.keys] or [np.zeros(0, np.int64)])
-        box = [_bounds(k, size, self.calib_range)
+        box = [_bounds(k, size, _box(k, self.settings))
                for k, size in zip(self.layout.keys, self.layout.sizes)]
         self.lower = np.concatenate([b[0] for b in box] or [np.zeros(0)])
         self.upper = np.concatenate([b[1] for b in box] or [np.zeros(0)])
@@ -695,7 +715,7 @@ class _Problem:
         self._consts = None  # (base_w, wmode, phase_index) on the device
 
     def _free(self, k, v):
-        return _to_free(k, v, self.calib_range, xp=np)
+        return _to_free(k, v, _box(k, self.settings), xp=np)
 
     def grid_points(self) -> list[dict]:
         grid = dict(self.spec.grid)
@@ -705,7 +725,7 @@ class _Problem:
         """The warm fit's values of this spec's free parameters (or the initial values
         without one), then each other fit's (their other parameters at the initial
         values); duplicates dropped."""
-        out = [] if warm is not None else [self.layout.initial]
+        out = [] if warm is not None else [np.clip(self.layout.initial, self.lower, self.upper)]
         for f in [warm, *others] if warm is not None else others:
             values = {k: self.values0[k] for k in self.layout.keys}
             for k in self.keys:
@@ -714,7 +734,7 @@ class _Problem:
             if self.mode == "logits" and np.shape(f.weights) == (self.n,):
                 logw = np.log(np.clip(np.asarray(f.weights, np.float64), 1e-6, None))
                 values["_w"] = logw[1:] - logw[0]
-            x = self.layout.flatten(values)
+            x = np.clip(self.layout.flatten(values), self.lower, self.upper)
             if all(np.max(np.abs(x - y), initial=0.0) > 1e-6 for y in out):
                 out.append(x)
         return out
@@ -724,11 +744,12 @@ class _Problem:
 
     def random_starts(self, k: int, point: int) -> list[np.ndarray]:
         """``k`` random starts at grid point ``point``, from a generator seeded by the
-        spec (and the point) alone: weight logits ~ N(0, 1), phase offsets uniform on
-        the circle, log temperatures of the calibrated variant uniform within e^-1..e
-        (the post-fusion one within e^-0.7..e^0.7) of their initial values, other
-        parameters around their initial values (positive ones by a factor e^N(0, 0.7),
-        the rest by N(0, 0.5 max(1, |x|))); each inside its box."""
+        spec (and the point) alone, spread wide (basins far from the initial values are
+        what they are for): weight logits ~ N(0, 1.5), phase offsets uniform on the
+        circle, the calibrated variant's log temperatures uniform within 1.5 (members)
+        and 1 (post-fusion) of their initial values, every other positive parameter's
+        log uniform within 2.5 of its initial value's, the rest around their initial
+        values by N(0, max(1, |x|)); each inside its box."""
         if k <= 0 or not self.layout.size:
             return []
         digest = hashlib.sha256(f"{self.spec.key()}|{point}".encode()).digest()
@@ -740,17 +761,17 @@ class _Problem:
             for key, shape in zip(self.layout.keys, self.layout.shapes):
                 x0 = np.asarray(base[key], np.float64)
                 if key == "_w":
-                    v = rng.normal(0.0, 1.0, shape)
+                    v = rng.normal(0.0, 1.5, shape)
                 elif key == "phase.offset":
                     v = rng.uniform(-math.pi, math.pi, shape)
                 elif key == "calib.member_temperature":
-                    v = x0 + rng.uniform(-1.0, 1.0, shape)
+                    v = x0 + rng.uniform(-1.5, 1.5, shape)
                 elif key == "calib.temperature":
-                    v = x0 + rng.uniform(-0.7, 0.7, shape)
+                    v = x0 + rng.uniform(-1.0, 1.0, shape)
                 elif key in _POSITIVE:
-                    v = x0 + rng.normal(0.0, 0.7, shape)
+                    v = x0 + rng.uniform(-2.5, 2.5, shape)
                 else:
-                    v = x0 + rng.normal(0.0, 0.5, shape) * np.maximum(1.0, np.abs(x0))
+                    v = x0 + rng.normal(0.0, 1.0, shape) * np.maximum(1.0, np.abs(x0))
                 values[key] = v
             out.append(np.clip(self.layout.flatten(values), self.lower, self.upper))
         return out

@@ -403,6 +403,13 @@ def _variants_check(where: str, allow_empty: bool = False):
     return check
 
 
+def _perturbation_check(value):
+    try:
+        perturbations(value)
+    except ValueError as e:
+        raise ValidationError(str(e)) from None
+
+
 def _corpora_check(value):
     for c in _corpora(value):
         if c.name not in corpus_lib.CORPORA and not os.path.isfile(c.name):
@@ -437,6 +444,11 @@ SCHEMA = {
     "fit.gtol": S.number(0, 1, low_open=True, high_open=True),
     "fit.calib_range": S.number(1, None, low_open=True, special=(0, 0.0),
                                 note="0: unbounded"),
+    "fit.param_range": S.number(1, None, low_open=True, special=(0, 0.0),
+                                note="0: unbounded"),
+    "fit.starts": S.integer(0, 1000),
+    "fit.perturb": S.text(check=_perturbation_check),
+    "stability": S.text(check=_perturbation_check, note="'': off"),
     "stats.n_boot": S.integer(10, S.RESAMPLES_MAX),
     "stats.n_perm": S.integer(10, S.RESAMPLES_MAX),
     "stats.seed": S.seed(),
@@ -511,7 +523,10 @@ def from_config(cfg) -> Plan:
         raise ValidationError(f"topk_sensitivity ({k2}) must exceed scoring.top_k "
                               f"({scoring.top_k}), or be 0 (off)")
     fit = FitSettings(max_iter=int(cfg.fit.max_iter), ftol=float(cfg.fit.ftol),
-                      gtol=float(cfg.fit.gtol), calib_range=float(cfg.fit.calib_range))
+                      gtol=float(cfg.fit.gtol), calib_range=float(cfg.fit.calib_range),
+                      param_range=float(cfg.fit.get("param_range", 1000.0)),
+                      starts=int(cfg.fit.get("starts", FitSettings.starts)),
+                      perturb=str(cfg.fit.get("perturb", "") or ""))
     st = cfg.stats
     stats = StatsSettings(int(st.n_boot), int(st.n_perm), int(st.seed),
                           float(st.forking_top_fraction))
@@ -521,10 +536,6 @@ def from_config(cfg) -> Plan:
     bottleneck = BottleneckSettings(int(cfg.bottleneck.positions), int(cfg.bottleneck.top_k))
     byte_settings = _byte_settings(cfg.get("bytes"))
     stability = str(cfg.get("stability", "") or "")
-    try:
-        perturbations(stability)
-    except ValueError as e:
-        raise ValidationError(f"stability: {e}") from None
     plan = Plan(members=members, corpora=tuple(_corpora(cfg.corpora)), methods=methods,
                 phase_maps=phase_maps, variants=variants, nll_baselines=baselines,
                 sweep=tuple(_sweep(cfg.sweep)), scoring=scoring, fit=fit, stats=stats,

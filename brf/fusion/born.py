@@ -78,18 +78,25 @@ def xla_sincos(on: bool = True):
         _XLA_SINCOS.reset(token)
 
 
-@jax.custom_jvp
 def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sin x, cos x): for float32, within 1.2e-7 of the exact values (about 2 ulp;
-    tested for |x| <= 3000); float64 and non-float input, and any input inside
+    tested for |x| <= 3000); float64 and non-float input, and any input traced inside
     :func:`xla_sincos`, as jnp.sin and jnp.cos.
 
     Its derivative reuses the values (d sin = cos dx, d cos = -sin dx) instead of
-    evaluating them again."""
+    evaluating them again. (A plain function choosing between two: JAX caches the trace
+    of a custom_jvp function by its inputs' shapes, so one function could not follow
+    the context.)"""
     x = jnp.asarray(x)
     if (x.dtype == jnp.float64 or not jnp.issubdtype(x.dtype, jnp.floating)
             or _XLA_SINCOS.get()):
         return jnp.sin(x), jnp.cos(x)
+    return _sincos32(x)
+
+
+@jax.custom_jvp
+def _sincos32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`sincos` by the polynomials (a floating ``x``, computed in float32)."""
     dtype, x = x.dtype, x.astype(jnp.float32)
     j = jnp.round(x * (2.0 / 3.141592653589793))
     r = ((x - j * _PIO2[0]) - j * _PIO2[1]) - j * _PIO2[2]
@@ -103,10 +110,10 @@ def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return sin.astype(dtype), cos.astype(dtype)
 
 
-@sincos.defjvp
+@_sincos32.defjvp
 def _sincos_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
-    s, c = sincos(x)
+    s, c = _sincos32(x)
     return (s, c), (c * dx, -s * dx)
 
 
