@@ -9,10 +9,12 @@ import os
 
 import jax
 
+from brf import cachefiles
 from brf.checkpoints.registry import cache_dir
+from brf.errors import UserError
 
 
-def enable_compilation_cache(path: str | None = None) -> str:
+def enable_compilation_cache(path: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache (every executable is kept).
 
     A second run of the same job then loads its executables instead of
@@ -23,12 +25,30 @@ def enable_compilation_cache(path: str | None = None) -> str:
         path: cache directory (default ``$BRF_CACHE/jax_cache``).
 
     Returns:
-        The directory used.
+        The directory used; None when the default one cannot be made (the run
+        compiles without a persistent cache).
+
+    Raises:
+        UserError: ``path`` was given and cannot be written (one line, naming it).
+
+    The default directory inside a cache that cannot be written (a read-only
+    file system) is read, not written: the programs it holds are used, new ones
+    are not stored (``jax_persistent_cache_min_compile_time_secs`` set out of
+    reach), with one warning line (:mod:`brf.cachefiles`).
     """
+    given = path is not None
     path = os.path.abspath(os.path.expanduser(path or os.path.join(cache_dir(), "jax_cache")))
-    os.makedirs(path, exist_ok=True)
+    reason = cachefiles.unwritable(path)
+    if reason and given:
+        raise UserError(f"the compilation cache folder {path} cannot be written ({reason}); "
+                        "give a writable one, or none for $BRF_CACHE/jax_cache")
+    if reason and not os.path.isdir(path):
+        return None  # nothing to read either; a cache that lacks the models ends the run
+    if reason:
+        cachefiles.warn_unwritable(cache_dir(), reason)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float("inf") if reason else 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return path
 
