@@ -9,11 +9,12 @@
 See configs/generate.py for every field.
 """
 
+from brf import cli  # first: Ctrl-C during the imports below ends in one line too
+
 import json
 
 from ml_collections import config_flags
 
-from brf import cli
 from brf.ensemble.run import Request, precision_line, print_stream, run, speculative_line
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py")
