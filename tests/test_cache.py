@@ -143,6 +143,21 @@ def test_convert_into_an_existing_directory_names_the_flag(tmp_path):
                         "--overwrite to replace it"), lines
 
 
+def test_an_unwritable_compilation_cache_dir_is_one_line(tmp_path):
+    """The study's explicit compilation cache folder, refused before anything is
+    scored (it was a traceback after scoring and fitting)."""
+    (tmp_path / "file").write_text("")
+    res = subprocess.run([sys.executable, "experiments/validate.py",
+                          "--config=configs/validate.py:short",
+                          f"--config.compilation_cache_dir={tmp_path}/file/jax",
+                          f"--config.out_dir={tmp_path}/run"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert lines[0].startswith(f"validate.py: error: the compilation cache folder "
+                               f"{tmp_path}/file/jax cannot be written (Not a directory)"), lines
+
+
 # --- a read-only cache ------------------------------------------------------------------
 
 def _mount_read_only(folder: pathlib.Path) -> list[str] | None:
