@@ -317,7 +317,7 @@ class FitSettings:
       polish: how many grid points are polished on all positions.
       calib_range: the calibrated variant's temperatures lie in
         [1/calib_range, calib_range] (0: unbounded; the calibrated objectives then
-        have no minimum, see the README).
+        have no minimum, see docs/study.md, "Fits").
       precondition: each run starts L-BFGS's inverse-Hessian estimate from the
         empirical Fisher information of its start (the outer products of every
         position's NLL gradient) instead of a scaled identity. Off in the study: on
