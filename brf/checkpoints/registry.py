@@ -344,5 +344,5 @@ def _state(ckpt: str, path: str, name: str | None) -> tuple[str, str]:
     return ("ok" if fingerprint == _fingerprint(path, name) else "stale"), ""
 
 
-__all__ = ["MODELS", "CacheError", "Model", "cache_dir", "cache_path", "convert", "load", "load_module",
-           "read_source", "resolve"]
+__all__ = ["MODELS", "CacheError", "Model", "cache_dir", "cache_path", "convert", "load",
+           "load_module", "read_source", "resolve"]
