@@ -158,6 +158,40 @@ def test_an_unwritable_compilation_cache_dir_is_one_line(tmp_path):
                                f"{tmp_path}/file/jax cannot be written (Not a directory)"), lines
 
 
+COMPILE = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    from brf.runtime import enable_compilation_cache
+    enable_compilation_cache(sys.argv[1])
+    print(float(jax.jit(lambda x: jnp.sin(x).sum() * 3)(jnp.ones(5))))
+""")
+
+
+def test_a_damaged_compiled_program_is_named_and_stored_anew(tmp_path):
+    """JAX never replaces a stored program, so one cut short gave the same two-line
+    warning on every run; it is named in one line and stored again."""
+    cache = tmp_path / "jax_cache"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+    def run():
+        res = subprocess.run([sys.executable, "-c", COMPILE, str(cache)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert abs(float(res.stdout) - 15 * np.sin(1.0)) < 1e-5, res.stdout
+        return [ln for ln in res.stderr.splitlines() if ln.strip()]
+
+    assert run() == []
+    (entry,) = cache.glob("jit__lambda-*-cache")
+    size = entry.stat().st_size
+    _truncate(entry, 0.1)
+    lines = run()
+    assert len(lines) == 1 and f"{cache}/jit__lambda-*" in lines[0], lines
+    assert "cannot be read" in lines[0] and "stored anew" in lines[0], lines
+    assert entry.stat().st_size == size
+    assert run() == []
+
+
 # --- a read-only cache ------------------------------------------------------------------
 
 def _mount_read_only(folder: pathlib.Path) -> list[str] | None:
