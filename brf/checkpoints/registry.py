@@ -29,7 +29,6 @@ import hashlib
 import importlib
 import importlib.util
 import os
-import sys
 import uuid
 from typing import Any, Callable, NamedTuple
 
@@ -320,9 +319,6 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
             "writable folder".split()))
     if state == "damaged":
         cachefiles.warn_damaged("the model checkpoint", ckpt, why, "it is converted again")
-    if progress:
-        print(f"converting {source} into {ckpt} (once: later runs read it from there)",
-              file=sys.stderr, flush=True)
     try:
         convert(source, ckpt, overwrite=os.path.exists(ckpt), progress=progress)
     except FileExistsError:  # another process finished the same conversion first
