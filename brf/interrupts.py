@@ -183,14 +183,16 @@ def _deadline() -> None:
 
 def install(prog: str | None = None) -> bool:
     """Sets this process up as the module docstring says (once; later calls only
-    update the program's name). Returns False where it cannot be (not the main
-    thread)."""
+    update the program's name). Returns False where it is not: not the main
+    thread, or SIGINT ignored (as Python itself leaves it then)."""
     if prog:
         _state["prog"] = prog
     if _state["installed"]:
         return True
     if threading.current_thread() is not threading.main_thread():
         return False
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return False  # started with SIGINT ignored (a shell's background job): so it stays
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.signal(signal.SIGINT, _on_sigint)
