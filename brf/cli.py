@@ -5,7 +5,7 @@ Usage, at the bottom of a main::
     if __name__ == "__main__":
         cli.run(main)
 
-``run`` is ``absl.app.run`` with three additions:
+``run`` is ``absl.app.run`` with these additions:
 
 - a :class:`brf.errors.UserError` raised anywhere under ``main`` (an unknown
   model, method or phase map, a bad file, a bad value) ends the program with one
@@ -16,7 +16,11 @@ Usage, at the bottom of a main::
   also ends in one line and exit status 2;
 - an interrupt (Ctrl-C, SIGINT) ends the program with one line
   ``<program>: interrupted`` on stderr and exit status 130 (128 + SIGINT, as a
-  shell reports a program killed by it), no traceback.
+  shell reports a program killed by it), no traceback, wherever it lands
+  (:mod:`brf.interrupts` says how);
+- a closed standard output (``main | head -1``) ends the program quietly, at
+  once, with exit status 141 (128 + SIGPIPE), as a Unix tool killed by SIGPIPE
+  ends: nothing more is computed for a reader that has gone.
 
 Mains call :func:`check_writable` on what they will write before the
 expensive work (loading a model, scoring, analysing), so a wrong output path
@@ -29,6 +33,8 @@ import errno
 import gc
 import os
 import re
+import select
+import stat
 import sys
 import tempfile
 import traceback
@@ -36,6 +42,7 @@ from typing import Callable
 
 from absl import app, flags, logging
 
+from brf import interrupts
 from brf.errors import UserError
 
 # transformers, imported without PyTorch (brf uses its tokenizers, never its models),
@@ -165,37 +172,67 @@ def _parse_flags(argv: list[str]) -> list[str]:
     return rest
 
 
-INTERRUPTED = 130  # exit status after Ctrl-C: 128 + SIGINT
+INTERRUPTED = interrupts.STATUS  # exit status after Ctrl-C: 128 + SIGINT
+CLOSED_STDOUT = 141  # exit status when the reader of stdout has gone: 128 + SIGPIPE
 
 
 def interrupted(prog: str | None = None) -> None:
-    """Prints one line saying the program was interrupted and exits with status 130."""
-    prog = prog or os.path.basename(sys.argv[0] or "brf")
+    """Prints one line saying the program was interrupted and ends it with status 130."""
+    if prog:
+        interrupts.install(prog)
+    interrupts.exit_interrupted()
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe or socket whose reader has gone."""
     try:
-        sys.stdout.flush()  # what the program printed comes before the line
+        fd = sys.stdout.fileno()
+        mode = os.fstat(fd).st_mode
+    except (AttributeError, OSError, ValueError):
+        return False
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+
+
+def _end_closed_stdout() -> None:
+    """Ends the program quietly with status 141, as SIGPIPE would end it: what is
+    still buffered for stdout has no reader, so nothing is flushed there."""
+    try:
+        sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    # On a new line: Ctrl-C often lands in the middle of a progress bar.
-    print(f"\n{prog}: interrupted", file=sys.stderr)
-    sys.exit(INTERRUPTED)
+    os._exit(CLOSED_STDOUT)
 
 
 def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> None:
     """``absl.app.run(main)`` with user errors as one line (exit 2), an interrupt as
-    one line (exit 130) and quiet logs."""
+    one line (exit 130), a closed stdout as a quiet end (exit 141) and quiet logs."""
+    interrupts.install(os.path.basename(sys.argv[0] or "brf"))
+    interrupts.set_phase("start")
 
     def wrapped(args):
         quiet()
+        interrupts.set_phase("main")
         try:
-            return main(args)
+            status = main(args)
+            sys.stdout.flush()  # a reader that has gone shows here at the latest
         except UserError as e:
             fail(str(e))
+        interrupts.set_phase("end")
+        return status
 
     try:
         app.run(wrapped, argv=argv, flags_parser=_parse_flags)
-    except KeyboardInterrupt as e:  # Ctrl-C while parsing flags or running main
-        # What the interrupted frames held (a progress bar) is closed now, so that
-        # its last redraw comes before the line, not after it.
+    except KeyboardInterrupt as e:  # Ctrl-C while running main
+        # What the interrupted frames held (a progress bar, a file being written)
+        # is closed now, so that its last redraw comes before the line.
         traceback.clear_frames(e.__traceback__)
         gc.collect()
-        interrupted()
+        interrupts.exit_interrupted()
+    except OSError as e:
+        if e.errno == errno.EPIPE and _stdout_closed():
+            _end_closed_stdout()
+        raise

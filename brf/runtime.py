@@ -6,13 +6,17 @@ import ctypes
 import functools
 import gc
 import os
+import re
+import warnings
 
 import jax
 
+from brf import cachefiles
 from brf.checkpoints.registry import cache_dir
+from brf.errors import UserError
 
 
-def enable_compilation_cache(path: str | None = None) -> str:
+def enable_compilation_cache(path: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache (every executable is kept).
 
     A second run of the same job then loads its executables instead of
@@ -23,14 +27,67 @@ def enable_compilation_cache(path: str | None = None) -> str:
         path: cache directory (default ``$BRF_CACHE/jax_cache``).
 
     Returns:
-        The directory used.
+        The directory used; None when the default one cannot be made (the run
+        compiles without a persistent cache).
+
+    Raises:
+        UserError: ``path`` was given and cannot be written (one line, naming it).
+
+    The default directory inside a cache that cannot be written (a read-only
+    file system) is read, not written: the programs it holds are used, new ones
+    are not stored (``jax_persistent_cache_min_compile_time_secs`` set out of
+    reach), with one warning line (:mod:`brf.cachefiles`).
     """
+    given = path is not None
     path = os.path.abspath(os.path.expanduser(path or os.path.join(cache_dir(), "jax_cache")))
-    os.makedirs(path, exist_ok=True)
+    reason = cachefiles.unwritable(path)
+    if reason and given:
+        raise UserError(f"the compilation cache folder {path} cannot be written ({reason}); "
+                        "give a writable one, or none for $BRF_CACHE/jax_cache")
+    if reason and not os.path.isdir(path):
+        return None  # nothing to read either; a cache that lacks the models ends the run
+    if reason:
+        cachefiles.warn_unwritable(cache_dir(), reason)
+    _watch_damaged_entries(path, writable=not reason)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float("inf") if reason else 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return path
+
+
+# JAX's words when a stored program cannot be read back (jax/_src/compiler.py): the
+# module's name, or the entry's key (the module's name and a hash).
+_UNREADABLE = re.compile(r"Error reading persistent compilation cache entry for '([^']+)': "
+                         r"(.*)", re.S)
+
+
+def _watch_damaged_entries(path: str, writable: bool) -> None:
+    """A compiled program that cannot be read back (a file cut short) is named in one
+    warning line and its entries are removed, so that JAX stores the program it now
+    compiles (it never replaces an existing entry: left alone, the same two-line
+    warning came back on every run). Other warnings are shown as before."""
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        m = _UNREADABLE.match(str(message))
+        if m is None:
+            return previous(message, category, filename, lineno, file, line)
+        name, why = m.groups()
+        entry = re.compile(re.escape(name) + r"(-[0-9a-f]+)?-cache")
+        action = "it is compiled again"
+        if writable:
+            try:
+                for f in os.listdir(path):
+                    if entry.fullmatch(f):
+                        os.remove(os.path.join(path, f))
+                action += " and stored anew"
+            except OSError:
+                pass
+        cachefiles.warn_damaged("the compiled program", os.path.join(path, f"{name}-*"),
+                                why, action)
+
+    warnings.showwarning = show
 
 
 # Below this much resident memory the study's releases are skipped: a program that

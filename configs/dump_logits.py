@@ -1,4 +1,4 @@
-"""Dump one model's logits to a logit CSV (format: brf/eval/logit_csv.py, README "Logit CSVs").
+"""Dump one model's logits to a logit CSV (format: brf/eval/logit_csv.py, docs/csv.md).
 
 Score a text (teacher-forced; default: the validation's Hamlet slice):
   python experiments/dump_logits.py --config=configs/dump_logits.py --config.output=runs/smollm2.csv

@@ -121,7 +121,7 @@ def get_config(arg=None):
     ))
     # Fits: full-batch L-BFGS on the calibration NLL (brf/eval/fitting.py). The
     # calibrated variant's temperatures lie in [1/calib_range, calib_range] (0 =
-    # unbounded; README, "Fits").
+    # unbounded; docs/study.md, "Fits").
     # Each fit starts from its initial values (its proposed fit, for a calibrated row) and
     # `starts` random points, screened and polished (brf/eval/fitting.py); every other
     # positive parameter lies in [1/param_range, param_range]. `perturb` refits under
@@ -143,7 +143,7 @@ def get_config(arg=None):
     # support of each member's top `top_k` tokens.
     c.bottleneck = ml_collections.ConfigDict(dict(positions=64, top_k=256))
     c.topk_sensitivity = 256           # event space from top-256 strings on corpus 1 (0 = off)
-    # The study on every byte (README, "The study on every byte"): every member's
+    # The study on every byte (docs/study.md, "The study on every byte"): every member's
     # next-byte distributions over every byte of a span of each corpus (max_chars,
     # below), the same analyses as on co-aligned positions (default pair; with
     # prompts=True the prefix pair, same-model pair and swarm), and which verdicts
@@ -188,7 +188,7 @@ def get_config(arg=None):
         c.stats.n_perm = 300
         c.stats.n_boot = 300
         # Byte-level scoring of the real models is far slower than token-level
-        # scoring (README, "The study on every byte"): CI's short run keeps it off;
+        # scoring (docs/study.md, "The study on every byte"): CI's short run keeps it off;
         # the tests run the byte level on tiny models.
         c.bytes.enabled = False
         c.out_dir = "runs/validate-short"

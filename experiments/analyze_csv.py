@@ -5,9 +5,10 @@
 See configs/analyze_csv.py and brf/eval/csv_analysis.py.
 """
 
+from brf import cli  # first: Ctrl-C during the imports below ends in one line too
+
 from ml_collections import config_flags
 
-from brf import cli
 from brf.eval.csv_analysis import check_config, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", cli.default_config("analyze_csv.py"))

@@ -6,27 +6,34 @@ file or a Hugging Face directory. Without --out the checkpoint goes to the cache
 
   python experiments/convert.py --source=smollm2-135m-instruct
   python experiments/convert.py --source=path/to/model.gguf --out=/tmp/ckpt --overwrite
+
+An existing checkpoint at --out is replaced only with --overwrite (else one line,
+exit status 2).
 """
 
 import os
 import time
 
 from absl import flags
-import jax
 
-from brf import cli
+from brf import cli  # before jax: Ctrl-C while it loads ends in one line too
 from brf.checkpoints import registry, store
+from brf.errors import UserError
+import jax
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("source", "smollm2-135m-instruct", "model name, .gguf file or HF dir")
 flags.DEFINE_string("out", None, "checkpoint directory (default: the cache path)")
-flags.DEFINE_bool("overwrite", False, "replace an existing checkpoint")
+flags.DEFINE_bool("overwrite", False, "replace an existing checkpoint at --out (without it, "
+                  "an existing one is refused)")
 flags.DEFINE_string("prompt", "The capital of France is", "tokenized as a smoke check")
 
 
 def main(argv):
     del argv
     out = FLAGS.out or registry.cache_path(FLAGS.source)
+    if os.path.lexists(out) and not FLAGS.overwrite:
+        raise UserError(f"--out={out} exists; pass --overwrite to replace it")
     # The checkpoint is written next to `out` and renamed into place.
     cli.check_writable(os.path.dirname(os.path.abspath(out)), "the folder of --out",
                        directory=True)

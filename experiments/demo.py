@@ -3,9 +3,10 @@
   python experiments/demo.py --config=configs/demo.py
 """
 
+from brf import cli  # first: Ctrl-C during the imports below ends in one line too
+
 from ml_collections import config_flags
 
-from brf import cli
 from brf.eval.tables import check_config, cross_terms_table, fusion_table
 
 _CONFIG = config_flags.DEFINE_config_file("config", cli.default_config("demo.py"))

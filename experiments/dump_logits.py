@@ -5,9 +5,10 @@
 See configs/dump_logits.py for every field and brf/eval/logit_csv.py for the format.
 """
 
+from brf import cli  # first: Ctrl-C during the imports below ends in one line too
+
 from ml_collections import config_flags
 
-from brf import cli
 from brf.eval.dump import check_config, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", cli.default_config("dump_logits.py"))

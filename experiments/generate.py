@@ -11,13 +11,14 @@ as it comes instead, --config.output=FILE writes one JSON row per prompt (and
 --config.output=- prints those rows). See configs/generate.py for every field.
 """
 
+from brf import cli  # first: Ctrl-C during the imports below ends in one line too
+
 import contextlib
 import json
 import sys
 
 from ml_collections import config_flags
 
-from brf import cli
 from brf.ensemble.run import (Request, precision_line, print_stream, print_texts, run,
                               speculative_line)
 

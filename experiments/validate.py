@@ -8,9 +8,11 @@ each corpus's bytes/), reusing the member scores and fits stored there by an
 earlier (possibly interrupted) run.
 """
 
+from brf import cli  # first: Ctrl-C during the imports below ends in one line too
+
 from ml_collections import config_flags
 
-from brf import cli, sharding
+from brf import sharding
 from brf.eval import plan as plan_lib
 from brf.eval.study import run
 from brf.runtime import enable_compilation_cache

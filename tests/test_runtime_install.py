@@ -5,10 +5,10 @@ extras (torch, pytest, nbclient, ...), and they pull in more than they name: a
 runtime dependency that only an extra brought (jinja2, for the chat templates:
 issue 37) passes every other test and fails for a user. This file builds a fresh
 virtual environment, runs README's runtime install in it, checks that no test
-extra is there, and runs each main the README documents on tiny settings with
-that environment's python: the study (``:short``, shrunk), generation on tokens
-and on bytes, a logit dump with and without a system prompt, their CSV analysis,
-and the demo. Converted checkpoints and compiled programs are shared with the
+extra is there, and runs each main README.md and docs/ document on tiny settings
+with that environment's python: the study (``:short``, shrunk), generation on
+tokens and on bytes, a logit dump with and without a system prompt, their CSV
+analysis, and the demo (tests/test_docs.py parses every command the pages show). Converted checkpoints and compiled programs are shared with the
 rest of the suite through ``$BRF_CACHE`` and the JAX compilation cache.
 
 It takes minutes, half of them the install (a fresh environment of jax, scipy,

@@ -32,6 +32,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from brf import cachefiles
 from brf.align.vocab import TokenTable
 
 CONTROL = 0
@@ -142,8 +143,12 @@ def save_union(path: str | os.PathLike, table: UnionTable) -> None:
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # a write that failed (a full disk) leaves nothing
+            os.remove(tmp)
 
 
 def load_union(path: str | os.PathLike) -> UnionTable:
@@ -174,7 +179,9 @@ def union_table(tables: Sequence[TokenTable], cache_dir: str | os.PathLike | Non
     Args:
         tables: one TokenTable per member.
         cache_dir: if given, also read / write `<cache_dir>/union-<key>.npz`
-            (key from the members' digests; a file whose digests differ is rebuilt).
+            (key from the members' digests; a file whose digests differ is rebuilt;
+            one that cannot be read back is named in a warning and rebuilt; where
+            the folder cannot be written the table stays in memory: brf.cachefiles).
 
     Returns:
         The UnionTable (the same object on every call in this process).
@@ -186,14 +193,15 @@ def union_table(tables: Sequence[TokenTable], cache_dir: str | os.PathLike | Non
     table = None
     path = None if cache_dir is None else os.path.join(os.fspath(cache_dir),
                                                        f"union-{key}.npz")
-    if path is not None and os.path.isfile(path):
-        loaded = load_union(path)
-        if loaded.digests == digests:
-            table = loaded
+    loaded = None if path is None else cachefiles.read_entry(path, load_union,
+                                                             "the union vocabulary table")
+    if loaded is not None and loaded.digests == digests:
+        table = loaded
     if table is None:
         table = build_union(tables)
         if path is not None:
-            save_union(path, table)
+            cachefiles.write_entry(path, lambda p: save_union(p, table),
+                                   os.path.dirname(os.fspath(cache_dir)))
     _MEMORY[key] = table
     return table
 

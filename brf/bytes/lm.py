@@ -93,7 +93,7 @@ class ByteLM:
             brf.checkpoints.registry.ModelSourceError: an unknown member (UserError).
         """
         from brf.checkpoints import registry
-        model = registry.load(source, progress=False)
+        model = registry.load(source)  # bars only while a first use converts
         kwargs.setdefault("cache_dir", default_cache_dir())
         return cls(model.params, model.cfg, model.tokenizer, name=source, **kwargs)
 

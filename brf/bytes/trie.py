@@ -25,6 +25,7 @@ import os
 
 import numpy as np
 
+from brf import cachefiles
 from brf.align.vocab import TokenTable
 from brf.errors import UserError
 
@@ -202,22 +203,28 @@ def save_trie(path: str | os.PathLike, trie: ByteTrie) -> None:
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, **{name: getattr(trie, name) for name in ByteTrie._ARRAYS},
-             _kind=np.asarray(trie.kind), _digest=np.asarray(trie.digest),
-             _vocab_size=np.asarray(trie.vocab_size), _version=np.asarray(TRIE_VERSION))
-    os.replace(tmp, path)
+    try:
+        np.savez(tmp, **{name: getattr(trie, name) for name in ByteTrie._ARRAYS},
+                 _kind=np.asarray(trie.kind), _digest=np.asarray(trie.digest),
+                 _vocab_size=np.asarray(trie.vocab_size), _version=np.asarray(TRIE_VERSION))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # a write that failed (a full disk) leaves nothing
+            os.remove(tmp)
 
 
 def load_trie(path: str | os.PathLike) -> ByteTrie | None:
-    """Reads a trie written by `save_trie`; None when unreadable or of another version."""
-    try:
-        with np.load(os.fspath(path)) as z:
-            if int(z["_version"]) != TRIE_VERSION:
-                return None
-            return ByteTrie(str(z["_kind"]), str(z["_digest"]), int(z["_vocab_size"]),
-                            **{name: z[name] for name in ByteTrie._ARRAYS})
-    except (OSError, ValueError, KeyError, EOFError):
-        return None
+    """Reads a trie written by `save_trie`; None when of another version.
+
+    Raises:
+        OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile: the file
+            cannot be read back (truncated, not an .npz, arrays missing).
+    """
+    with np.load(os.fspath(path)) as z:
+        if int(z["_version"]) != TRIE_VERSION:
+            return None
+        return ByteTrie(str(z["_kind"]), str(z["_digest"]), int(z["_vocab_size"]),
+                        **{name: z[name] for name in ByteTrie._ARRAYS})
 
 
 _MEMORY: dict[str, ByteTrie] = {}
@@ -229,7 +236,9 @@ def byte_trie(table: TokenTable, cache_dir: str | os.PathLike | None = None) -> 
     Args:
         table: the vocabulary's TokenTable.
         cache_dir: if given, also read / write ``<cache_dir>/trie-<digest>.npz``
-            (a file of another vocabulary or version is rebuilt).
+            (a file of another vocabulary or version is rebuilt; one that cannot
+            be read back is named in a warning and rebuilt; where the folder
+            cannot be written the trie stays in memory: brf.cachefiles).
 
     Returns:
         The ByteTrie (the same object on every call in this process).
@@ -238,13 +247,14 @@ def byte_trie(table: TokenTable, cache_dir: str | os.PathLike | None = None) -> 
         return _MEMORY[table.digest]
     path = None if cache_dir is None else os.path.join(os.fspath(cache_dir),
                                                        f"trie-{table.digest[:24]}.npz")
-    trie = load_trie(path) if path is not None and os.path.isfile(path) else None
+    trie = None if path is None else cachefiles.read_entry(path, load_trie, "the byte trie")
     if trie is not None and trie.digest != table.digest:
         trie = None
     if trie is None:
         trie = build_trie(table)
         if path is not None:
-            save_trie(path, trie)
+            cachefiles.write_entry(path, lambda p: save_trie(p, trie),
+                                   os.path.dirname(os.fspath(cache_dir)))
     _MEMORY[table.digest] = trie
     return trie
 

@@ -13,6 +13,14 @@ A *source* is one of:
 directory ($BRF_CACHE, default ~/.cache/brf) and restores it from there on
 every later call, which skips dequantization and tokenizer building.
 `load_module(source)` does the same and returns the model as a flax.nnx module.
+
+A checkpoint records what it was converted from (its *fingerprint*) and is
+converted again when the source changes. A registered model is known by its
+name and its file's size and content (the first and last MiB hashed), not by
+where the file lies, so a cache copied or moved elsewhere, or read by another
+installation, stays valid. A damaged checkpoint is named in one warning and
+converted again; a cache that cannot be written is read as it is, and a model
+it lacks ends the run in one line naming the cache (brf/cachefiles.py).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from brf import cachefiles
 from brf.checkpoints import store
 from brf.errors import UserError
 from brf.models.config import ModelConfig
@@ -68,8 +77,17 @@ def _gemma3_270m() -> str:
             from None
     target = os.path.join(cache_dir(), "sources", pkg.MODEL_NAME)
     if os.path.isfile(target):
-        return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+        expected = sum(os.path.getsize(p) for p in pkg.chunk_paths())
+        if os.path.getsize(target) == expected:
+            return target
+        cachefiles.warn_damaged("the assembled GGUF", target,
+                                f"{os.path.getsize(target)} bytes, {expected} expected",
+                                "it is assembled again")
+    reason = cachefiles.unwritable(os.path.dirname(target))
+    if reason:
+        raise CacheError(f"the model cache {cache_dir()} cannot be written ({reason}) and "
+                         f"holds no usable {pkg.MODEL_NAME}; point BRF_CACHE at a "
+                         "writable folder")
     tmp = f"{target}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         pkg.assemble(tmp, overwrite=True)  # verifies the SHA-256
@@ -78,6 +96,10 @@ def _gemma3_270m() -> str:
         if os.path.exists(tmp):
             os.remove(tmp)
     return target
+
+
+class CacheError(UserError):
+    """A model the cache lacks (or holds damaged or stale) where it cannot be written."""
 
 
 class ModelSourceError(UserError, FileNotFoundError):
@@ -107,7 +129,8 @@ def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[Mod
     Args:
         path: from `resolve`.
         dtype: NumPy dtype of the returned params.
-        progress: tqdm bar while dequantizing GGUF tensors.
+        progress: tqdm bars while dequantizing GGUF tensors and building the
+            tokenizer (a 262,144-token vocabulary takes seconds).
 
     Returns:
         (cfg, params as NumPy arrays, tokenizer or None when the source has none).
@@ -119,18 +142,45 @@ def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[Mod
         has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
         return cfg, params, tok.tokenizer_from_dir(path) if has_tok else None
     from brf.checkpoints import gguf
+    from brf.checkpoints.progress import clock
     f = gguf.open_gguf(path)
     cfg = gguf.config_from_file(f)
     params = gguf.params_from_file(f, cfg, dtype, progress)
-    has_tok = "tokenizer.ggml.model" in f.metadata
-    return cfg, params, tok.tokenizer_from_gguf(f) if has_tok else None
+    if "tokenizer.ggml.model" not in f.metadata:
+        return cfg, params, None
+    n = len(f.metadata.get("tokenizer.ggml.tokens", ()))
+    with clock(f"GGUF tokenizer ({n:,} tokens)", enabled=progress):
+        return cfg, params, tok.tokenizer_from_gguf(f)
 
 
-def _fingerprint(path: str) -> dict[str, Any]:
-    """What identifies a source's content cheaply: path, size and mtime of its files."""
+def _sample_digest(path: str) -> str:
+    """SHA-256 of a file's first and last MiB: with its size, what tells two model
+    files apart without reading hundreds of MB."""
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def _fingerprint(path: str, name: str | None = None) -> dict[str, Any]:
+    """What identifies a source's content cheaply.
+
+    A registered model (``name``): the name and its files' sizes and sampled
+    content, wherever they lie (the Gemma GGUF is assembled inside the cache, so a
+    path would tie a checkpoint to one cache folder). A path: the path and its
+    files' sizes and modification times (a file rewritten in place is new).
+    """
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, n) for n in os.listdir(path)
         if n.endswith((".json", ".safetensors", ".model", ".jinja")))
+    if name is not None:
+        return {"source": f"model:{name}",
+                "files": [[os.path.basename(p), os.path.getsize(p), _sample_digest(p)]
+                          for p in files]}
     return {"source": path,
             "files": [[os.path.basename(p), os.path.getsize(p), int(os.path.getmtime(p))]
                       for p in files]}
@@ -156,15 +206,17 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bo
         source: model name, .gguf path or HF directory.
         out_dir: the checkpoint directory to write.
         overwrite: replace an existing checkpoint.
-        progress: tqdm bar while dequantizing.
+        progress: tqdm bars while dequantizing, building the tokenizer and writing.
 
     Returns:
         The absolute checkpoint path.
     """
+    source = os.fspath(source)
     path = resolve(source)
     cfg, params, tokenizer = read_source(path, np.float32, progress)
-    return store.save(out_dir, cfg, params, tokenizer, info=_fingerprint(path),
-                      overwrite=overwrite)
+    name = source if source in MODELS.names() else None
+    return store.save(out_dir, cfg, params, tokenizer, info=_fingerprint(path, name),
+                      overwrite=overwrite, progress=progress)
 
 
 class Model(NamedTuple):
@@ -186,7 +238,9 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
         dtype: parameter dtype (default float32, the dequantized values).
         cache: use (and fill) the cache; False reads the source directly.
         cache_root: cache directory (default `cache_dir()`).
-        progress: tqdm bar while dequantizing.
+        progress: bars while a first use converts the source (dequantizing,
+            building the tokenizer, writing the checkpoint); a load from the
+            cache shows none.
         layout: 'layers' (default): ``params['layers']`` is a tuple of per-layer
             dicts, the fast layout for `brf.models.prefill` / `decode_step`
             (`brf.models.transformer.unstack_layers`); 'stacked': the [L, ...]
@@ -246,17 +300,45 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
                   jax.device_put(params, sharding.param_shardings(params, mesh)))
         return Model(cfg, placed, tokenizer, path)
     ckpt = cache_path(source, cache_root)
-    stale = store.is_checkpoint(ckpt) and \
-        {k: v for k, v in store.read_info(ckpt).items() if k in ("source", "files")} != \
-        _fingerprint(path)
-    if not store.is_checkpoint(ckpt) or stale:
+    name = source if source in MODELS.names() else None
+    state, why = _state(ckpt, path, name)
+    if state == "ok":
         try:
-            convert(path, ckpt, overwrite=stale or os.path.exists(ckpt), progress=progress)
-        except FileExistsError:  # another process finished the same conversion first
-            pass
+            cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh)
+            return Model(cfg, params, tokenizer, ckpt)
+        except Exception as e:  # damage the recorded sizes cannot show
+            state, why = "damaged", f"{type(e).__name__}: {e}"
+    reason = cachefiles.unwritable(os.path.dirname(ckpt))
+    if reason:
+        held = {"missing": "it was never converted",
+                "stale": "its checkpoint was converted from another version of it",
+                }.get(state, f"its checkpoint {ckpt} is damaged: {why}")
+        raise CacheError(" ".join(
+            f"the model cache {cache_root or cache_dir()} cannot be written ({reason}) and "
+            f"holds no usable checkpoint of {source!r} ({held}); point BRF_CACHE at a "
+            "writable folder".split()))
+    if state == "damaged":
+        cachefiles.warn_damaged("the model checkpoint", ckpt, why, "it is converted again")
+    try:
+        convert(source, ckpt, overwrite=os.path.exists(ckpt), progress=progress)
+    except FileExistsError:  # another process finished the same conversion first
+        pass
     cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh)
     return Model(cfg, params, tokenizer, ckpt)
 
 
-__all__ = ["MODELS", "Model", "cache_dir", "cache_path", "convert", "load", "load_module",
-           "read_source", "resolve"]
+def _state(ckpt: str, path: str, name: str | None) -> tuple[str, str]:
+    """Whether the cached checkpoint can be used: ("ok", ""), ("missing", ""),
+    ("stale", "") (converted from another version of the source: converted
+    again without a word) or ("damaged", what is wrong)."""
+    if not os.path.lexists(ckpt):
+        return "missing", ""
+    why = store.damage(ckpt)
+    if why:
+        return "damaged", why
+    fingerprint = {k: v for k, v in store.read_info(ckpt).items() if k in ("source", "files")}
+    return ("ok" if fingerprint == _fingerprint(path, name) else "stale"), ""
+
+
+__all__ = ["MODELS", "CacheError", "Model", "cache_dir", "cache_path", "convert", "load",
+           "load_module", "read_source", "resolve"]

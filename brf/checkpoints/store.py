@@ -13,6 +13,10 @@ atomic), and `brf_checkpoint.json` is written last. A conversion interrupted
 by an exception removes its temp directory; one killed outright leaves a
 `.<name>.tmp-*` directory that nothing loads (`is_checkpoint` is False for it
 and `save` never reuses it).
+
+`brf_checkpoint.json` also records every file's size (``contents``), so that
+`damage` finds a file cut short or emptied since (a copy that stopped, a full
+disk) before orbax or the tokenizer reads it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from brf.checkpoints.progress import folder_bytes, watched
 from brf.models.config import ModelConfig
 from brf.models.transformer import param_shapes
 
@@ -71,7 +76,8 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32, mesh=None) -> dict:
 
 
 def save(directory: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer=None,
-         info: dict[str, Any] | None = None, overwrite: bool = False) -> str:
+         info: dict[str, Any] | None = None, overwrite: bool = False,
+         progress: bool = False) -> str:
     """Writes a checkpoint directory atomically.
 
     Args:
@@ -81,6 +87,7 @@ def save(directory: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer
         tokenizer: a transformers tokenizer saved under tokenizer/, or None.
         info: extra JSON-serialisable facts for brf_checkpoint.json (e.g. the source).
         overwrite: replace an existing checkpoint at `directory`.
+        progress: a bar of the bytes written so far (orbax writes in one call).
 
     Returns:
         The absolute checkpoint path.
@@ -101,14 +108,15 @@ def save(directory: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer
             raise ValueError(f"params mix dtypes {sorted(dtypes)}; cast them to one first")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             f.write(cfg.to_json())
-        if tokenizer is not None:
-            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, "params"), params)
-        ckptr.wait_until_finished()
-        ckptr.close()
+        with watched(f"writing {name}", lambda: folder_bytes(tmp), enabled=progress):
+            if tokenizer is not None:
+                tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+            ckptr = ocp.StandardCheckpointer()
+            ckptr.save(os.path.join(tmp, "params"), params)
+            ckptr.wait_until_finished()
+            ckptr.close()
         marker = dict(info or {}, format_version=FORMAT_VERSION, dtype=dtypes.pop(),
-                      has_tokenizer=tokenizer is not None)
+                      has_tokenizer=tokenizer is not None, contents=_contents(tmp))
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
             f.flush()
@@ -130,6 +138,44 @@ def save(directory: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def _contents(directory: str) -> dict[str, int]:
+    """{path relative to ``directory``: size in bytes} of every file under it."""
+    out = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(parent, name)
+            out[os.path.relpath(path, directory)] = os.path.getsize(path)
+    return dict(sorted(out.items()))
+
+
+def damage(directory: str | os.PathLike) -> str | None:
+    """What is wrong with a checkpoint directory, in a few words, or None.
+
+    Cheap (no file is read but brf_checkpoint.json and config.json): not a
+    complete checkpoint, a file written with it missing or of another size
+    now, or a config.json that is not JSON. Checkpoints written before sizes
+    were recorded are checked for the first and last of these only.
+    """
+    directory = os.fspath(directory)
+    if not is_checkpoint(directory):
+        return f"no readable {MARKER} of format version {FORMAT_VERSION}"
+    try:
+        recorded = read_info(directory).get("contents") or {}
+    except (OSError, ValueError) as e:
+        return f"{MARKER}: {e}"
+    for rel, size in recorded.items():
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        if os.path.getsize(path) != size:
+            return f"{rel} holds {os.path.getsize(path)} bytes, written as {size}"
+    try:
+        load_config(directory)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return f"config.json: {type(e).__name__}: {e}"
+    return None
 
 
 def load_config(directory: str | os.PathLike) -> ModelConfig:
@@ -174,5 +220,5 @@ def restore(directory: str | os.PathLike, dtype=None,
     return cfg, params, tokenizer
 
 
-__all__ = ["FORMAT_VERSION", "MARKER", "abstract_params", "is_checkpoint", "load_config",
+__all__ = ["FORMAT_VERSION", "MARKER", "abstract_params", "damage", "is_checkpoint", "load_config",
            "read_info", "restore", "save"]

@@ -144,7 +144,7 @@ def load_members(specs: str | Sequence[Any], dtype=None, mesh=None) -> list[Memb
                 loaded[source] = _random_model(source)
             else:
                 from brf.checkpoints import registry
-                m = registry.load(source, dtype=dtype, progress=False, mesh=meshes[j])
+                m = registry.load(source, dtype=dtype, mesh=meshes[j])  # bars only if converted
                 if m.tokenizer is None:
                     raise EnsembleInputError(f"model {source!r} has no tokenizer")
                 loaded[source] = (m.cfg, m.params, m.tokenizer)

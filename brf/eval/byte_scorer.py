@@ -1,6 +1,6 @@
 """Scoring an analysis's members on every byte: one byte store per member.
 
-The byte level of the study (``plan.bytes``; README, "The study on every
+The byte level of the study (``plan.bytes``; docs/study.md, "The study on every
 byte"). Each member's byte-level view (:class:`brf.bytes.lm.ByteLM`, built once
 per model from the model the token level loaded) reads every segment after BOS
 and the member's prefix tokens -- the tokens the token level reads

@@ -307,7 +307,7 @@ def load_model(source: str, mesh=None):
     if not source:
         raise DumpError("config.model is empty; give a model name, .gguf file or directory")
     try:
-        model = registry.load(source, progress=False, mesh=mesh)
+        model = registry.load(source, mesh=mesh)  # bars only while a first use converts
     except FileNotFoundError as e:
         raise DumpError(f"model {source!r}: {e.args[0] if e.args else e}") from None
     except (OSError, KeyError) as e:  # an unreadable file or directory given as a model

@@ -341,7 +341,7 @@ class FitSettings:
       polish: candidates polished on every position.
       calib_range: the calibrated variant's temperatures lie in
         [1/calib_range, calib_range] (0: unbounded; the calibrated objectives then
-        have no minimum, see the README).
+        have no minimum, see docs/study.md, "Fits").
       param_range: every other positive parameter (a phase map's rate and scale, a
         temperature, a threshold) lies in [1/param_range, param_range], and the
         member weights' logits within +-log(param_range) (0: unbounded). A fit whose

@@ -140,7 +140,7 @@ class _Level:
 
 @dataclasses.dataclass(frozen=True)
 class TokenLevel(_Level):
-    """Co-aligned positions (README, "Scoring across tokenizers")."""
+    """Co-aligned positions (docs/study.md, "Scoring across tokenizers")."""
     name = "tokens"
     unit = "position"
     lead_only = False   # every process scores its share of each member's store
@@ -202,7 +202,7 @@ class TokenLevel(_Level):
 
 @dataclasses.dataclass(frozen=True)
 class ByteLevel(_Level):
-    """Every byte (README, "The study on every byte")."""
+    """Every byte (docs/study.md, "The study on every byte")."""
     name = "bytes"
     unit = "byte"
     lead_only = True    # process 0 scores the byte level alone, after the token level

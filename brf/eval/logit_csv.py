@@ -1,7 +1,7 @@
 """Logit CSVs: one row per token position, the top-k logits and what recovers p.
 
 Format ``brf-logit-csv`` version 1 (what :class:`CsvWriter` writes and
-:func:`read_csv` reads; README "Logit CSVs" repeats it for users):
+:func:`read_csv` reads; docs/csv.md repeats it for users):
 
 * **Comment lines** at the top start with ``#``. Line 1 is the magic
   ``# brf-logit-csv 1``; line 2 is ``# `` followed by one JSON object, the
