@@ -101,12 +101,13 @@ def resolve(source: str | os.PathLike) -> str:
                             "nor an existing .gguf file or directory")
 
 
-def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[ModelConfig, dict, Any]:
+def read_source(path: str, dtype="default", progress: bool = True) -> tuple[ModelConfig, dict, Any]:
     """Reads a .gguf file or a Hugging Face directory (no cache).
 
     Args:
         path: from `resolve`.
-        dtype: NumPy dtype of the returned params.
+        dtype: NumPy dtype of the returned params; 'default': float32, or
+            bfloat16 above a billion parameters (`brf.checkpoints.assemble`).
         progress: tqdm bar while dequantizing GGUF tensors.
 
     Returns:
@@ -119,8 +120,11 @@ def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[Mod
         has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
         return cfg, params, tok.tokenizer_from_dir(path) if has_tok else None
     from brf.checkpoints import gguf
+    from brf.checkpoints.assemble import check_fits, default_dtype
     f = gguf.open_gguf(path)
     cfg = gguf.config_from_file(f)
+    dtype = default_dtype(cfg) if isinstance(dtype, str) and dtype == "default" else dtype
+    check_fits(cfg, dtype, path)
     params = gguf.params_from_file(f, cfg, dtype, progress)
     has_tok = "tokenizer.ggml.model" in f.metadata
     return cfg, params, tok.tokenizer_from_gguf(f) if has_tok else None
@@ -162,7 +166,7 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bo
         The absolute checkpoint path.
     """
     path = resolve(source)
-    cfg, params, tokenizer = read_source(path, np.float32, progress)
+    cfg, params, tokenizer = read_source(path, "default", progress)
     return store.save(out_dir, cfg, params, tokenizer, info=_fingerprint(path),
                       overwrite=overwrite)
 
@@ -183,7 +187,8 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
 
     Args:
         source: model name, .gguf path, HF directory, or brf checkpoint directory.
-        dtype: parameter dtype (default float32, the dequantized values).
+        dtype: parameter dtype (default float32, the dequantized values; bfloat16
+            for a model of more than a billion parameters, `brf.checkpoints.assemble`).
         cache: use (and fill) the cache; False reads the source directly.
         cache_root: cache directory (default `cache_dir()`).
         progress: tqdm bar while dequantizing.
@@ -241,7 +246,8 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
     if not cache:
         import jax
         from brf import sharding
-        cfg, params, tokenizer = read_source(path, np.dtype(dtype or np.float32), progress)
+        cfg, params, tokenizer = read_source(path, "default" if dtype is None else dtype,
+                                             progress)
         placed = (jax.device_put(params) if mesh is None else
                   jax.device_put(params, sharding.param_shardings(params, mesh)))
         return Model(cfg, placed, tokenizer, path)
