@@ -43,11 +43,15 @@ FAMILIES = {
         **SMALL, num_hidden_layers=2, use_sliding_window=True, sliding_window=5,
         max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 300.0}),
         "qwen2"),
+    "mistral": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
+        **SMALL, head_dim=8, num_hidden_layers=2, sliding_window=5), "llama"),
 }
 # What each family's config must come out as (beyond the shared shapes).
 STRUCTURE = {
     "qwen2": dict(attn_bias=True, qk_norm="none", norm_placement="pre",
                   layer_types=("global", "local"), sliding_window=5),
+    "mistral": dict(attn_bias=False, qk_norm="none", norm_placement="pre",
+                    layer_types=("local", "local"), sliding_window=5),
 }
 
 
@@ -227,6 +231,8 @@ def _retransform(table, path, fn):
 MUTATIONS = {
     "qwen2": ("drops the q bias", lambda mp, t: mp.setitem(
         hf_ckpt.NAME_MAPS, "qwen2", _retransform(t, "layers/bq", lambda w, c: 0 * w))),
+    "mistral": ("drops the sliding window", lambda mp, t: mp.setattr(
+        hf_ckpt, "_windowed", lambda common, window: {})),
 }
 
 
@@ -247,6 +253,7 @@ def test_a_mutated_mapping_breaks_parity(family, monkeypatch):
 @pytest.mark.parametrize("model_type, change, field", [
     ("qwen2", dict(rope_scaling={"type": "yarn", "factor": 4.0,
                                  "original_max_position_embeddings": 32}), "yarn"),
+    ("mistral", dict(moe_num_experts=8), "moe_num_experts"),
 ])
 def test_refuses_what_it_does_not_implement(model_type, change, field):
     base = dict(model_type=model_type, vocab_size=V, hidden_size=32, intermediate_size=48,

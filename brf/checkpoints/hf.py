@@ -97,6 +97,7 @@ NAME_MAPS = {
     "llama": LLAMA_MAP,
     "gemma3": GEMMA3_MAP,
     "qwen2": QWEN2_MAP,
+    "mistral": LLAMA_MAP,
 }
 
 # Buffers some checkpoints carry that the model recomputes.
@@ -214,6 +215,22 @@ def _llama_from_hf(hf: dict, common: dict) -> ModelConfig:
                        tie_embeddings=hf.get("tie_word_embeddings", False), act="silu")
 
 
+def _windowed(common: dict, window) -> dict:
+    """Every layer local with `window` when it is set (Mistral v0.1, Phi-3), else global."""
+    if window is None:
+        return {}
+    return dict(sliding_window=int(window), layer_types=("local",) * common["n_layers"])
+
+
+def _mistral_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Mistral: Llama's layers, a sliding window on every layer where sliding_window is set."""
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       **_windowed(common, hf.get("sliding_window")))
+
+
 def _qwen_windows(hf: dict, common: dict) -> dict:
     """Qwen2/3: layers from max_window_layers on are local when use_sliding_window
     (transformers ignores sliding_window otherwise); layer_types when given."""
@@ -294,6 +311,8 @@ def _gemma3_rope(hf: dict):
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", frozenset(_LLAMA_FIELDS), _llama_from_hf),
+    "mistral": Family("mistral", frozenset(_COMMON_FIELDS | {"hidden_act", "sliding_window"}),
+                      _mistral_from_hf),
     "qwen2": Family("qwen2", frozenset(_QWEN_FIELDS), _qwen2_from_hf),
     "gemma3_text": Family("gemma3", frozenset(_GEMMA3_FIELDS), _gemma3_from_hf),
 }

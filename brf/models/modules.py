@@ -202,6 +202,13 @@ class Llama(Transformer):
     ARCH = "llama"
 
 
+class Mistral(Transformer):
+    """Mistral: Llama's layers, every layer attending within ``sliding_window``
+    when the checkpoint sets one (v0.1), else globally."""
+
+    ARCH = "mistral"
+
+
 class Qwen2(Transformer):
     """Qwen2 / Qwen2.5: Llama's layers with biases on the q, k and v projections."""
 
@@ -284,5 +291,5 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, tokens_BxN, valid_B
     return loss
 
 
-__all__ = ["Block", "Gemma3", "Llama", "Qwen2", "Transformer", "check_params", "from_params",
-           "make_optimizer", "next_token_nll", "train_step"]
+__all__ = ["Block", "Gemma3", "Llama", "Mistral", "Qwen2", "Transformer", "check_params",
+           "from_params", "make_optimizer", "next_token_nll", "train_step"]
