@@ -45,6 +45,8 @@ FAMILIES = {
         "qwen2"),
     "mistral": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
         **SMALL, head_dim=8, num_hidden_layers=2, sliding_window=5), "llama"),
+    "qwen3": lambda: (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        **SMALL, head_dim=8, num_hidden_layers=2, tie_word_embeddings=True), "qwen3"),
 }
 # What each family's config must come out as (beyond the shared shapes).
 STRUCTURE = {
@@ -52,6 +54,7 @@ STRUCTURE = {
                   layer_types=("global", "local"), sliding_window=5),
     "mistral": dict(attn_bias=False, qk_norm="none", norm_placement="pre",
                     layer_types=("local", "local"), sliding_window=5),
+    "qwen3": dict(attn_bias=False, qk_norm="head", norm_placement="pre", tie_embeddings=True),
 }
 
 
@@ -233,6 +236,8 @@ MUTATIONS = {
         hf_ckpt.NAME_MAPS, "qwen2", _retransform(t, "layers/bq", lambda w, c: 0 * w))),
     "mistral": ("drops the sliding window", lambda mp, t: mp.setattr(
         hf_ckpt, "_windowed", lambda common, window: {})),
+    "qwen3": ("swaps the q and k norms", lambda mp, t: mp.setitem(
+        hf_ckpt.NAME_MAPS, "qwen3", _swap(t, "layers/q_norm", "layers/k_norm"))),
 }
 
 
@@ -253,6 +258,7 @@ def test_a_mutated_mapping_breaks_parity(family, monkeypatch):
 @pytest.mark.parametrize("model_type, change, field", [
     ("qwen2", dict(rope_scaling={"type": "yarn", "factor": 4.0,
                                  "original_max_position_embeddings": 32}), "yarn"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
     ("mistral", dict(moe_num_experts=8), "moe_num_experts"),
 ])
 def test_refuses_what_it_does_not_implement(model_type, change, field):

@@ -52,7 +52,7 @@ Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                              Q.Q4_K, Q.Q6_K})
 
-ARCHS = ("llama", "gemma3", "qwen2")
+ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
 
 
 class GGUFError(UserError):
@@ -214,6 +214,7 @@ _ARCH_KEYS = {
     "gemma3": _COMMON_KEYS | {"attention.sliding_window", "attention.sliding_window_pattern",
                               "final_logit_softcapping", "attn_logit_softcapping"},
     "qwen2": _COMMON_KEYS,
+    "qwen3": _COMMON_KEYS,
 }
 # Tokens llama.cpp treats as end-of-generation besides tokenizer.ggml.eos_token_id
 # (llama-vocab.cpp's text heuristic); eos_ids lists those the vocabulary has.
@@ -319,6 +320,7 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
 _STRUCTURE = {
     "llama": {},
     "qwen2": dict(attn_bias=True),
+    "qwen3": dict(qk_norm="head"),
 }
 
 
@@ -421,10 +423,12 @@ QWEN2_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + (
     (_L + r"attn_k\.bias", "layers/bk", _same),
     (_L + r"attn_v\.bias", "layers/bv", _same),
 )
+QWEN3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + _QK_NORMS
 NAME_MAPS = {
     "llama": LLAMA_MAP,
     "gemma3": GEMMA3_MAP,
     "qwen2": QWEN2_MAP,
+    "qwen3": QWEN3_MAP,
 }
 
 
@@ -524,5 +528,5 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 
 __all__ = ["ARCHS", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS", "QWEN2_MAP",
-           "SUPPORTED_TYPES", "TensorInfo", "config_from_file", "dequantize", "load_config",
-           "load_gguf", "open_gguf", "params_from_file"]
+           "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo", "config_from_file", "dequantize",
+           "load_config", "load_gguf", "open_gguf", "params_from_file"]

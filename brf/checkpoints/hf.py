@@ -81,6 +81,11 @@ QWEN2_MAP: tuple[Entry, ...] = LLAMA_MAP + (
     (_L + r"self_attn\.k_proj\.bias", "layers/bk", _same),
     (_L + r"self_attn\.v_proj\.bias", "layers/bv", _same),
 )
+# Qwen3: an RMSNorm of E features on each query / key head (a plain scale).
+QWEN3_MAP: tuple[Entry, ...] = LLAMA_MAP + (
+    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _same),
+    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _same),
+)
 GEMMA3_MAP: tuple[Entry, ...] = (
     (r"model\.embed_tokens\.weight", "embed", _same),
     (r"model\.norm\.weight", "final_norm", _plus_one),
@@ -98,6 +103,7 @@ NAME_MAPS = {
     "gemma3": GEMMA3_MAP,
     "qwen2": QWEN2_MAP,
     "mistral": LLAMA_MAP,
+    "qwen3": QWEN3_MAP,
 }
 
 # Buffers some checkpoints carry that the model recomputes.
@@ -254,6 +260,16 @@ def _qwen2_from_hf(hf: dict, common: dict) -> ModelConfig:
                        attn_bias=True, **_qwen_windows(hf, common))
 
 
+def _qwen3_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Qwen3 (dense): per-head q/k norms; attention_bias would add an o bias too: refused."""
+    _require(hf, "attention_bias", (False,), False)
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       qk_norm="head", **_qwen_windows(hf, common))
+
+
 def _gelu_tanh(hf: dict) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
@@ -314,6 +330,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("mistral", frozenset(_COMMON_FIELDS | {"hidden_act", "sliding_window"}),
                       _mistral_from_hf),
     "qwen2": Family("qwen2", frozenset(_QWEN_FIELDS), _qwen2_from_hf),
+    "qwen3": Family("qwen3", frozenset(_QWEN_FIELDS | {"attention_bias"}), _qwen3_from_hf),
     "gemma3_text": Family("gemma3", frozenset(_GEMMA3_FIELDS), _gemma3_from_hf),
 }
 
@@ -539,5 +556,5 @@ def load_hf(directory: str, dtype="default") -> tuple[ModelConfig, dict]:
 
 
 __all__ = ["FAMILIES", "GEMMA3_MAP", "HFCheckpointError", "LLAMA_MAP", "NAME_MAPS", "QWEN2_MAP",
-           "config_from_hf", "convert_tensors", "iter_safetensors", "load_hf", "read_config",
-           "safetensors_files"]
+           "QWEN3_MAP", "config_from_hf", "convert_tensors", "iter_safetensors", "load_hf",
+           "read_config", "safetensors_files"]

@@ -215,6 +215,13 @@ class Qwen2(Transformer):
     ARCH = "qwen2"
 
 
+class Qwen3(Transformer):
+    """Qwen3 (dense): Llama's layers with an RMSNorm on each query and key head
+    before RoPE."""
+
+    ARCH = "qwen3"
+
+
 class Gemma3(Transformer):
     """Gemma 3: sliding-window and global layers with their own RoPE bases, q/k
     norms, norms after attention and MLP, GELU-gated MLP, scaled embeddings."""
@@ -291,5 +298,5 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, tokens_BxN, valid_B
     return loss
 
 
-__all__ = ["Block", "Gemma3", "Llama", "Mistral", "Qwen2", "Transformer", "check_params",
+__all__ = ["Block", "Gemma3", "Llama", "Mistral", "Qwen2", "Qwen3", "Transformer", "check_params",
            "from_params", "make_optimizer", "next_token_nll", "train_step"]
