@@ -47,6 +47,9 @@ FAMILIES = {
         **SMALL, head_dim=8, num_hidden_layers=2, sliding_window=5), "llama"),
     "qwen3": lambda: (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL, head_dim=8, num_hidden_layers=2, tie_word_embeddings=True), "qwen3"),
+    "phi3": lambda: (transformers.Phi3ForCausalLM, transformers.Phi3Config(
+        **SMALL, num_hidden_layers=2, sliding_window=6, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2), "phi3"),
 }
 # What each family's config must come out as (beyond the shared shapes).
 STRUCTURE = {
@@ -55,6 +58,8 @@ STRUCTURE = {
     "mistral": dict(attn_bias=False, qk_norm="none", norm_placement="pre",
                     layer_types=("local", "local"), sliding_window=5),
     "qwen3": dict(attn_bias=False, qk_norm="head", norm_placement="pre", tie_embeddings=True),
+    "phi3": dict(attn_bias=False, qk_norm="none", norm_placement="pre",
+                 layer_types=("local", "local"), sliding_window=6),
 }
 
 
@@ -238,6 +243,8 @@ MUTATIONS = {
         hf_ckpt, "_windowed", lambda common, window: {})),
     "qwen3": ("swaps the q and k norms", lambda mp, t: mp.setitem(
         hf_ckpt.NAME_MAPS, "qwen3", _swap(t, "layers/q_norm", "layers/k_norm"))),
+    "phi3": ("swaps the fused gate and up halves", lambda mp, t: mp.setitem(
+        hf_ckpt.NAME_MAPS, "phi3", _swap(t, "layers/w_gate", "layers/w_up"))),
 }
 
 
@@ -259,6 +266,10 @@ def test_a_mutated_mapping_breaks_parity(family, monkeypatch):
     ("qwen2", dict(rope_scaling={"type": "yarn", "factor": 4.0,
                                  "original_max_position_embeddings": 32}), "yarn"),
     ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                   "partial_rotary_factor": 0.75}), "partial_rotary_factor"),
+    ("phi3", dict(rope_scaling={"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
+     "longrope"),
     ("mistral", dict(moe_num_experts=8), "moe_num_experts"),
 ])
 def test_refuses_what_it_does_not_implement(model_type, change, field):
@@ -268,6 +279,24 @@ def test_refuses_what_it_does_not_implement(model_type, change, field):
     hf_ckpt.config_from_hf(base)
     with pytest.raises(hf_ckpt.HFCheckpointError, match=field):
         hf_ckpt.config_from_hf({**base, **change})
+
+
+def test_gguf_refuses_phi3_long_rope(tmp_path):
+    """Phi-3 128k files carry rope_factors_long/short: refused by name, not misread."""
+    path = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    for key, value in dict(block_count=1, embedding_length=8, feed_forward_length=8,
+                           **{"attention.head_count": 2}).items():
+        w.add_uint32(f"phi3.{key}", value)
+    w.add_float32("phi3.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32("phi3.rope.scaling.attn_factor", 1.19)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(G.GGUFError, match="phi3.rope.scaling.attn_factor"):
+        G.load_gguf(path, progress=False)
 
 
 def test_config_json_round_trip(family):

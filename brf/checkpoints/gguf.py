@@ -18,6 +18,8 @@ Two facts about llama.cpp's writer (convert_hf_to_gguf.py) the tables undo or ke
   (`permute(w, n_head)`: rows of each head reordered (2, E/2) -> (E/2, 2)).
   `_unpermute` inverts it. The other architectures use NEOX (half-split) RoPE
   in llama.cpp and are stored unpermuted.
+* Phi-3's fused projections stay fused in GGUF: attn_qkv rows [q | k | v] and
+  ffn_up rows [gate | up] (llama.cpp's SwiGLU takes the first half as the gate).
 * Gemma's HF checkpoints store a norm weight w that the model applies as
   (1 + w); the GGUF writer stores 1 + w (Gemma3Model.modify_tensors adds
   1 to every '*norm.weight'), and llama.cpp applies the stored value as a plain
@@ -52,7 +54,7 @@ Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                              Q.Q4_K, Q.Q6_K})
 
-ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
+ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3")
 
 
 class GGUFError(UserError):
@@ -215,6 +217,8 @@ _ARCH_KEYS = {
                               "final_logit_softcapping", "attn_logit_softcapping"},
     "qwen2": _COMMON_KEYS,
     "qwen3": _COMMON_KEYS,
+    # Phi-3 writes sliding_window 0 for none (Phi-4).
+    "phi3": _COMMON_KEYS | {"attention.sliding_window"},
 }
 # Tokens llama.cpp treats as end-of-generation besides tokenizer.ggml.eos_token_id
 # (llama-vocab.cpp's text heuristic); eos_ids lists those the vocabulary has.
@@ -313,6 +317,9 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
     if arch == "gemma3":
         return _gemma3_config(meta, arch, common, field)
     structure = dict(_STRUCTURE[arch])
+    window = int(field("attention.sliding_window", 0)) if arch == "phi3" else 0
+    if window:
+        structure.update(sliding_window=window, layer_types=("local",) * n_layers)
     return ModelConfig(**common, act="silu", **structure)
 
 
@@ -321,6 +328,7 @@ _STRUCTURE = {
     "llama": {},
     "qwen2": dict(attn_bias=True),
     "qwen3": dict(qk_norm="head"),
+    "phi3": {},
 }
 
 
@@ -376,6 +384,17 @@ def _llama_k(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return _kernel(_unpermute(w_OxI, cfg.n_kv_heads), cfg)
 
 
+def _split_qkv(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """Phi-3's attn_qkv, rows [q | k | v] -> wq, wk, wv as [in, out]."""
+    q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return w_OxI[:q].T, w_OxI[q:q + k].T, w_OxI[q + k:].T
+
+
+def _split_gate_up(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """Phi-3's ffn_up, rows [gate | up] -> w_gate, w_up as [in, out]."""
+    return w_OxI[:cfg.d_ff].T, w_OxI[cfg.d_ff:].T
+
+
 _L = r"blk\.(\d+)\."
 Entry = tuple[str, "str | tuple[str, ...]", Transform]
 
@@ -424,11 +443,18 @@ QWEN2_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + (
     (_L + r"attn_v\.bias", "layers/bv", _same),
 )
 QWEN3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + _QK_NORMS
+PHI3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
+    (_L + r"attn_qkv\.weight", ("layers/wq", "layers/wk", "layers/wv"), _split_qkv),
+    (_L + r"attn_output\.weight", "layers/wo", _kernel),
+    (_L + r"ffn_up\.weight", ("layers/w_gate", "layers/w_up"), _split_gate_up),
+    (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
+)
 NAME_MAPS = {
     "llama": LLAMA_MAP,
     "gemma3": GEMMA3_MAP,
     "qwen2": QWEN2_MAP,
     "qwen3": QWEN3_MAP,
+    "phi3": PHI3_MAP,
 }
 
 
@@ -527,6 +553,6 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     return config_from_file(open_gguf(path))
 
 
-__all__ = ["ARCHS", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS", "QWEN2_MAP",
-           "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo", "config_from_file", "dequantize",
-           "load_config", "load_gguf", "open_gguf", "params_from_file"]
+__all__ = ["ARCHS", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS", "PHI3_MAP",
+           "QWEN2_MAP", "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo", "config_from_file",
+           "dequantize", "load_config", "load_gguf", "open_gguf", "params_from_file"]

@@ -51,6 +51,17 @@ def _plus_one(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return w.astype(np.float32) + 1.0  # Gemma's RMSNorm applies (1 + w)
 
 
+def _split_qkv(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """Phi-3's qkv_proj, rows [q (H*E) | k (K*E) | v (K*E)] -> wq, wk, wv as [in, out]."""
+    q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return w_OxI[:q].T, w_OxI[q:q + k].T, w_OxI[q + k:].T
+
+
+def _split_gate_up(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """Phi-3's gate_up_proj, rows [gate (F) | up (F)] -> w_gate, w_up as [in, out]."""
+    return w_OxI[:cfg.d_ff].T, w_OxI[cfg.d_ff:].T
+
+
 _L = r"model\.layers\.(\d+)\."
 Entry = tuple[str, "str | tuple[str, ...]", Transform]
 
@@ -86,6 +97,13 @@ QWEN3_MAP: tuple[Entry, ...] = LLAMA_MAP + (
     (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _same),
     (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _same),
 )
+# Phi-3: q, k, v in one tensor and gate, up in another, split on reading.
+PHI3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
+    (_L + r"self_attn\.qkv_proj\.weight", ("layers/wq", "layers/wk", "layers/wv"), _split_qkv),
+    (_L + r"self_attn\.o_proj\.weight", "layers/wo", _transpose),
+    (_L + r"mlp\.gate_up_proj\.weight", ("layers/w_gate", "layers/w_up"), _split_gate_up),
+    (_L + r"mlp\.down_proj\.weight", "layers/w_down", _transpose),
+)
 GEMMA3_MAP: tuple[Entry, ...] = (
     (r"model\.embed_tokens\.weight", "embed", _same),
     (r"model\.norm\.weight", "final_norm", _plus_one),
@@ -104,6 +122,7 @@ NAME_MAPS = {
     "qwen2": QWEN2_MAP,
     "mistral": LLAMA_MAP,
     "qwen3": QWEN3_MAP,
+    "phi3": PHI3_MAP,
 }
 
 # Buffers some checkpoints carry that the model recomputes.
@@ -118,6 +137,7 @@ _IGNORED_FIELDS = {
     "output_hidden_states", "return_dict", "attn_implementation", "_attn_implementation",
     "tokenizer_class", "is_decoder", "id2label", "label2id", "torchscript",
     "use_return_dict", "max_length", "unsloth_fixed", "chunk_size_feed_forward",
+    "resid_pdrop", "embd_pdrop",  # dropout (Phi-3): training only
 }
 # Fields read by every family's converter.
 _COMMON_FIELDS = {
@@ -270,6 +290,16 @@ def _qwen3_from_hf(hf: dict, common: dict) -> ModelConfig:
                        qk_norm="head", **_qwen_windows(hf, common))
 
 
+def _phi3_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Phi-3 / Phi-4: fused projections (split by the table), a sliding window where set."""
+    _require(hf, "attention_bias", (False,), False)
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       **_windowed(common, hf.get("sliding_window")))
+
+
 def _gelu_tanh(hf: dict) -> None:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
@@ -331,6 +361,9 @@ FAMILIES: dict[str, Family] = {
                       _mistral_from_hf),
     "qwen2": Family("qwen2", frozenset(_QWEN_FIELDS), _qwen2_from_hf),
     "qwen3": Family("qwen3", frozenset(_QWEN_FIELDS | {"attention_bias"}), _qwen3_from_hf),
+    "phi3": Family("phi3", frozenset(_COMMON_FIELDS | {
+        "hidden_act", "attention_bias", "sliding_window", "original_max_position_embeddings"}),
+        _phi3_from_hf),
     "gemma3_text": Family("gemma3", frozenset(_GEMMA3_FIELDS), _gemma3_from_hf),
 }
 
@@ -555,6 +588,6 @@ def load_hf(directory: str, dtype="default") -> tuple[ModelConfig, dict]:
     return cfg, convert_tensors(cfg, iter_safetensors(directory), dtype)
 
 
-__all__ = ["FAMILIES", "GEMMA3_MAP", "HFCheckpointError", "LLAMA_MAP", "NAME_MAPS", "QWEN2_MAP",
-           "QWEN3_MAP", "config_from_hf", "convert_tensors", "iter_safetensors", "load_hf",
-           "read_config", "safetensors_files"]
+__all__ = ["FAMILIES", "GEMMA3_MAP", "HFCheckpointError", "LLAMA_MAP", "NAME_MAPS", "PHI3_MAP",
+           "QWEN2_MAP", "QWEN3_MAP", "config_from_hf", "convert_tensors", "iter_safetensors",
+           "load_hf", "read_config", "safetensors_files"]

@@ -222,6 +222,13 @@ class Qwen3(Transformer):
     ARCH = "qwen3"
 
 
+class Phi3(Transformer):
+    """Phi-3 / Phi-4: Llama's layers; the checkpoint's fused qkv and gate/up
+    projections are split on reading; a sliding window where set."""
+
+    ARCH = "phi3"
+
+
 class Gemma3(Transformer):
     """Gemma 3: sliding-window and global layers with their own RoPE bases, q/k
     norms, norms after attention and MLP, GELU-gated MLP, scaled embeddings."""
@@ -298,5 +305,5 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, tokens_BxN, valid_B
     return loss
 
 
-__all__ = ["Block", "Gemma3", "Llama", "Mistral", "Qwen2", "Qwen3", "Transformer", "check_params",
-           "from_params", "make_optimizer", "next_token_nll", "train_step"]
+__all__ = ["Block", "Gemma3", "Llama", "Mistral", "Phi3", "Qwen2", "Qwen3", "Transformer",
+           "check_params", "from_params", "make_optimizer", "next_token_nll", "train_step"]
