@@ -50,6 +50,10 @@ FAMILIES = {
     "phi3": lambda: (transformers.Phi3ForCausalLM, transformers.Phi3Config(
         **SMALL, num_hidden_layers=2, sliding_window=6, pad_token_id=0, bos_token_id=1,
         eos_token_id=2), "phi3"),
+    # query_pre_attn_scalar = head_dim: what llama.cpp assumes below 46 layers
+    "gemma2": lambda: (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        **SMALL, head_dim=8, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=8,
+        attn_logit_softcapping=1.5, final_logit_softcapping=3.0), "gemma2"),
 }
 # What each family's config must come out as (beyond the shared shapes).
 STRUCTURE = {
@@ -60,6 +64,9 @@ STRUCTURE = {
     "qwen3": dict(attn_bias=False, qk_norm="head", norm_placement="pre", tie_embeddings=True),
     "phi3": dict(attn_bias=False, qk_norm="none", norm_placement="pre",
                  layer_types=("local", "local"), sliding_window=6),
+    "gemma2": dict(qk_norm="none", norm_placement="sandwich", attn_logit_softcap=1.5,
+                   final_logit_softcap=3.0, layer_types=("local", "global", "local"),
+                   embed_scale=True, act="gelu_tanh", rope_local_theta=None),
 }
 
 
@@ -245,6 +252,8 @@ MUTATIONS = {
         hf_ckpt.NAME_MAPS, "qwen3", _swap(t, "layers/q_norm", "layers/k_norm"))),
     "phi3": ("swaps the fused gate and up halves", lambda mp, t: mp.setitem(
         hf_ckpt.NAME_MAPS, "phi3", _swap(t, "layers/w_gate", "layers/w_up"))),
+    "gemma2": ("reads a post-attention norm without Gemma's + 1", lambda mp, t: mp.setitem(
+        hf_ckpt.NAME_MAPS, "gemma2", _retransform(t, "layers/post_attn_norm", hf_ckpt._same))),
 }
 
 
@@ -270,6 +279,8 @@ def test_a_mutated_mapping_breaks_parity(family, monkeypatch):
                                    "partial_rotary_factor": 0.75}), "partial_rotary_factor"),
     ("phi3", dict(rope_scaling={"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
      "longrope"),
+    ("gemma2", dict(hidden_activation="gelu"), "hidden_activation"),
+    ("gemma2", dict(layer_types=["chunked_attention"] * 2), "chunked_attention"),
     ("mistral", dict(moe_num_experts=8), "moe_num_experts"),
 ])
 def test_refuses_what_it_does_not_implement(model_type, change, field):

@@ -21,8 +21,8 @@ Two facts about llama.cpp's writer (convert_hf_to_gguf.py) the tables undo or ke
 * Phi-3's fused projections stay fused in GGUF: attn_qkv rows [q | k | v] and
   ffn_up rows [gate | up] (llama.cpp's SwiGLU takes the first half as the gate).
 * Gemma's HF checkpoints store a norm weight w that the model applies as
-  (1 + w); the GGUF writer stores 1 + w (Gemma3Model.modify_tensors adds
-  1 to every '*norm.weight'), and llama.cpp applies the stored value as a plain
+  (1 + w); the GGUF writer stores 1 + w (Gemma2Model / Gemma3Model.modify_tensors
+  add 1 to every '*norm.weight'), and llama.cpp applies the stored value as a plain
   scale. We checked the shipped gemma-3-270m file: every norm value v has v - 1
   exactly representable in bfloat16 (55936 of 55936 values; only 75% of the v
   themselves are), i.e. v = 1 + w with w a bfloat16 weight, and the smallest
@@ -54,7 +54,7 @@ Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                              Q.Q4_K, Q.Q6_K})
 
-ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3", "gemma2")
 
 
 class GGUFError(UserError):
@@ -219,6 +219,8 @@ _ARCH_KEYS = {
     "qwen3": _COMMON_KEYS,
     # Phi-3 writes sliding_window 0 for none (Phi-4).
     "phi3": _COMMON_KEYS | {"attention.sliding_window"},
+    "gemma2": _COMMON_KEYS | {"attention.sliding_window", "final_logit_softcapping",
+                              "attn_logit_softcapping"},
 }
 # Tokens llama.cpp treats as end-of-generation besides tokenizer.ggml.eos_token_id
 # (llama-vocab.cpp's text heuristic); eos_ids lists those the vocabulary has.
@@ -316,6 +318,8 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
     )
     if arch == "gemma3":
         return _gemma3_config(meta, arch, common, field)
+    if arch == "gemma2":
+        return _gemma2_config(common, field)
     structure = dict(_STRUCTURE[arch])
     window = int(field("attention.sliding_window", 0)) if arch == "phi3" else 0
     if window:
@@ -330,6 +334,20 @@ _STRUCTURE = {
     "qwen3": dict(qk_norm="head"),
     "phi3": {},
 }
+
+
+def _gemma2_config(common: dict, field) -> ModelConfig:
+    """The Gemma 2 fields on top of ``common``, with what llama.cpp hard-codes
+    (llama-model.cpp, LLM_ARCH_GEMMA2): even layers local, one RoPE base for
+    all, attention scale 1/sqrt(d/n_heads) for the 46-layer 27B, else 1/sqrt(head_dim)."""
+    n_layers, d, n_heads = common["n_layers"], common["d_model"], common["n_heads"]
+    return ModelConfig(
+        **common, sliding_window=int(field("attention.sliding_window")),
+        layer_types=tuple("local" if i % 2 == 0 else "global" for i in range(n_layers)),
+        query_pre_attn_scalar=float(d // n_heads if n_layers == 46 else common["head_dim"]),
+        act="gelu_tanh", embed_scale=True, norm_placement="sandwich",
+        final_logit_softcap=field("final_logit_softcapping", None),
+        attn_logit_softcap=field("attn_logit_softcapping", None))
 
 
 def _gemma3_config(meta, arch: str, common: dict, field) -> ModelConfig:
@@ -436,7 +454,8 @@ LLAMA_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
     (_L + r"attn_output\.weight", "layers/wo", _kernel),
 ) + _MLP
 # Norms are stored as the applied scale 1 + w already (see the module docstring).
-GEMMA3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + _POST_NORMS + _QK_NORMS
+GEMMA2_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + _POST_NORMS
+GEMMA3_MAP: tuple[Entry, ...] = GEMMA2_MAP + _QK_NORMS
 QWEN2_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + (
     (_L + r"attn_q\.bias", "layers/bq", _same),
     (_L + r"attn_k\.bias", "layers/bk", _same),
@@ -455,6 +474,7 @@ NAME_MAPS = {
     "qwen2": QWEN2_MAP,
     "qwen3": QWEN3_MAP,
     "phi3": PHI3_MAP,
+    "gemma2": GEMMA2_MAP,
 }
 
 
@@ -553,6 +573,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     return config_from_file(open_gguf(path))
 
 
-__all__ = ["ARCHS", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS", "PHI3_MAP",
-           "QWEN2_MAP", "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo", "config_from_file",
-           "dequantize", "load_config", "load_gguf", "open_gguf", "params_from_file"]
+__all__ = ["ARCHS", "GEMMA2_MAP", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS",
+           "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo",
+           "config_from_file", "dequantize", "load_config", "load_gguf", "open_gguf",
+           "params_from_file"]

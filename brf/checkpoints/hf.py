@@ -104,15 +104,20 @@ PHI3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
     (_L + r"mlp\.gate_up_proj\.weight", ("layers/w_gate", "layers/w_up"), _split_gate_up),
     (_L + r"mlp\.down_proj\.weight", "layers/w_down", _transpose),
 )
-GEMMA3_MAP: tuple[Entry, ...] = (
-    (r"model\.embed_tokens\.weight", "embed", _same),
-    (r"model\.norm\.weight", "final_norm", _plus_one),
-    (r"lm_head\.weight", "lm_head", _same),
+# Gemma 2: norms before and after attention and the MLP, each applying (1 + w).
+_GEMMA_NORMS: tuple[Entry, ...] = (
     (_L + r"input_layernorm\.weight", "layers/attn_norm", _plus_one),
     (_L + r"post_attention_layernorm\.weight", "layers/post_attn_norm", _plus_one),
     (_L + r"pre_feedforward_layernorm\.weight", "layers/mlp_norm", _plus_one),
     (_L + r"post_feedforward_layernorm\.weight", "layers/post_mlp_norm", _plus_one),
-) + _PROJECTIONS + (
+)
+GEMMA2_MAP: tuple[Entry, ...] = (
+    (r"model\.embed_tokens\.weight", "embed", _same),
+    (r"model\.norm\.weight", "final_norm", _plus_one),
+    (r"lm_head\.weight", "lm_head", _same),
+) + _GEMMA_NORMS + _PROJECTIONS
+# Gemma 3: Gemma 2's norms plus per-head q/k norms, also (1 + w).
+GEMMA3_MAP: tuple[Entry, ...] = GEMMA2_MAP + (
     (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _plus_one),
     (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _plus_one),
 )
@@ -123,6 +128,7 @@ NAME_MAPS = {
     "mistral": LLAMA_MAP,
     "qwen3": QWEN3_MAP,
     "phi3": PHI3_MAP,
+    "gemma2": GEMMA2_MAP,
 }
 
 # Buffers some checkpoints carry that the model recomputes.
@@ -307,6 +313,31 @@ def _gelu_tanh(hf: dict) -> None:
                                 "(supported: 'gelu_pytorch_tanh')")
 
 
+def _gemma2_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Gemma 2: alternating local / global layers sharing one RoPE, soft-capped
+    attention scores and logits, scaled embeddings."""
+    _require(hf, "attention_bias", (False,), False)
+    if hf.get("use_bidirectional_attention"):
+        raise HFCheckpointError("config.json use_bidirectional_attention=True is not supported")
+    _gelu_tanh(hf)
+    theta, scaling = _llama_rope(hf)
+    n = common["n_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                      for i in range(n)]
+    window = hf.get("sliding_window", 4096)
+    size = hf.get("sliding_window_size")  # an older name some checkpoints also carry
+    if size is not None and size != window:
+        raise HFCheckpointError(f"config.json sliding_window_size={size} differs from "
+                                f"sliding_window={window}")
+    return ModelConfig(
+        **common, rope_theta=theta, rope_scaling=scaling,
+        tie_embeddings=hf.get("tie_word_embeddings", True), sliding_window=window,
+        layer_types=_layer_types(types, n), query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        act="gelu_tanh", embed_scale=True, norm_placement="sandwich",
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        attn_logit_softcap=hf.get("attn_logit_softcapping"))
+
+
 def _gemma3_from_hf(hf: dict, common: dict) -> ModelConfig:
     """The Gemma 3 (text) fields of config.json (checked) on top of ``common``."""
     _require(hf, "attention_bias", (False,), False)
@@ -364,6 +395,10 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family("phi3", frozenset(_COMMON_FIELDS | {
         "hidden_act", "attention_bias", "sliding_window", "original_max_position_embeddings"}),
         _phi3_from_hf),
+    "gemma2": Family("gemma2", frozenset(_COMMON_FIELDS | {
+        "attention_bias", "hidden_activation", "hidden_act", "query_pre_attn_scalar",
+        "sliding_window", "sliding_window_size", "layer_types", "final_logit_softcapping",
+        "attn_logit_softcapping", "use_bidirectional_attention"}), _gemma2_from_hf),
     "gemma3_text": Family("gemma3", frozenset(_GEMMA3_FIELDS), _gemma3_from_hf),
 }
 
@@ -588,6 +623,6 @@ def load_hf(directory: str, dtype="default") -> tuple[ModelConfig, dict]:
     return cfg, convert_tensors(cfg, iter_safetensors(directory), dtype)
 
 
-__all__ = ["FAMILIES", "GEMMA3_MAP", "HFCheckpointError", "LLAMA_MAP", "NAME_MAPS", "PHI3_MAP",
-           "QWEN2_MAP", "QWEN3_MAP", "config_from_hf", "convert_tensors", "iter_safetensors",
-           "load_hf", "read_config", "safetensors_files"]
+__all__ = ["FAMILIES", "GEMMA2_MAP", "GEMMA3_MAP", "HFCheckpointError", "LLAMA_MAP", "NAME_MAPS",
+           "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "config_from_hf", "convert_tensors",
+           "iter_safetensors", "load_hf", "read_config", "safetensors_files"]

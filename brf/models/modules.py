@@ -229,6 +229,13 @@ class Phi3(Transformer):
     ARCH = "phi3"
 
 
+class Gemma2(Transformer):
+    """Gemma 2: alternating local / global layers, norms before and after
+    attention and the MLP, soft-capped attention scores and logits."""
+
+    ARCH = "gemma2"
+
+
 class Gemma3(Transformer):
     """Gemma 3: sliding-window and global layers with their own RoPE bases, q/k
     norms, norms after attention and MLP, GELU-gated MLP, scaled embeddings."""
@@ -305,5 +312,6 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, tokens_BxN, valid_B
     return loss
 
 
-__all__ = ["Block", "Gemma3", "Llama", "Mistral", "Phi3", "Qwen2", "Qwen3", "Transformer",
-           "check_params", "from_params", "make_optimizer", "next_token_nll", "train_step"]
+__all__ = ["Block", "Gemma2", "Gemma3", "Llama", "Mistral", "Phi3", "Qwen2", "Qwen3",
+           "Transformer", "check_params", "from_params", "make_optimizer", "next_token_nll",
+           "train_step"]
