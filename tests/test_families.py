@@ -54,6 +54,8 @@ FAMILIES = {
     "gemma2": lambda: (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
         **SMALL, head_dim=8, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=8,
         attn_logit_softcapping=1.5, final_logit_softcapping=3.0), "gemma2"),
+    "olmo2": lambda: (transformers.Olmo2ForCausalLM, transformers.Olmo2Config(
+        **SMALL, num_hidden_layers=2, pad_token_id=0, eos_token_id=2), "olmo2"),
 }
 # What each family's config must come out as (beyond the shared shapes).
 STRUCTURE = {
@@ -67,6 +69,7 @@ STRUCTURE = {
     "gemma2": dict(qk_norm="none", norm_placement="sandwich", attn_logit_softcap=1.5,
                    final_logit_softcap=3.0, layer_types=("local", "global", "local"),
                    embed_scale=True, act="gelu_tanh", rope_local_theta=None),
+    "olmo2": dict(attn_bias=False, qk_norm="full", norm_placement="post"),
 }
 
 
@@ -254,6 +257,8 @@ MUTATIONS = {
         hf_ckpt.NAME_MAPS, "phi3", _swap(t, "layers/w_gate", "layers/w_up"))),
     "gemma2": ("reads a post-attention norm without Gemma's + 1", lambda mp, t: mp.setitem(
         hf_ckpt.NAME_MAPS, "gemma2", _retransform(t, "layers/post_attn_norm", hf_ckpt._same))),
+    "olmo2": ("swaps the post-attention and post-MLP norms", lambda mp, t: mp.setitem(
+        hf_ckpt.NAME_MAPS, "olmo2", _swap(t, "layers/post_attn_norm", "layers/post_mlp_norm"))),
 }
 
 
@@ -279,6 +284,7 @@ def test_a_mutated_mapping_breaks_parity(family, monkeypatch):
                                    "partial_rotary_factor": 0.75}), "partial_rotary_factor"),
     ("phi3", dict(rope_scaling={"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
      "longrope"),
+    ("olmo2", dict(attention_bias=True), "attention_bias"),
     ("gemma2", dict(hidden_activation="gelu"), "hidden_activation"),
     ("gemma2", dict(layer_types=["chunked_attention"] * 2), "chunked_attention"),
     ("mistral", dict(moe_num_experts=8), "moe_num_experts"),

@@ -17,7 +17,8 @@ Two facts about llama.cpp's writer (convert_hf_to_gguf.py) the tables undo or ke
   from HF's half-split RoPE layout to GGML's interleaved one
   (`permute(w, n_head)`: rows of each head reordered (2, E/2) -> (E/2, 2)).
   `_unpermute` inverts it. The other architectures use NEOX (half-split) RoPE
-  in llama.cpp and are stored unpermuted.
+  in llama.cpp and are stored unpermuted (OLMo 2 included, whose converter,
+  unlike OLMo 1's, does not permute).
 * Phi-3's fused projections stay fused in GGUF: attn_qkv rows [q | k | v] and
   ffn_up rows [gate | up] (llama.cpp's SwiGLU takes the first half as the gate).
 * Gemma's HF checkpoints store a norm weight w that the model applies as
@@ -54,7 +55,7 @@ Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                              Q.Q4_K, Q.Q6_K})
 
-ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3", "gemma2")
+ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3", "gemma2", "olmo2")
 
 
 class GGUFError(UserError):
@@ -221,6 +222,7 @@ _ARCH_KEYS = {
     "phi3": _COMMON_KEYS | {"attention.sliding_window"},
     "gemma2": _COMMON_KEYS | {"attention.sliding_window", "final_logit_softcapping",
                               "attn_logit_softcapping"},
+    "olmo2": _COMMON_KEYS,
 }
 # Tokens llama.cpp treats as end-of-generation besides tokenizer.ggml.eos_token_id
 # (llama-vocab.cpp's text heuristic); eos_ids lists those the vocabulary has.
@@ -333,6 +335,7 @@ _STRUCTURE = {
     "qwen2": dict(attn_bias=True),
     "qwen3": dict(qk_norm="head"),
     "phi3": {},
+    "olmo2": dict(norm_placement="post", qk_norm="full"),
 }
 
 
@@ -468,6 +471,9 @@ PHI3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
     (_L + r"ffn_up\.weight", ("layers/w_gate", "layers/w_up"), _split_gate_up),
     (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
 )
+# OLMo 2: no pre-norms; q/k norms over all projected features.
+OLMO2_MAP: tuple[Entry, ...] = _HEAD + _PROJECTIONS + _QK_NORMS + _POST_NORMS
+
 NAME_MAPS = {
     "llama": LLAMA_MAP,
     "gemma3": GEMMA3_MAP,
@@ -475,6 +481,7 @@ NAME_MAPS = {
     "qwen3": QWEN3_MAP,
     "phi3": PHI3_MAP,
     "gemma2": GEMMA2_MAP,
+    "olmo2": OLMO2_MAP,
 }
 
 
@@ -574,6 +581,6 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 
 __all__ = ["ARCHS", "GEMMA2_MAP", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS",
-           "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo",
+           "OLMO2_MAP", "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo",
            "config_from_file", "dequantize", "load_config", "load_gguf", "open_gguf",
            "params_from_file"]

@@ -121,6 +121,16 @@ GEMMA3_MAP: tuple[Entry, ...] = GEMMA2_MAP + (
     (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _plus_one),
     (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _plus_one),
 )
+# OLMo 2: no norm before attention or the MLP; HF's post_attention_layernorm is a
+# norm *after* attention here (in Llama it is the MLP's pre-norm), and the q/k norms
+# run over all H*E / K*E features.
+OLMO2_MAP: tuple[Entry, ...] = _HEAD + _PROJECTIONS + (
+    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _same),
+    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _same),
+    (_L + r"post_attention_layernorm\.weight", "layers/post_attn_norm", _same),
+    (_L + r"post_feedforward_layernorm\.weight", "layers/post_mlp_norm", _same),
+)
+
 NAME_MAPS = {
     "llama": LLAMA_MAP,
     "gemma3": GEMMA3_MAP,
@@ -129,6 +139,7 @@ NAME_MAPS = {
     "qwen3": QWEN3_MAP,
     "phi3": PHI3_MAP,
     "gemma2": GEMMA2_MAP,
+    "olmo2": OLMO2_MAP,
 }
 
 # Buffers some checkpoints carry that the model recomputes.
@@ -386,6 +397,16 @@ def _gemma3_rope(hf: dict):
             local_theta or hf.get("rope_local_base_freq", 10_000.0), scaling)
 
 
+def _olmo2_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """OLMo 2: norms after attention and the MLP only, q/k norms over all features."""
+    _require(hf, "attention_bias", (False,), False)
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       norm_placement="post", qk_norm="full")
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", frozenset(_LLAMA_FIELDS), _llama_from_hf),
     "mistral": Family("mistral", frozenset(_COMMON_FIELDS | {"hidden_act", "sliding_window"}),
@@ -400,6 +421,8 @@ FAMILIES: dict[str, Family] = {
         "sliding_window", "sliding_window_size", "layer_types", "final_logit_softcapping",
         "attn_logit_softcapping", "use_bidirectional_attention"}), _gemma2_from_hf),
     "gemma3_text": Family("gemma3", frozenset(_GEMMA3_FIELDS), _gemma3_from_hf),
+    "olmo2": Family("olmo2", frozenset(_COMMON_FIELDS | {"hidden_act", "attention_bias"}),
+                    _olmo2_from_hf),
 }
 
 
@@ -624,5 +647,5 @@ def load_hf(directory: str, dtype="default") -> tuple[ModelConfig, dict]:
 
 
 __all__ = ["FAMILIES", "GEMMA2_MAP", "GEMMA3_MAP", "HFCheckpointError", "LLAMA_MAP", "NAME_MAPS",
-           "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "config_from_hf", "convert_tensors",
+           "OLMO2_MAP", "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "config_from_hf", "convert_tensors",
            "iter_safetensors", "load_hf", "read_config", "safetensors_files"]

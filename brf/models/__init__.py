@@ -12,8 +12,8 @@ from typing import Callable, NamedTuple
 
 from brf.models.cache import cache_bytes, init_cache, room
 from brf.models.config import ModelConfig
-from brf.models.modules import (Gemma2, Gemma3, Llama, Mistral, Phi3, Qwen2, Qwen3, Transformer,
-                                from_params)
+from brf.models.modules import (Gemma2, Gemma3, Llama, Mistral, Olmo2, Phi3, Qwen2, Qwen3,
+                                Transformer, from_params)
 from brf.models.scoring import iter_logits_chunks, score_tokens
 from brf.models.transformer import (cast_params, decode_step, decode_step_donated, forward,
                                     forward_tree, init_params, param_shapes, prefill, prefill_donated)
@@ -34,12 +34,13 @@ class Architecture(NamedTuple):
 ARCHITECTURES: Registry[Architecture] = Registry("model architecture")
 # Every family shares one code path; ModelConfig fields select the differences.
 for _name, _module in (("llama", Llama), ("gemma3", Gemma3), ("qwen2", Qwen2), ("mistral",
-                       Mistral), ("qwen3", Qwen3), ("phi3", Phi3), ("gemma2", Gemma2)):
+                       Mistral), ("qwen3", Qwen3), ("phi3", Phi3), ("gemma2", Gemma2), ("olmo2",
+                       Olmo2)):
     ARCHITECTURES.add(_name, Architecture(param_shapes, init_params, init_cache, prefill,
                                           decode_step, forward, _module))
 
 __all__ = ["ARCHITECTURES", "Architecture", "Gemma2", "Gemma3", "Llama", "Mistral", "ModelConfig",
-           "Phi3", "Qwen2", "Qwen3", "Transformer", "cache_bytes", "cast_params", "decode_step",
-           "decode_step_donated", "forward", "forward_tree", "from_params", "init_cache",
-           "init_params", "iter_logits_chunks", "param_shapes", "prefill", "prefill_donated",
-           "room", "score_tokens"]
+           "Olmo2", "Phi3", "Qwen2", "Qwen3", "Transformer", "cache_bytes", "cast_params",
+           "decode_step", "decode_step_donated", "forward", "forward_tree", "from_params",
+           "init_cache", "init_params", "iter_logits_chunks", "param_shapes", "prefill",
+           "prefill_donated", "room", "score_tokens"]

@@ -236,6 +236,13 @@ class Gemma2(Transformer):
     ARCH = "gemma2"
 
 
+class Olmo2(Transformer):
+    """OLMo 2: norms after attention and the MLP only, and RMSNorms over all
+    query and key features before RoPE."""
+
+    ARCH = "olmo2"
+
+
 class Gemma3(Transformer):
     """Gemma 3: sliding-window and global layers with their own RoPE bases, q/k
     norms, norms after attention and MLP, GELU-gated MLP, scaled embeddings."""
@@ -312,6 +319,6 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, tokens_BxN, valid_B
     return loss
 
 
-__all__ = ["Block", "Gemma2", "Gemma3", "Llama", "Mistral", "Phi3", "Qwen2", "Qwen3",
+__all__ = ["Block", "Gemma2", "Gemma3", "Llama", "Mistral", "Olmo2", "Phi3", "Qwen2", "Qwen3",
            "Transformer", "check_params", "from_params", "make_optimizer", "next_token_nll",
            "train_step"]
