@@ -320,3 +320,47 @@ def test_config_json_round_trip(family):
     """What a brf checkpoint stores (config.json) gives the same config back."""
     cfg = family[4]
     assert type(cfg).from_dict(json.loads(cfg.to_json())) == cfg
+
+
+# ----------------------------------------------------------- large checkpoints
+
+
+def test_sharded_bfloat16_read_tensor_by_tensor(tmp_path, monkeypatch):
+    """A synthetic Qwen2 checkpoint in bfloat16 shards: read into bfloat16 bit for bit
+    as safetensors' own loader reads it, or cast to float32; the default dtype is
+    float32 below 1e9 parameters and bfloat16 above; a model that would not fit
+    is refused in one line with its size and what it needs."""
+    import ml_dtypes
+    from safetensors.torch import load_file
+
+    from brf.checkpoints import assemble, synthetic
+    spec = dict(synthetic.QWEN25_3B, vocab_size=64, hidden_size=32, intermediate_size=48,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    n = synthetic.write_synthetic_hf(str(tmp_path), spec, shard_bytes=4096, seed=1)
+    shards = hf_ckpt.safetensors_files(str(tmp_path))
+    assert len(shards) > 3
+    cfg, params = hf_ckpt.load_hf(str(tmp_path), dtype=None)
+    assert assemble.n_params(cfg) == n and cfg.attn_bias and cfg.tie_embeddings
+    want = {}
+    for path in shards:
+        want.update({k: v.view(torch.int16).numpy() for k, v in load_file(path).items()})
+    wq = params["layers"]["wq"]
+    assert wq.dtype == ml_dtypes.bfloat16
+    for i in range(3):
+        np.testing.assert_array_equal(wq[i].T.view(np.int16),
+                                      want[f"model.layers.{i}.self_attn.q_proj.weight"])
+        np.testing.assert_array_equal(params["layers"]["bk"][i].view(np.int16),
+                                      want[f"model.layers.{i}.self_attn.k_proj.bias"])
+    _, f32 = hf_ckpt.load_hf(str(tmp_path))  # default: float32 at this size
+    assert f32["embed"].dtype == np.float32
+    np.testing.assert_array_equal(f32["embed"], params["embed"].astype(np.float32))
+    big = hf_ckpt.config_from_hf(dict(synthetic.QWEN25_3B, num_hidden_layers=28))
+    assert assemble.default_dtype(big) == np.dtype(ml_dtypes.bfloat16)
+    with pytest.raises(assemble.CheckpointTooLargeError,
+                       match=r"2\.47B parameters\) is 9\.9 GB in float32 and needs about "
+                             r"12\.8 GB .* 8\.0 GB available; in bfloat16 it is 4\.9 GB and "
+                             r"needs 6\.4 GB \(dtype=bfloat16\)"):
+        assemble.check_fits(big, np.float32, "/m", available=8_000_000_000)
+    monkeypatch.setattr(assemble, "available_memory", lambda: 1000)
+    with pytest.raises(assemble.CheckpointTooLargeError, match=str(tmp_path)):
+        hf_ckpt.load_hf(str(tmp_path))

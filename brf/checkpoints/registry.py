@@ -206,9 +206,9 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
     """
     if layout not in ("layers", "stacked"):
         raise ValueError(f"layout={layout!r}; use 'layers' or 'stacked'")
-    m = _load(source, dtype, cache, cache_root, progress, mesh)
-    if layout == "layers":
-        from brf.models.transformer import unstack_layers
+    m = _load(source, dtype, cache, cache_root, progress, mesh, layout)
+    from brf.models.transformer import is_unstacked, unstack_layers
+    if layout == "layers" and not is_unstacked(m.params):  # read from the source itself
         m = m._replace(params=unstack_layers(m.params))
         if mesh is not None:  # the fused, transposed weights get their own split
             from brf import sharding
@@ -237,10 +237,10 @@ def load_module(source: str | os.PathLike, dtype=None, cache: bool = True,
     return from_params(m.cfg, m.params), m.tokenizer
 
 
-def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
+def _load(source, dtype, cache, cache_root, progress, mesh=None, layout="stacked") -> Model:
     source = os.fspath(source)
     if os.path.isdir(source) and store.is_checkpoint(source):
-        cfg, params, tokenizer = store.restore(source, dtype, mesh=mesh)
+        cfg, params, tokenizer = store.restore(source, dtype, mesh=mesh, layout=layout)
         return Model(cfg, params, tokenizer, os.path.abspath(source))
     path = resolve(source)
     if not cache:
@@ -260,7 +260,7 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
             convert(path, ckpt, overwrite=stale or os.path.exists(ckpt), progress=progress)
         except FileExistsError:  # another process finished the same conversion first
             pass
-    cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh)
+    cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh, layout=layout)
     return Model(cfg, params, tokenizer, ckpt)
 
 
