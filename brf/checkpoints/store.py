@@ -246,6 +246,8 @@ def restore(directory: str | os.PathLike, dtype=None,
 
     Raises:
         FileNotFoundError: `directory` is not a complete brf checkpoint.
+        brf.checkpoints.assemble.CheckpointTooLargeError: the parameters in that
+            dtype would not fit in the host's available memory (one line).
     """
     directory = os.path.abspath(os.fspath(directory))
     if not is_checkpoint(directory):
@@ -255,6 +257,8 @@ def restore(directory: str | os.PathLike, dtype=None,
         raise ValueError(f"layout={layout!r}; use 'stacked' or 'layers'")
     info = read_info(directory)
     cfg = load_config(directory)
+    from brf.checkpoints.assemble import check_fits
+    check_fits(cfg, dtype or info["dtype"], directory)
     target = abstract_params(cfg, dtype or info["dtype"], mesh)
     if info["format_version"] >= 2:
         params = _restore_params(os.path.join(directory, "params"), cfg, target, layout, mesh)
