@@ -219,6 +219,28 @@ def test_sentencepiece_from_gguf_equals_sentencepiece(tmp_path, arch):
                       "<start_of_turn>model\n")
 
 
+def test_a_dummy_prefix_is_refused_where_text_is_re_encoded(tmp_path):
+    """Phi-3's SentencePiece puts a space before every text: across tokenizers and on
+    bytes that is refused up front in one line; within its own vocabulary it runs."""
+    from brf.bytes.state import ByteInputError
+    from brf.ensemble import EnsembleInputError, generate
+    from tests.byte_reference import tiny_model
+    from tiny_lm import tiny_member, tiny_tokenizer
+    sentencepiece_as_llamacpp_writes(trained_sentencepiece("phi3"), "phi3",
+                                     tmp_path / "tok.gguf")
+    tok = tokenizer_from_gguf(tmp_path / "tok.gguf")
+    phi, other = tiny_member(0, tok, name="phi"), tiny_member(1, tiny_tokenizer(), name="b")
+    with pytest.raises(EnsembleInputError, match="member 0's tokenizer puts a space before "
+                                                 "every text.*aligner='identity'"):
+        generate([phi, other], ["the dog"], aligner="union", max_new_tokens=2)
+    cfg, params = tiny_model(len(tok))
+    with pytest.raises(ByteInputError, match="phi's tokenizer puts a space"):
+        ByteLM(params, cfg, tok, name="phi")
+    same = generate([phi, tiny_member(2, tok, name="phi2")], ["the dog"], max_new_tokens=2,
+                    sampler="greedy")
+    assert same[0].n_events == 2
+
+
 EXACT = dict(beam=10**6, threshold=0.0, max_lag=0, pad_to=16)
 
 
