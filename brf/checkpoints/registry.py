@@ -24,7 +24,6 @@ import os
 import uuid
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
 
 from brf.checkpoints import store
 from brf.errors import UserError
