@@ -51,6 +51,33 @@ def test_roundtrip_identical(tiny, tmp_path):
     assert {x.dtype.name for x in jax.tree.leaves(half)} == {"bfloat16"}
 
 
+def test_layer_items_restore_to_either_layout_and_format_1_still_reads(tiny, tmp_path):
+    """Format 2 (an orbax item per layer): the per-layer restore is unstack_layers of
+    the stacked one, bit for bit; a format-1 checkpoint (the whole pytree as one
+    item, as brf wrote before) restores the same in both layouts."""
+    import json
+    from brf.models.transformer import unstack_layers
+    out = registry.convert(tiny, tmp_path / "ckpt", progress=False)
+    assert store.read_info(out)["format_version"] == 2
+    assert sorted(os.listdir(os.path.join(out, "params")))[:2] == ["embed", "final_norm"]
+    cfg, stacked, _ = store.restore(out, with_tokenizer=False)
+    _, layers, _ = store.restore(out, with_tokenizer=False, layout="layers")
+    assert _equal(layers, unstack_layers(stacked))
+    old = tmp_path / "old"
+    os.makedirs(old)
+    for name in ("config.json", "tokenizer"):
+        os.rename(os.path.join(out, name), old / name)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(old / "params", jax.tree.map(np.asarray, stacked))
+    ckptr.wait_until_finished()
+    info = dict(store.read_info(out), format_version=1)
+    (old / store.MARKER).write_text(json.dumps(info))
+    _, again, _ = store.restore(old, with_tokenizer=False)
+    assert _equal(again, stacked)
+    _, again, _ = store.restore(old, with_tokenizer=False, layout="layers")
+    assert _equal(again, layers)
+
+
 def test_existing_checkpoint_not_overwritten(tiny, tmp_path):
     out = registry.convert(tiny, tmp_path / "ckpt", progress=False)
     with pytest.raises(FileExistsError):
@@ -66,7 +93,7 @@ def test_interrupted_conversion_leaves_nothing_loadable(tiny, tmp_path, monkeypa
         raise KeyboardInterrupt("simulated interrupt")
 
     if where == "orbax":
-        monkeypatch.setattr(ocp.StandardCheckpointer, "wait_until_finished", boom)
+        monkeypatch.setattr(ocp.Checkpointer, "save", boom)
     else:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
         monkeypatch.setattr(TokenizersBackend, "save_pretrained", boom)

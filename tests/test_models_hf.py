@@ -273,7 +273,7 @@ GOOD_LLAMA = dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate
 
 
 @pytest.mark.parametrize("change, field", [
-    (dict(model_type="mistral"), "model_type"),
+    (dict(model_type="falcon"), "model_type"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),

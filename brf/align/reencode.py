@@ -145,6 +145,25 @@ def encode_bytes(codec: Codec, data: bytes) -> list[int]:
     return ids
 
 
+def check_reencodable(codec: Codec, name: str = "the tokenizer") -> None:
+    """Refuses a tokenizer that puts a space before every text it encodes (a
+    SentencePiece dummy prefix: Llama 2, Mistral 7B, Phi-3): its encoding of text
+    from the middle of a generation decodes with a space the text lacks, so it
+    cannot keep a member on the text's bytes (`encode_bytes` would fail at the
+    first re-encoding).
+
+    Raises:
+        ValueError: naming `name` and what to use instead.
+    """
+    ids = _backend(codec.tokenizer).encode("a", add_special_tokens=False).ids
+    got = codec.table.decode(ids)
+    if got != b"a" and got.endswith(b"a") and got[:-1].strip() == b"":
+        raise ValueError(f"{name} puts a space before every text (a SentencePiece dummy "
+                         f"prefix: 'a' reads {got!r}), so text chosen by the ensemble cannot "
+                         "be re-encoded into its tokens losslessly; use it with members of its "
+                         "own vocabulary (aligner='identity'), not across tokenizers or bytes")
+
+
 def _ends(codec: Codec, ids, start: int = 0) -> list[int]:
     out, pos = [], start
     for i in ids:
@@ -220,5 +239,5 @@ def reencode(codec: Codec, state: MemberText, new: bytes, lookback: int = 4,
     return Step(MemberText(text, new_ids, new_ends, state.floor), len(ids) - keep, pending)
 
 
-__all__ = ["Codec", "MemberText", "Step", "encode_bytes", "from_ids", "make_codec", "reencode",
-           "start"]
+__all__ = ["Codec", "MemberText", "Step", "check_reencodable", "encode_bytes", "from_ids",
+           "make_codec", "reencode", "start"]

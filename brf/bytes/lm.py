@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
-from brf.align.reencode import encode_bytes, make_codec
+from brf.align.reencode import check_reencodable, encode_bytes, make_codec
 from brf.align.union import default_cache_dir
 from brf.bytes.masses import EOT, N_EVENTS, PathTable, device_vocab, path_tables
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
@@ -77,6 +77,10 @@ class ByteLM:
         self.cfg = cfg
         self.params = params if is_unstacked(params) else unstack_layers(params)
         self.codec = make_codec(tokenizer)
+        try:
+            check_reencodable(self.codec, f"{name or 'the member'}'s tokenizer")
+        except ValueError as e:
+            raise ByteInputError(str(e)) from None
         if self.codec.table.size > cfg.vocab_size:
             raise ValueError(f"{name}: the tokenizer has {self.codec.table.size} tokens, the "
                              f"model {cfg.vocab_size} logits")

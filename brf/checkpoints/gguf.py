@@ -1,23 +1,29 @@
 """Load a llama.cpp GGUF file into (ModelConfig, params). No torch.
 
-Supported architectures: 'llama' and 'gemma3'. Metadata keys under the
-architecture's prefix that this module does not understand raise GGUFError
-naming the key; so do tensor types other than SUPPORTED_TYPES and tensor names
-no rule maps. Tensors are dequantized to float32 with `gguf.quants.dequantize`
-(the reference NumPy port of ggml's kernels) and mapped onto the params pytree
-of notes/MODEL_CONTRACT.md by a declarative table per architecture: a regex on
-the GGUF name -> our path (layers stacked on axis 0) and a transform.
+Supported architectures: `ARCHS` ('llama' is also how llama.cpp writes Mistral).
+Metadata keys under the architecture's prefix that this module does not
+understand raise GGUFError naming the key; so do tensor types other than
+SUPPORTED_TYPES and tensor names no rule maps. Tensors are dequantized to
+float32 with `gguf.quants.dequantize` (the reference NumPy port of ggml's
+kernels), one at a time, and mapped onto the params pytree of
+notes/MODEL_CONTRACT.md by a declarative table per architecture: a regex on the
+GGUF name -> our path(s) (layers stacked on axis 0) and a transform; each is
+written into its stacked array in the target dtype as it comes
+(`brf.checkpoints.assemble`).
 
 Two facts about llama.cpp's writer (convert_hf_to_gguf.py) the tables undo or keep:
 
 * Llama-arch Q and K projections are stored with their output rows permuted
   from HF's half-split RoPE layout to GGML's interleaved one
   (`permute(w, n_head)`: rows of each head reordered (2, E/2) -> (E/2, 2)).
-  `_unpermute` inverts it. Gemma 3 uses NEOX (half-split) RoPE in llama.cpp and
-  is stored unpermuted.
+  `_unpermute` inverts it. The other architectures use NEOX (half-split) RoPE
+  in llama.cpp and are stored unpermuted (OLMo 2 included, whose converter,
+  unlike OLMo 1's, does not permute).
+* Phi-3's fused projections stay fused in GGUF: attn_qkv rows [q | k | v] and
+  ffn_up rows [gate | up] (llama.cpp's SwiGLU takes the first half as the gate).
 * Gemma's HF checkpoints store a norm weight w that the model applies as
-  (1 + w); the GGUF writer stores 1 + w (Gemma3Model.modify_tensors adds 1 to
-  every '*norm.weight'), and llama.cpp applies the stored value as a plain
+  (1 + w); the GGUF writer stores 1 + w (Gemma2Model / Gemma3Model.modify_tensors
+  add 1 to every '*norm.weight'), and llama.cpp applies the stored value as a plain
   scale. We checked the shipped gemma-3-270m file: every norm value v has v - 1
   exactly representable in bfloat16 (55936 of 55936 values; only 75% of the v
   themselves are), i.e. v = 1 + w with w a bfloat16 weight, and the smallest
@@ -37,9 +43,9 @@ import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
+from brf.checkpoints.assemble import Assembler, check_fits, default_dtype
 from brf.errors import UserError
 from brf.models.config import ModelConfig
-from brf.models.transformer import param_shapes
 
 Q = gguf.GGMLQuantizationType
 
@@ -49,7 +55,7 @@ Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                              Q.Q4_K, Q.Q6_K})
 
-ARCHS = ("llama", "gemma3")
+ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3", "gemma2", "olmo2")
 
 
 class GGUFError(UserError):
@@ -210,6 +216,13 @@ _ARCH_KEYS = {
     "llama": _COMMON_KEYS,
     "gemma3": _COMMON_KEYS | {"attention.sliding_window", "attention.sliding_window_pattern",
                               "final_logit_softcapping", "attn_logit_softcapping"},
+    "qwen2": _COMMON_KEYS,
+    "qwen3": _COMMON_KEYS,
+    # Phi-3 writes sliding_window 0 for none (Phi-4).
+    "phi3": _COMMON_KEYS | {"attention.sliding_window"},
+    "gemma2": _COMMON_KEYS | {"attention.sliding_window", "final_logit_softcapping",
+                              "attn_logit_softcapping"},
+    "olmo2": _COMMON_KEYS,
 }
 # Tokens llama.cpp treats as end-of-generation besides tokenizer.ggml.eos_token_id
 # (llama-vocab.cpp's text heuristic); eos_ids lists those the vocabulary has.
@@ -305,9 +318,39 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
         bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=tuple(eos_ids),
         pad_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    if arch == "llama":
-        return ModelConfig(**common, act="silu")
-    return _gemma3_config(meta, arch, common, field)
+    if arch == "gemma3":
+        return _gemma3_config(meta, arch, common, field)
+    if arch == "gemma2":
+        return _gemma2_config(common, field)
+    structure = dict(_STRUCTURE[arch])
+    window = int(field("attention.sliding_window", 0)) if arch == "phi3" else 0
+    if window:
+        structure.update(sliding_window=window, layer_types=("local",) * n_layers)
+    return ModelConfig(**common, act="silu", **structure)
+
+
+# What the Llama-like architectures add to Llama (GGUF says nothing of it).
+_STRUCTURE = {
+    "llama": {},
+    "qwen2": dict(attn_bias=True),
+    "qwen3": dict(qk_norm="head"),
+    "phi3": {},
+    "olmo2": dict(norm_placement="post", qk_norm="full"),
+}
+
+
+def _gemma2_config(common: dict, field) -> ModelConfig:
+    """The Gemma 2 fields on top of ``common``, with what llama.cpp hard-codes
+    (llama-model.cpp, LLM_ARCH_GEMMA2): even layers local, one RoPE base for
+    all, attention scale 1/sqrt(d/n_heads) for the 46-layer 27B, else 1/sqrt(head_dim)."""
+    n_layers, d, n_heads = common["n_layers"], common["d_model"], common["n_heads"]
+    return ModelConfig(
+        **common, sliding_window=int(field("attention.sliding_window")),
+        layer_types=tuple("local" if i % 2 == 0 else "global" for i in range(n_layers)),
+        query_pre_attn_scalar=float(d // n_heads if n_layers == 46 else common["head_dim"]),
+        act="gelu_tanh", embed_scale=True, norm_placement="sandwich",
+        final_logit_softcap=field("final_logit_softcapping", None),
+        attn_logit_softcap=field("attn_logit_softcapping", None))
 
 
 def _gemma3_config(meta, arch: str, common: dict, field) -> ModelConfig:
@@ -329,7 +372,7 @@ def _gemma3_config(meta, arch: str, common: dict, field) -> ModelConfig:
         **common, rope_local_theta=10000.0,
         sliding_window=int(field("attention.sliding_window")), layer_types=layer_types,
         query_pre_attn_scalar=float(d // n_heads if n_layers == 62 else common["head_dim"]),
-        act="gelu_tanh", embed_scale=True,
+        act="gelu_tanh", embed_scale=True, norm_placement="sandwich", qk_norm="head",
         final_logit_softcap=field("final_logit_softcapping", None),
         attn_logit_softcap=field("attn_logit_softcapping", None))
 
@@ -344,7 +387,7 @@ def _same(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 
 def _kernel(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return np.ascontiguousarray(w_OxI.T)  # GGUF rows are output features; we use [in, out]
+    return w_OxI.T  # GGUF rows are output features; we use [in, out] (copied on writing)
 
 
 def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
@@ -362,45 +405,84 @@ def _llama_k(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return _kernel(_unpermute(w_OxI, cfg.n_kv_heads), cfg)
 
 
-_L = r"blk\.(\d+)\."
+def _split_qkv(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """Phi-3's attn_qkv, rows [q | k | v] -> wq, wk, wv as [in, out]."""
+    q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return w_OxI[:q].T, w_OxI[q:q + k].T, w_OxI[q + k:].T
 
-# GGUF tensor name (regex; a group captures the layer index) -> (our path, transform).
-LLAMA_MAP: tuple[tuple[str, str, Transform], ...] = (
+
+def _split_gate_up(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """Phi-3's ffn_up, rows [gate | up] -> w_gate, w_up as [in, out]."""
+    return w_OxI[:cfg.d_ff].T, w_OxI[cfg.d_ff:].T
+
+
+_L = r"blk\.(\d+)\."
+Entry = tuple[str, "str | tuple[str, ...]", Transform]
+
+# GGUF tensor name (regex; a group captures the layer index) -> (our path(s), transform).
+_HEAD: tuple[Entry, ...] = (
     (r"token_embd\.weight", "embed", _same),
     (r"output_norm\.weight", "final_norm", _same),
     (r"output\.weight", "lm_head", _same),
+)
+_PRE_NORMS: tuple[Entry, ...] = (
     (_L + r"attn_norm\.weight", "layers/attn_norm", _same),
-    (_L + r"attn_q\.weight", "layers/wq", _llama_q),
-    (_L + r"attn_k\.weight", "layers/wk", _llama_k),
-    (_L + r"attn_v\.weight", "layers/wv", _kernel),
-    (_L + r"attn_output\.weight", "layers/wo", _kernel),
     (_L + r"ffn_norm\.weight", "layers/mlp_norm", _same),
+)
+_MLP: tuple[Entry, ...] = (
     (_L + r"ffn_gate\.weight", "layers/w_gate", _kernel),
     (_L + r"ffn_up\.weight", "layers/w_up", _kernel),
     (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
 )
-
-# Norms are stored as the applied scale 1 + w already (see the module docstring).
-GEMMA3_MAP: tuple[tuple[str, str, Transform], ...] = (
-    (r"token_embd\.weight", "embed", _same),
-    (r"output_norm\.weight", "final_norm", _same),
-    (r"output\.weight", "lm_head", _same),
-    (_L + r"attn_norm\.weight", "layers/attn_norm", _same),
+# Half-split (NEOX) RoPE: q and k as written.
+_PROJECTIONS: tuple[Entry, ...] = (
     (_L + r"attn_q\.weight", "layers/wq", _kernel),
     (_L + r"attn_k\.weight", "layers/wk", _kernel),
     (_L + r"attn_v\.weight", "layers/wv", _kernel),
     (_L + r"attn_output\.weight", "layers/wo", _kernel),
+) + _MLP
+_QK_NORMS: tuple[Entry, ...] = (
     (_L + r"attn_q_norm\.weight", "layers/q_norm", _same),
     (_L + r"attn_k_norm\.weight", "layers/k_norm", _same),
+)
+_POST_NORMS: tuple[Entry, ...] = (
     (_L + r"post_attention_norm\.weight", "layers/post_attn_norm", _same),
-    (_L + r"ffn_norm\.weight", "layers/mlp_norm", _same),
     (_L + r"post_ffw_norm\.weight", "layers/post_mlp_norm", _same),
-    (_L + r"ffn_gate\.weight", "layers/w_gate", _kernel),
-    (_L + r"ffn_up\.weight", "layers/w_up", _kernel),
-    (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
 )
 
-NAME_MAPS = {"llama": LLAMA_MAP, "gemma3": GEMMA3_MAP}
+LLAMA_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
+    (_L + r"attn_q\.weight", "layers/wq", _llama_q),
+    (_L + r"attn_k\.weight", "layers/wk", _llama_k),
+    (_L + r"attn_v\.weight", "layers/wv", _kernel),
+    (_L + r"attn_output\.weight", "layers/wo", _kernel),
+) + _MLP
+# Norms are stored as the applied scale 1 + w already (see the module docstring).
+GEMMA2_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + _POST_NORMS
+GEMMA3_MAP: tuple[Entry, ...] = GEMMA2_MAP + _QK_NORMS
+QWEN2_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + (
+    (_L + r"attn_q\.bias", "layers/bq", _same),
+    (_L + r"attn_k\.bias", "layers/bk", _same),
+    (_L + r"attn_v\.bias", "layers/bv", _same),
+)
+QWEN3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + _QK_NORMS
+PHI3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
+    (_L + r"attn_qkv\.weight", ("layers/wq", "layers/wk", "layers/wv"), _split_qkv),
+    (_L + r"attn_output\.weight", "layers/wo", _kernel),
+    (_L + r"ffn_up\.weight", ("layers/w_gate", "layers/w_up"), _split_gate_up),
+    (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
+)
+# OLMo 2: no pre-norms; q/k norms over all projected features.
+OLMO2_MAP: tuple[Entry, ...] = _HEAD + _PROJECTIONS + _QK_NORMS + _POST_NORMS
+
+NAME_MAPS = {
+    "llama": LLAMA_MAP,
+    "gemma3": GEMMA3_MAP,
+    "qwen2": QWEN2_MAP,
+    "qwen3": QWEN3_MAP,
+    "phi3": PHI3_MAP,
+    "gemma2": GEMMA2_MAP,
+    "olmo2": OLMO2_MAP,
+}
 
 
 def dequantize(f: GGUFFile, info: TensorInfo) -> np.ndarray:
@@ -429,14 +511,17 @@ def dequantize(f: GGUFFile, info: TensorInfo) -> np.ndarray:
 
 
 def params_from_file(f: GGUFFile, cfg: ModelConfig, dtype=np.float32,
-                     progress: bool = True) -> dict:
+                     progress: bool = True, table=None) -> dict:
     """Dequantizes and maps every tensor onto the params pytree using NAME_MAPS[cfg.arch].
 
     Args:
         f: an open GGUF file (`open_gguf`).
         cfg: its ModelConfig (decides the table and the expected shapes).
-        dtype: dtype of the returned arrays.
+        dtype: dtype of the returned arrays; each tensor is dequantized to
+            float32 and written into its stacked array in this dtype before the
+            next is read.
         progress: show a tqdm bar over the tensors.
+        table: the name table (default: NAME_MAPS[cfg.arch]).
 
     Returns:
         The params pytree of notes/MODEL_CONTRACT.md (NumPy arrays; layers stacked).
@@ -445,51 +530,33 @@ def params_from_file(f: GGUFFile, cfg: ModelConfig, dtype=np.float32,
         GGUFError: a tensor no rule maps, an unsupported tensor type, a missing
             or duplicated tensor, or a shape that disagrees with cfg.
     """
-    table = [(re.compile(p), path, fn) for p, path, fn in NAME_MAPS[cfg.arch]]
-    flat: dict[str, Any] = {}
+    rules = [(re.compile(p), (path,) if isinstance(path, str) else tuple(path), fn)
+             for p, path, fn in (NAME_MAPS[cfg.arch] if table is None else table)]
+    out = Assembler(cfg, dtype, GGUFError, "GGUF file")
     for t in tqdm(f.tensors, desc="GGUF tensors", unit="tensor", disable=not progress):
-        for rx, path, fn in table:
+        for rx, paths, fn in rules:
             m = rx.fullmatch(t.name)
             if m:
                 break
         else:
             raise GGUFError(f"tensor {t.name!r} has no rule in the {cfg.arch} GGUF name map")
-        w = fn(dequantize(f, t), cfg).astype(dtype, copy=False)
-        if m.groups():
-            slot = flat.setdefault(path, [None] * cfg.n_layers)
-            i = int(m.group(1))
-            if i >= cfg.n_layers or slot[i] is not None:
-                raise GGUFError(f"tensor {t.name!r}: layer {i} out of range or duplicated")
-            slot[i] = w
-        else:
-            flat[path] = w
-    params: dict = {"layers": {}}
-    for key, shape in param_shapes(cfg).items():
-        for sub, sub_shape in (shape.items() if key == "layers" else [(None, shape)]):
-            path = key if sub is None else f"{key}/{sub}"
-            value = flat.pop(path, None)
-            if value is None or (isinstance(value, list) and any(v is None for v in value)):
-                raise GGUFError(f"GGUF file lacks tensors for {path}")
-            if isinstance(value, list):
-                value = np.stack(value)
-            if tuple(value.shape) != tuple(sub_shape):
-                raise GGUFError(f"{path}: shape {value.shape}, config expects {sub_shape}")
-            if sub is None:
-                params[key] = value
-            else:
-                params["layers"][sub] = value
-    if flat:
-        raise GGUFError(f"GGUF tensors mapped to params the config does not have: {sorted(flat)}")
-    return params
+        values = fn(dequantize(f, t), cfg)
+        values = values if isinstance(values, tuple) else (values,)
+        layer = int(m.group(1)) if m.groups() else None
+        for path, value in zip(paths, values, strict=True):
+            out.put(path, layer, value, t.name)
+    return out.finish()
 
 
-def load_gguf(path: str | os.PathLike, dtype=np.float32,
+def load_gguf(path: str | os.PathLike, dtype="default",
               progress: bool = True) -> tuple[ModelConfig, dict]:
     """Loads a GGUF file into (ModelConfig, params).
 
     Args:
         path: the .gguf file.
-        dtype: parameter dtype (NumPy or ml_dtypes).
+        dtype: parameter dtype (NumPy or ml_dtypes); 'default' is float32, or
+            bfloat16 for a model of more than a billion parameters
+            (`brf.checkpoints.assemble.default_dtype`).
         progress: show a tqdm bar over the tensors.
 
     Returns:
@@ -498,9 +565,13 @@ def load_gguf(path: str | os.PathLike, dtype=np.float32,
 
     Raises:
         GGUFError: unreadable file or unsupported content (the message says what).
+        CheckpointTooLargeError: the parameters would not fit in the host's memory.
     """
     f = open_gguf(path)
     cfg = config_from_file(f)
+    if isinstance(dtype, str) and dtype == "default":
+        dtype = default_dtype(cfg)
+    check_fits(cfg, dtype, f.path)
     return cfg, params_from_file(f, cfg, dtype, progress)
 
 
@@ -509,6 +580,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     return config_from_file(open_gguf(path))
 
 
-__all__ = ["ARCHS", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS",
-           "SUPPORTED_TYPES", "TensorInfo", "config_from_file", "dequantize", "load_config",
-           "load_gguf", "open_gguf", "params_from_file"]
+__all__ = ["ARCHS", "GEMMA2_MAP", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS",
+           "OLMO2_MAP", "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo",
+           "config_from_file", "dequantize", "load_config", "load_gguf", "open_gguf",
+           "params_from_file"]

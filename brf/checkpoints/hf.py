@@ -1,13 +1,17 @@
 """Load a Hugging Face checkpoint directory into (ModelConfig, params). No torch.
 
-Supported: model_type 'llama' and 'gemma3_text' (config.json plus
-model.safetensors, or shards listed in model.safetensors.index.json). Config
+Supported model_type values: the keys of `FAMILIES`, from config.json plus
+model.safetensors or the shards model.safetensors.index.json lists. Config
 fields this module does not understand, or understands but does not implement
-(attention bias, rope types other than default/linear/llama3, ...), raise
-ValueError naming the field.
+(an output-projection bias, rope types other than default/linear/llama3,
+partial rotary embeddings, ...), raise HFCheckpointError naming the field.
 
-Tensor names are converted by a declarative table per architecture: a regex
-on the HF name -> our params path (layers stacked on axis 0) and a transform.
+Tensor names are converted by a declarative table per architecture
+(`NAME_MAPS`): a regex on the HF name -> our params path (or several, for a
+fused tensor) and one transform. Tensors are read one at a time with plain
+file reads (no memory map, so pages of the file never count against the
+process) and written straight into the stacked arrays, in the target dtype
+(`brf.checkpoints.assemble`).
 """
 
 from __future__ import annotations
@@ -16,73 +20,127 @@ import json
 import os
 import re
 import struct
-from typing import Callable
+from typing import Callable, Iterator, NamedTuple
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
+from brf.checkpoints.assemble import Assembler, check_fits, default_dtype
 from brf.errors import UserError
 from brf.models.config import ModelConfig
-from brf.models.transformer import param_shapes
 
 
 class HFCheckpointError(UserError):
     """A Hugging Face directory brf cannot read (the message names the file or field)."""
 
-Transform = Callable[[np.ndarray], np.ndarray]
+
+# A transform maps one stored tensor (torch layout) to the array of its path, or
+# to a tuple of arrays, one per path of a fused entry.
+Transform = Callable[[np.ndarray, ModelConfig], "np.ndarray | tuple[np.ndarray, ...]"]
 
 
-def _same(w: np.ndarray) -> np.ndarray:
+def _same(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return w
 
 
-def _transpose(w: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(w.T)  # torch Linear stores [out, in]; we use [in, out]
+def _transpose(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w_OxI.T  # torch Linear stores [out, in]; we use [in, out] (copied on writing)
 
 
-def _plus_one(w: np.ndarray) -> np.ndarray:
+def _plus_one(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return w.astype(np.float32) + 1.0  # Gemma's RMSNorm applies (1 + w)
 
 
-_L = r"model\.layers\.(\d+)\."
+def _split_qkv(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """Phi-3's qkv_proj, rows [q (H*E) | k (K*E) | v (K*E)] -> wq, wk, wv as [in, out]."""
+    q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return w_OxI[:q].T, w_OxI[q:q + k].T, w_OxI[q + k:].T
 
-# HF tensor name (regex; a group captures the layer index) -> (our path, transform).
-LLAMA_MAP: tuple[tuple[str, str, Transform], ...] = (
+
+def _split_gate_up(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """Phi-3's gate_up_proj, rows [gate (F) | up (F)] -> w_gate, w_up as [in, out]."""
+    return w_OxI[:cfg.d_ff].T, w_OxI[cfg.d_ff:].T
+
+
+_L = r"model\.layers\.(\d+)\."
+Entry = tuple[str, "str | tuple[str, ...]", Transform]
+
+# HF tensor name (regex; a group captures the layer index) -> (our path(s), transform).
+_HEAD: tuple[Entry, ...] = (
     (r"model\.embed_tokens\.weight", "embed", _same),
     (r"model\.norm\.weight", "final_norm", _same),
     (r"lm_head\.weight", "lm_head", _same),
-    (_L + r"input_layernorm\.weight", "layers/attn_norm", _same),
+)
+_PROJECTIONS: tuple[Entry, ...] = (
     (_L + r"self_attn\.q_proj\.weight", "layers/wq", _transpose),
     (_L + r"self_attn\.k_proj\.weight", "layers/wk", _transpose),
     (_L + r"self_attn\.v_proj\.weight", "layers/wv", _transpose),
     (_L + r"self_attn\.o_proj\.weight", "layers/wo", _transpose),
-    (_L + r"post_attention_layernorm\.weight", "layers/mlp_norm", _same),
     (_L + r"mlp\.gate_proj\.weight", "layers/w_gate", _transpose),
     (_L + r"mlp\.up_proj\.weight", "layers/w_up", _transpose),
     (_L + r"mlp\.down_proj\.weight", "layers/w_down", _transpose),
 )
+_PRE_NORMS: tuple[Entry, ...] = (
+    (_L + r"input_layernorm\.weight", "layers/attn_norm", _same),
+    (_L + r"post_attention_layernorm\.weight", "layers/mlp_norm", _same),
+)
 
-GEMMA3_MAP: tuple[tuple[str, str, Transform], ...] = (
-    (r"model\.embed_tokens\.weight", "embed", _same),
-    (r"model\.norm\.weight", "final_norm", _plus_one),
-    (r"lm_head\.weight", "lm_head", _same),
-    (_L + r"input_layernorm\.weight", "layers/attn_norm", _plus_one),
-    (_L + r"self_attn\.q_proj\.weight", "layers/wq", _transpose),
-    (_L + r"self_attn\.k_proj\.weight", "layers/wk", _transpose),
-    (_L + r"self_attn\.v_proj\.weight", "layers/wv", _transpose),
+LLAMA_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS
+# Qwen2: biases on q, k and v (not on o).
+QWEN2_MAP: tuple[Entry, ...] = LLAMA_MAP + (
+    (_L + r"self_attn\.q_proj\.bias", "layers/bq", _same),
+    (_L + r"self_attn\.k_proj\.bias", "layers/bk", _same),
+    (_L + r"self_attn\.v_proj\.bias", "layers/bv", _same),
+)
+# Qwen3: an RMSNorm of E features on each query / key head (a plain scale).
+QWEN3_MAP: tuple[Entry, ...] = LLAMA_MAP + (
+    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _same),
+    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _same),
+)
+# Phi-3: q, k, v in one tensor and gate, up in another, split on reading.
+PHI3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
+    (_L + r"self_attn\.qkv_proj\.weight", ("layers/wq", "layers/wk", "layers/wv"), _split_qkv),
     (_L + r"self_attn\.o_proj\.weight", "layers/wo", _transpose),
-    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _plus_one),
-    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _plus_one),
+    (_L + r"mlp\.gate_up_proj\.weight", ("layers/w_gate", "layers/w_up"), _split_gate_up),
+    (_L + r"mlp\.down_proj\.weight", "layers/w_down", _transpose),
+)
+# Gemma 2: norms before and after attention and the MLP, each applying (1 + w).
+_GEMMA_NORMS: tuple[Entry, ...] = (
+    (_L + r"input_layernorm\.weight", "layers/attn_norm", _plus_one),
     (_L + r"post_attention_layernorm\.weight", "layers/post_attn_norm", _plus_one),
     (_L + r"pre_feedforward_layernorm\.weight", "layers/mlp_norm", _plus_one),
     (_L + r"post_feedforward_layernorm\.weight", "layers/post_mlp_norm", _plus_one),
-    (_L + r"mlp\.gate_proj\.weight", "layers/w_gate", _transpose),
-    (_L + r"mlp\.up_proj\.weight", "layers/w_up", _transpose),
-    (_L + r"mlp\.down_proj\.weight", "layers/w_down", _transpose),
+)
+GEMMA2_MAP: tuple[Entry, ...] = (
+    (r"model\.embed_tokens\.weight", "embed", _same),
+    (r"model\.norm\.weight", "final_norm", _plus_one),
+    (r"lm_head\.weight", "lm_head", _same),
+) + _GEMMA_NORMS + _PROJECTIONS
+# Gemma 3: Gemma 2's norms plus per-head q/k norms, also (1 + w).
+GEMMA3_MAP: tuple[Entry, ...] = GEMMA2_MAP + (
+    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _plus_one),
+    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _plus_one),
+)
+# OLMo 2: no norm before attention or the MLP; HF's post_attention_layernorm is a
+# norm *after* attention here (in Llama it is the MLP's pre-norm), and the q/k norms
+# run over all H*E / K*E features.
+OLMO2_MAP: tuple[Entry, ...] = _HEAD + _PROJECTIONS + (
+    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _same),
+    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _same),
+    (_L + r"post_attention_layernorm\.weight", "layers/post_attn_norm", _same),
+    (_L + r"post_feedforward_layernorm\.weight", "layers/post_mlp_norm", _same),
 )
 
-NAME_MAPS = {"llama": LLAMA_MAP, "gemma3": GEMMA3_MAP}
+NAME_MAPS = {
+    "llama": LLAMA_MAP,
+    "gemma3": GEMMA3_MAP,
+    "qwen2": QWEN2_MAP,
+    "mistral": LLAMA_MAP,
+    "qwen3": QWEN3_MAP,
+    "phi3": PHI3_MAP,
+    "gemma2": GEMMA2_MAP,
+    "olmo2": OLMO2_MAP,
+}
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_TENSORS = (r".*\.rotary_emb\.inv_freq",)
@@ -90,24 +148,27 @@ _IGNORED_TENSORS = (r".*\.rotary_emb\.inv_freq",)
 # Config fields with no effect on the forward pass.
 _IGNORED_FIELDS = {
     "_name_or_path", "_model_name_or_path", "unk_token_id", "architectures", "dtype",
-    "torch_dtype", "transformers_version",
+    "torch_dtype", "transformers_version", "auto_map",
     "use_cache", "initializer_range", "attention_dropout", "pretraining_tp",
     "model_type", "cache_implementation", "_sliding_window_pattern", "output_attentions",
     "output_hidden_states", "return_dict", "attn_implementation", "_attn_implementation",
     "tokenizer_class", "is_decoder", "id2label", "label2id", "torchscript",
     "use_return_dict", "max_length", "unsloth_fixed", "chunk_size_feed_forward",
+    "resid_pdrop", "embd_pdrop",  # dropout (Phi-3): training only
 }
-# Fields read by the converters below (any other field raises).
-_LLAMA_FIELDS = {
+# Fields read by every family's converter.
+_COMMON_FIELDS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
-    "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
     "bos_token_id", "eos_token_id", "pad_token_id",
 }
-_GEMMA3_FIELDS = (_LLAMA_FIELDS - {"hidden_act", "mlp_bias"}) | {
-    "hidden_activation", "hidden_act", "query_pre_attn_scalar", "sliding_window",
-    "sliding_window_pattern", "layer_types", "final_logit_softcapping",
+_LLAMA_FIELDS = _COMMON_FIELDS | {"hidden_act", "attention_bias", "mlp_bias"}
+_QWEN_FIELDS = _COMMON_FIELDS | {"hidden_act", "use_sliding_window", "sliding_window",
+                                 "max_window_layers", "layer_types"}
+_GEMMA3_FIELDS = _COMMON_FIELDS | {
+    "attention_bias", "hidden_activation", "hidden_act", "query_pre_attn_scalar",
+    "sliding_window", "sliding_window_pattern", "layer_types", "final_logit_softcapping",
     "attn_logit_softcapping", "use_bidirectional_attention", "rope_local_base_freq",
 }
 
@@ -151,64 +212,146 @@ def _eos(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """Converts a parsed config.json into a ModelConfig, refusing what we do not handle.
-
-    Args:
-        hf: the dict read from config.json.
-
-    Returns:
-        The ModelConfig.
-
-    Raises:
-        ValueError: unsupported model_type, or a config field that is unknown or
-            has a value this implementation does not support (the message names it).
-    """
-    model_type = hf.get("model_type")
-    if model_type == "llama":
-        arch, fields = "llama", _LLAMA_FIELDS
-    elif model_type == "gemma3_text":
-        arch, fields = "gemma3", _GEMMA3_FIELDS
-    else:
-        raise HFCheckpointError(f"config.json model_type={model_type!r} is not supported "
-                         "(supported: 'llama', 'gemma3_text')")
-    unknown = sorted(set(hf) - fields - _IGNORED_FIELDS)
-    if unknown:
-        raise HFCheckpointError(f"config.json fields {unknown} are not handled for {model_type}")
-    _require(hf, "attention_bias", (False,), False)
-    n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    common = dict(
-        arch=arch, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-        n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-        d_ff=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        bos_id=hf.get("bos_token_id"), eos_ids=_eos(hf.get("eos_token_id")),
-        pad_id=hf.get("pad_token_id"),
-    )
-    if arch == "llama":
-        return _llama_from_hf(hf, common)
-    return _gemma3_from_hf(hf, common)
+def _layer_types(types, n_layers: int) -> tuple[str, ...]:
+    """HF layer_types ('full_attention' / 'sliding_attention') -> ours, checked."""
+    names = {"sliding_attention": "local", "full_attention": "global"}
+    bad = sorted(set(types) - set(names))
+    if bad:
+        raise HFCheckpointError(f"config.json layer_types {bad} are not supported "
+                                "(supported: full_attention, sliding_attention)")
+    if len(types) != n_layers:
+        raise HFCheckpointError(f"config.json layer_types has {len(types)} entries for "
+                                f"num_hidden_layers={n_layers}")
+    return tuple(names[t] for t in types)
 
 
-def _llama_from_hf(hf: dict, common: dict) -> ModelConfig:
-    """The Llama-specific fields of config.json (checked) on top of ``common``."""
-    _require(hf, "mlp_bias", (False,), False)
-    _require(hf, "hidden_act", ("silu",), "silu")
+class Family(NamedTuple):
+    """How one config.json model_type becomes a ModelConfig."""
+
+    arch: str                             # ModelConfig.arch (and NAME_MAPS key)
+    fields: frozenset                     # config.json fields it reads (others raise)
+    build: Callable[[dict, dict], ModelConfig]  # (config.json, common fields) -> config
+
+
+def _llama_rope(hf: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) of a single-RoPE config.json (rope_parameters or the older fields)."""
     rp = hf.get("rope_parameters")
     if rp is not None:
         theta, scaling = _rope(rp, "rope_parameters")
     else:
         _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling")
         theta = None
-    theta = theta or hf.get("rope_theta", 10000.0)
+    return theta or hf.get("rope_theta", 10000.0), scaling
+
+
+def _silu(hf: dict) -> None:
+    _require(hf, "hidden_act", ("silu",), "silu")
+
+
+def _llama_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Llama (and SmolLM2): no biases, SiLU, global attention."""
+    _require(hf, "attention_bias", (False,), False)
+    _require(hf, "mlp_bias", (False,), False)
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
     return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
                        tie_embeddings=hf.get("tie_word_embeddings", False), act="silu")
 
 
+def _windowed(common: dict, window) -> dict:
+    """Every layer local with `window` when it is set (Mistral v0.1, Phi-3), else global."""
+    if window is None:
+        return {}
+    return dict(sliding_window=int(window), layer_types=("local",) * common["n_layers"])
+
+
+def _mistral_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Mistral: Llama's layers, a sliding window on every layer where sliding_window is set."""
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       **_windowed(common, hf.get("sliding_window")))
+
+
+def _qwen_windows(hf: dict, common: dict) -> dict:
+    """Qwen2/3: layers from max_window_layers on are local when use_sliding_window
+    (transformers ignores sliding_window otherwise); layer_types when given."""
+    n = common["n_layers"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    types = hf.get("layer_types")
+    if window is None:
+        return {}
+    if types is None:
+        start = hf.get("max_window_layers", n)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+    return dict(sliding_window=int(window), layer_types=_layer_types(types, n))
+
+
+def _qwen2_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Qwen2 / Qwen2.5: biases on q, k, v."""
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       attn_bias=True, **_qwen_windows(hf, common))
+
+
+def _qwen3_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Qwen3 (dense): per-head q/k norms; attention_bias would add an o bias too: refused."""
+    _require(hf, "attention_bias", (False,), False)
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       qk_norm="head", **_qwen_windows(hf, common))
+
+
+def _phi3_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Phi-3 / Phi-4: fused projections (split by the table), a sliding window where set."""
+    _require(hf, "attention_bias", (False,), False)
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       **_windowed(common, hf.get("sliding_window")))
+
+
+def _gelu_tanh(hf: dict) -> None:
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise HFCheckpointError(f"config.json hidden_activation={act!r} is not supported "
+                                "(supported: 'gelu_pytorch_tanh')")
+
+
+def _gemma2_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """Gemma 2: alternating local / global layers sharing one RoPE, soft-capped
+    attention scores and logits, scaled embeddings."""
+    _require(hf, "attention_bias", (False,), False)
+    if hf.get("use_bidirectional_attention"):
+        raise HFCheckpointError("config.json use_bidirectional_attention=True is not supported")
+    _gelu_tanh(hf)
+    theta, scaling = _llama_rope(hf)
+    n = common["n_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                      for i in range(n)]
+    window = hf.get("sliding_window", 4096)
+    size = hf.get("sliding_window_size")  # an older name some checkpoints also carry
+    if size is not None and size != window:
+        raise HFCheckpointError(f"config.json sliding_window_size={size} differs from "
+                                f"sliding_window={window}")
+    return ModelConfig(
+        **common, rope_theta=theta, rope_scaling=scaling,
+        tie_embeddings=hf.get("tie_word_embeddings", True), sliding_window=window,
+        layer_types=_layer_types(types, n), query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        act="gelu_tanh", embed_scale=True, norm_placement="sandwich",
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        attn_logit_softcap=hf.get("attn_logit_softcapping"))
+
+
 def _gemma3_from_hf(hf: dict, common: dict) -> ModelConfig:
     """The Gemma 3 (text) fields of config.json (checked) on top of ``common``."""
+    _require(hf, "attention_bias", (False,), False)
     if hf.get("attn_logit_softcapping") is not None:
         # transformers' Gemma 3 stores this field but never applies it; refuse rather
         # than guess which behaviour the checkpoint was trained with.
@@ -216,27 +359,21 @@ def _gemma3_from_hf(hf: dict, common: dict) -> ModelConfig:
                                 "gemma3_text (transformers ignores it); set it to null")
     if hf.get("use_bidirectional_attention"):
         raise HFCheckpointError("config.json use_bidirectional_attention=True is not supported")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise HFCheckpointError(f"config.json hidden_activation={act!r} is not supported "
-                                "(supported: 'gelu_pytorch_tanh')")
+    _gelu_tanh(hf)
     theta, local_theta, scaling = _gemma3_rope(hf)
     layer_types = hf.get("layer_types")
     if layer_types is None:
         pattern = hf.get("sliding_window_pattern", 6)
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                        for i in range(common["n_layers"])]
-    names = {"sliding_attention": "local", "full_attention": "global"}
-    bad = sorted(set(layer_types) - set(names))
-    if bad:
-        raise HFCheckpointError(f"config.json layer_types {bad} are not supported")
     return ModelConfig(
         **common, rope_theta=theta, rope_local_theta=local_theta, rope_scaling=scaling,
         tie_embeddings=hf.get("tie_word_embeddings", True),
         sliding_window=hf.get("sliding_window"),
-        layer_types=tuple(names[t] for t in layer_types),
+        layer_types=_layer_types(layer_types, common["n_layers"]),
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256), act="gelu_tanh",
-        embed_scale=True, final_logit_softcap=hf.get("final_logit_softcapping"))
+        embed_scale=True, final_logit_softcap=hf.get("final_logit_softcapping"),
+        norm_placement="sandwich", qk_norm="head")
 
 
 def _gemma3_rope(hf: dict):
@@ -260,63 +397,188 @@ def _gemma3_rope(hf: dict):
             local_theta or hf.get("rope_local_base_freq", 10_000.0), scaling)
 
 
-def _read_bf16(path: str) -> dict[str, np.ndarray]:
-    """The BF16 tensors of a safetensors file (safetensors.numpy cannot type them)."""
+def _olmo2_from_hf(hf: dict, common: dict) -> ModelConfig:
+    """OLMo 2: norms after attention and the MLP only, q/k norms over all features."""
+    _require(hf, "attention_bias", (False,), False)
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       norm_placement="post", qk_norm="full")
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", frozenset(_LLAMA_FIELDS), _llama_from_hf),
+    "mistral": Family("mistral", frozenset(_COMMON_FIELDS | {"hidden_act", "sliding_window"}),
+                      _mistral_from_hf),
+    "qwen2": Family("qwen2", frozenset(_QWEN_FIELDS), _qwen2_from_hf),
+    "qwen3": Family("qwen3", frozenset(_QWEN_FIELDS | {"attention_bias"}), _qwen3_from_hf),
+    "phi3": Family("phi3", frozenset(_COMMON_FIELDS | {
+        "hidden_act", "attention_bias", "sliding_window", "original_max_position_embeddings"}),
+        _phi3_from_hf),
+    "gemma2": Family("gemma2", frozenset(_COMMON_FIELDS | {
+        "attention_bias", "hidden_activation", "hidden_act", "query_pre_attn_scalar",
+        "sliding_window", "sliding_window_size", "layer_types", "final_logit_softcapping",
+        "attn_logit_softcapping", "use_bidirectional_attention"}), _gemma2_from_hf),
+    "gemma3_text": Family("gemma3", frozenset(_GEMMA3_FIELDS), _gemma3_from_hf),
+    "olmo2": Family("olmo2", frozenset(_COMMON_FIELDS | {"hidden_act", "attention_bias"}),
+                    _olmo2_from_hf),
+}
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """Converts a parsed config.json into a ModelConfig, refusing what we do not handle.
+
+    Args:
+        hf: the dict read from config.json.
+
+    Returns:
+        The ModelConfig.
+
+    Raises:
+        HFCheckpointError: unsupported model_type, or a config field that is unknown
+            or has a value this implementation does not support (the message names it).
+    """
+    model_type = hf.get("model_type")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise HFCheckpointError(f"config.json model_type={model_type!r} is not supported "
+                                f"(supported: {', '.join(repr(t) for t in FAMILIES)})")
+    unknown = sorted(set(hf) - family.fields - _IGNORED_FIELDS)
+    if unknown:
+        raise HFCheckpointError(f"config.json fields {unknown} are not handled for {model_type}")
+    n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    common = dict(
+        arch=family.arch, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        d_ff=hf["intermediate_size"], norm_eps=hf["rms_norm_eps"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        bos_id=hf.get("bos_token_id"), eos_ids=_eos(hf.get("eos_token_id")),
+        pad_id=hf.get("pad_token_id"),
+    )
+    try:
+        return family.build(hf, common)
+    except ValueError as e:  # ModelConfig's own checks (e.g. heads vs kv heads)
+        if isinstance(e, UserError):
+            raise
+        raise HFCheckpointError(f"config.json: {e}") from None
+
+
+# --------------------------------------------------------------------------- tensors
+
+# safetensors dtype names -> NumPy dtypes we read.
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+class _Tensor(NamedTuple):
+    """Where one tensor of a safetensors file lies."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset
+    n_bytes: int
+
+
+def _header(path: str) -> list[_Tensor]:
+    """The tensor table of one safetensors file, checked against the file's size."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
-    out = {}
+        head = f.read(8)
+        if len(head) < 8:
+            raise HFCheckpointError(f"{path} is truncated: {size} bytes, no safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise HFCheckpointError(f"{path} is truncated or not a safetensors file (header of "
+                                    f"{n} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise HFCheckpointError(f"{path}: its safetensors header is not valid JSON "
+                                    f"({e})") from None
+    out = []
     for name, info in header.items():
-        if name != "__metadata__" and info["dtype"] == "BF16":
-            a, b = info["data_offsets"]
-            out[name] = data[a:b].view(ml_dtypes.bfloat16).reshape(info["shape"])
-    return out
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise HFCheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, "
+                                    f"not supported (supported: {', '.join(_DTYPES)})")
+        a, b = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if b - a != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
+            raise HFCheckpointError(f"{path}: tensor {name!r} has {b - a} bytes for shape {shape}")
+        if 8 + n + b > size:
+            raise HFCheckpointError(f"{path} is truncated: tensor {name!r} ends at byte "
+                                    f"{8 + n + b}, the file has {size}")
+        out.append(_Tensor(name, np.dtype(dtype), shape, 8 + n + a, b - a))
+    return sorted(out, key=lambda t: t.start)
 
 
-def iter_safetensors(directory: str):
-    """Yields (name, numpy array) over model.safetensors or its index's shards."""
+def safetensors_files(directory: str) -> list[str]:
+    """The safetensors files of a directory: its index's shards, or model.safetensors."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise HFCheckpointError(f"{index} is not a safetensors index ({e})") from None
+        missing = [name for name in files if not os.path.isfile(os.path.join(directory, name))]
+        if missing:
+            raise HFCheckpointError(f"{index} lists shards that are missing: {missing[:3]}")
     elif os.path.exists(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
     else:
         raise HFCheckpointError(f"no model.safetensors(.index.json) in {directory}")
-    for fname in files:
-        path = os.path.join(directory, fname)
-        bf16 = None
-        with safe_open(path, framework="np") as f:
-            for name in f.keys():
-                try:
-                    yield name, f.get_tensor(name)
-                except TypeError:  # bfloat16: numpy has no such dtype
-                    bf16 = bf16 if bf16 is not None else _read_bf16(path)
-                    yield name, bf16[name]
+    return [os.path.join(directory, name) for name in files]
 
 
-def convert_tensors(cfg: ModelConfig, tensors, dtype=np.float32) -> dict:
+def iter_safetensors(directory: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (name, NumPy array) over model.safetensors or its index's shards.
+
+    Each tensor is read into memory of its own with plain reads (bfloat16 as
+    ml_dtypes.bfloat16), in file order; the previous one is no longer
+    referenced here once the next is read, so a consumer that converts and
+    drops each holds one tensor at a time.
+    """
+    for path in safetensors_files(directory):
+        with open(path, "rb", buffering=0) as f:
+            for t in _header(path):
+                buf = np.empty(t.n_bytes, np.uint8)
+                f.seek(t.start)
+                got = f.readinto(memoryview(buf))
+                if got != t.n_bytes:
+                    raise HFCheckpointError(f"{path}: tensor {t.name!r} is truncated")
+                yield t.name, buf.view(t.dtype).reshape(t.shape)
+                del buf
+
+
+def convert_tensors(cfg: ModelConfig, tensors, dtype=np.float32, table=None) -> dict:
     """Maps (HF name, array) pairs onto the params pytree using NAME_MAPS[cfg.arch].
 
     Args:
         cfg: the architecture (decides the table and the expected shapes).
-        tensors: iterable of (name, array).
+        tensors: iterable of (name, array); each is converted and written into
+            its stacked array before the next is taken.
         dtype: dtype of the returned arrays (None keeps each tensor's own).
+        table: the name table (default: NAME_MAPS[cfg.arch]).
 
     Returns:
-        The params pytree of notes/MODEL_CONTRACT.md (numpy arrays).
+        The params pytree of notes/MODEL_CONTRACT.md (NumPy arrays).
 
     Raises:
-        ValueError: a tensor no rule maps, a missing or duplicated tensor, or a
-            shape that disagrees with cfg.
+        HFCheckpointError: a tensor no rule maps, a missing or duplicated tensor, or
+            a shape that disagrees with cfg (the message names the tensor).
     """
-    table = [(re.compile(p), path, fn) for p, path, fn in NAME_MAPS[cfg.arch]]
+    rules = [(re.compile(p), (path,) if isinstance(path, str) else tuple(path), fn)
+             for p, path, fn in (NAME_MAPS[cfg.arch] if table is None else table)]
     ignored = [re.compile(p) for p in _IGNORED_TENSORS]
-    shapes = param_shapes(cfg)
-    flat: dict[str, object] = {}
+    out = Assembler(cfg, dtype, HFCheckpointError, "checkpoint")
     for name, w in tensors:
-        for rx, path, fn in table:
+        for rx, paths, fn in rules:
             m = rx.fullmatch(name)
             if m:
                 break
@@ -324,52 +586,19 @@ def convert_tensors(cfg: ModelConfig, tensors, dtype=np.float32) -> dict:
             if any(rx.fullmatch(name) for rx in ignored):
                 continue
             raise HFCheckpointError(f"tensor {name!r} has no rule in the {cfg.arch} name map")
-        if path == "lm_head" and cfg.tie_embeddings:
+        if paths == ("lm_head",) and cfg.tie_embeddings:
             continue  # tied: the head is the embedding
-        w = fn(np.asarray(w))
-        w = w.astype(dtype) if dtype is not None else w
-        if m.groups():
-            slot = flat.setdefault(path, [None] * cfg.n_layers)
-            i = int(m.group(1))
-            if i >= cfg.n_layers or slot[i] is not None:
-                raise HFCheckpointError(f"tensor {name!r}: layer {i} out of range or duplicated")
-            slot[i] = w
-        else:
-            if path in flat:
-                raise HFCheckpointError(f"tensor {name!r} duplicated")
-            flat[path] = w
-    params: dict = {"layers": {}}
-    for key, shape in shapes.items():
-        for sub, sub_shape in (shape.items() if key == "layers" else [(None, shape)]):
-            path = key if sub is None else f"{key}/{sub}"
-            value = flat.pop(path, None)
-            if value is None or (isinstance(value, list) and any(v is None for v in value)):
-                raise HFCheckpointError(f"checkpoint lacks tensors for {path}")
-            if isinstance(value, list):
-                value = np.stack(value)
-            if tuple(value.shape) != tuple(sub_shape):
-                raise HFCheckpointError(f"{path}: shape {value.shape}, config expects {sub_shape}")
-            if sub is None:
-                params[key] = value
-            else:
-                params["layers"][sub] = value
-    if flat:
-        raise HFCheckpointError(f"tensors mapped to unexpected params {sorted(flat)}")
-    return params
+        values = fn(np.asarray(w), cfg)
+        values = values if isinstance(values, tuple) else (values,)
+        layer = int(m.group(1)) if m.groups() else None
+        for path, value in zip(paths, values, strict=True):
+            out.put(path, layer, value, name)
+    return out.finish()
 
 
-def load_hf(directory: str, dtype=np.float32) -> tuple[ModelConfig, dict]:
-    """Loads a Hugging Face model directory into (ModelConfig, params).
-
-    Args:
-        directory: holds config.json and model.safetensors (or a sharded index).
-            A generation_config.json, when present, adds its eos_token_id(s).
-        dtype: parameter dtype (numpy or ml_dtypes; None keeps the stored dtype).
-
-    Returns:
-        (cfg, params) with params a nested dict of numpy arrays (pass through
-        `jax.device_put` to place them).
-    """
+def read_config(directory: str) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory (config.json, plus the EOS ids of a
+    generation_config.json when there is one), without reading any tensor."""
     path = os.path.join(directory, "config.json")
     try:
         with open(path) as f:
@@ -389,4 +618,34 @@ def load_hf(directory: str, dtype=np.float32) -> tuple[ModelConfig, dict]:
             extra = _eos(json.load(f).get("eos_token_id"))
         eos = cfg.eos_ids + tuple(e for e in extra if e not in cfg.eos_ids)
         cfg = ModelConfig.from_dict({**cfg.to_dict(), "eos_ids": eos})
+    return cfg
+
+
+def load_hf(directory: str, dtype="default") -> tuple[ModelConfig, dict]:
+    """Loads a Hugging Face model directory into (ModelConfig, params).
+
+    Args:
+        directory: holds config.json and model.safetensors (or a sharded index).
+            A generation_config.json, when present, adds its eos_token_id(s).
+        dtype: parameter dtype (NumPy or ml_dtypes); 'default' is float32, or
+            bfloat16 for a model of more than a billion parameters
+            (`brf.checkpoints.assemble.default_dtype`); None keeps the stored dtype.
+
+    Returns:
+        (cfg, params) with params a nested dict of numpy arrays (pass through
+        `jax.device_put` to place them).
+
+    Raises:
+        HFCheckpointError: an unreadable or unsupported directory (named).
+        CheckpointTooLargeError: the parameters would not fit in the host's memory.
+    """
+    cfg = read_config(directory)
+    if isinstance(dtype, str) and dtype == "default":
+        dtype = default_dtype(cfg)
+    check_fits(cfg, np.float32 if dtype is None else dtype, directory)
     return cfg, convert_tensors(cfg, iter_safetensors(directory), dtype)
+
+
+__all__ = ["FAMILIES", "GEMMA2_MAP", "GEMMA3_MAP", "HFCheckpointError", "LLAMA_MAP", "NAME_MAPS",
+           "OLMO2_MAP", "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "config_from_hf", "convert_tensors",
+           "iter_safetensors", "load_hf", "read_config", "safetensors_files"]

@@ -32,7 +32,6 @@ import os
 import uuid
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
 
 from brf import cachefiles
 from brf.checkpoints import store
@@ -123,12 +122,13 @@ def resolve(source: str | os.PathLike) -> str:
                             "nor an existing .gguf file or directory")
 
 
-def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[ModelConfig, dict, Any]:
+def read_source(path: str, dtype="default", progress: bool = True) -> tuple[ModelConfig, dict, Any]:
     """Reads a .gguf file or a Hugging Face directory (no cache).
 
     Args:
         path: from `resolve`.
-        dtype: NumPy dtype of the returned params.
+        dtype: NumPy dtype of the returned params; 'default': float32, or
+            bfloat16 above a billion parameters (`brf.checkpoints.assemble`).
         progress: tqdm bars while dequantizing GGUF tensors and building the
             tokenizer (a 262,144-token vocabulary takes seconds).
 
@@ -142,9 +142,12 @@ def read_source(path: str, dtype=np.float32, progress: bool = True) -> tuple[Mod
         has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
         return cfg, params, tok.tokenizer_from_dir(path) if has_tok else None
     from brf.checkpoints import gguf
+    from brf.checkpoints.assemble import check_fits, default_dtype
     from brf.checkpoints.progress import clock
     f = gguf.open_gguf(path)
     cfg = gguf.config_from_file(f)
+    dtype = default_dtype(cfg) if isinstance(dtype, str) and dtype == "default" else dtype
+    check_fits(cfg, dtype, path)
     params = gguf.params_from_file(f, cfg, dtype, progress)
     if "tokenizer.ggml.model" not in f.metadata:
         return cfg, params, None
@@ -213,7 +216,7 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bo
     """
     source = os.fspath(source)
     path = resolve(source)
-    cfg, params, tokenizer = read_source(path, np.float32, progress)
+    cfg, params, tokenizer = read_source(path, "default", progress)
     name = source if source in MODELS.names() else None
     return store.save(out_dir, cfg, params, tokenizer, info=_fingerprint(path, name),
                       overwrite=overwrite, progress=progress)
@@ -235,7 +238,8 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
 
     Args:
         source: model name, .gguf path, HF directory, or brf checkpoint directory.
-        dtype: parameter dtype (default float32, the dequantized values).
+        dtype: parameter dtype (default float32, the dequantized values; bfloat16
+            for a model of more than a billion parameters, `brf.checkpoints.assemble`).
         cache: use (and fill) the cache; False reads the source directly.
         cache_root: cache directory (default `cache_dir()`).
         progress: bars while a first use converts the source (dequantizing,
@@ -255,9 +259,9 @@ def load(source: str | os.PathLike, dtype=None, cache: bool = True,
     """
     if layout not in ("layers", "stacked"):
         raise ValueError(f"layout={layout!r}; use 'layers' or 'stacked'")
-    m = _load(source, dtype, cache, cache_root, progress, mesh)
-    if layout == "layers":
-        from brf.models.transformer import unstack_layers
+    m = _load(source, dtype, cache, cache_root, progress, mesh, layout)
+    from brf.models.transformer import is_unstacked, unstack_layers
+    if layout == "layers" and not is_unstacked(m.params):  # read from the source itself
         m = m._replace(params=unstack_layers(m.params))
         if mesh is not None:  # the fused, transposed weights get their own split
             from brf import sharding
@@ -286,16 +290,17 @@ def load_module(source: str | os.PathLike, dtype=None, cache: bool = True,
     return from_params(m.cfg, m.params), m.tokenizer
 
 
-def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
+def _load(source, dtype, cache, cache_root, progress, mesh=None, layout="stacked") -> Model:
     source = os.fspath(source)
     if os.path.isdir(source) and store.is_checkpoint(source):
-        cfg, params, tokenizer = store.restore(source, dtype, mesh=mesh)
+        cfg, params, tokenizer = store.restore(source, dtype, mesh=mesh, layout=layout)
         return Model(cfg, params, tokenizer, os.path.abspath(source))
     path = resolve(source)
     if not cache:
         import jax
         from brf import sharding
-        cfg, params, tokenizer = read_source(path, np.dtype(dtype or np.float32), progress)
+        cfg, params, tokenizer = read_source(path, "default" if dtype is None else dtype,
+                                             progress)
         placed = (jax.device_put(params) if mesh is None else
                   jax.device_put(params, sharding.param_shardings(params, mesh)))
         return Model(cfg, placed, tokenizer, path)
@@ -304,7 +309,7 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
     state, why = _state(ckpt, path, name)
     if state == "ok":
         try:
-            cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh)
+            cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh, layout=layout)
             return Model(cfg, params, tokenizer, ckpt)
         except Exception as e:  # damage the recorded sizes cannot show
             state, why = "damaged", f"{type(e).__name__}: {e}"
@@ -323,7 +328,7 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None) -> Model:
         convert(source, ckpt, overwrite=os.path.exists(ckpt), progress=progress)
     except FileExistsError:  # another process finished the same conversion first
         pass
-    cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh)
+    cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh, layout=layout)
     return Model(cfg, params, tokenizer, ckpt)
 
 

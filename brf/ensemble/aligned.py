@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf import align
+from brf.align.reencode import check_reencodable
 from brf.ensemble.member import EnsembleInputError, Member
 
 
@@ -70,6 +71,9 @@ def _build(aligner: str, tokenizers: tuple, vocab_sizes: tuple[int, ...]):
     try:
         codecs = [align.make_codec(t) for t in tokenizers]
         alignment = align.make_aligner(aligner, [c.table for c in codecs])
+        if aligner != "identity":  # chosen text is re-encoded into each member's tokens
+            for j, c in enumerate(codecs):
+                check_reencodable(c, f"member {j}'s tokenizer")
     except ValueError as e:
         raise EnsembleInputError(f"aligner {aligner!r}: {e}") from None
     for j, (c, v) in enumerate(zip(codecs, vocab_sizes)):

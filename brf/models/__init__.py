@@ -1,5 +1,6 @@
-"""brf.models: Llama / Gemma 3 as pure functions over a params pytree, and as
-flax.nnx modules over the same functions (`brf.models.modules`).
+"""brf.models: decoder-only transformers of several families as pure functions over
+a params pytree, and as flax.nnx modules over the same functions
+(`brf.models.modules`).
 
 Registry: :data:`ARCHITECTURES` maps ModelConfig.arch to an
 :class:`Architecture` bundling the functions and the module class that serve it.
@@ -11,7 +12,8 @@ from typing import Callable, NamedTuple
 
 from brf.models.cache import cache_bytes, init_cache, room
 from brf.models.config import ModelConfig
-from brf.models.modules import Gemma3, Llama, Transformer, from_params
+from brf.models.modules import (Gemma2, Gemma3, Llama, Mistral, Olmo2, Phi3, Qwen2, Qwen3,
+                                Transformer, from_params)
 from brf.models.scoring import iter_logits_chunks, score_tokens
 from brf.models.transformer import (cast_params, decode_step, decode_step_donated, forward,
                                     forward_tree, init_params, param_shapes, prefill, prefill_donated)
@@ -30,12 +32,15 @@ class Architecture(NamedTuple):
 
 
 ARCHITECTURES: Registry[Architecture] = Registry("model architecture")
-# Llama and Gemma 3 share one code path; ModelConfig fields select the differences.
-for _name, _module in (("llama", Llama), ("gemma3", Gemma3)):
+# Every family shares one code path; ModelConfig fields select the differences.
+for _name, _module in (("llama", Llama), ("gemma3", Gemma3), ("qwen2", Qwen2), ("mistral",
+                       Mistral), ("qwen3", Qwen3), ("phi3", Phi3), ("gemma2", Gemma2), ("olmo2",
+                       Olmo2)):
     ARCHITECTURES.add(_name, Architecture(param_shapes, init_params, init_cache, prefill,
                                           decode_step, forward, _module))
 
-__all__ = ["ARCHITECTURES", "Architecture", "Gemma3", "Llama", "ModelConfig", "Transformer",
-           "cache_bytes", "cast_params", "decode_step", "decode_step_donated", "forward", "forward_tree",
-           "from_params", "init_cache", "init_params", "iter_logits_chunks", "param_shapes",
-           "prefill", "prefill_donated", "room", "score_tokens"]
+__all__ = ["ARCHITECTURES", "Architecture", "Gemma2", "Gemma3", "Llama", "Mistral", "ModelConfig",
+           "Olmo2", "Phi3", "Qwen2", "Qwen3", "Transformer", "cache_bytes", "cast_params",
+           "decode_step", "decode_step_donated", "forward", "forward_tree", "from_params",
+           "init_cache", "init_params", "iter_logits_chunks", "param_shapes", "prefill",
+           "prefill_donated", "room", "score_tokens"]

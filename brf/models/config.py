@@ -15,6 +15,19 @@ from typing import Any
 ROPE_SCALING_TYPES = ("linear", "llama3")
 LAYER_TYPES = ("global", "local")
 ACTIVATIONS = ("silu", "gelu_tanh")
+# Where a layer's RMSNorms sit: 'pre' (Llama: before attention and the MLP), 'sandwich'
+# (Gemma 2/3: before and after each), 'post' (OLMo 2: after each only).
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+# Norms of queries and keys before RoPE: 'none'; 'head' (Gemma 3, Qwen3: over each
+# head's E features); 'full' (OLMo 2: over all H*E / K*E projected features).
+QK_NORMS = ("none", "head", "full")
+# Per architecture, the structure a config gets when it does not state it (checkpoints
+# converted before these fields existed state neither).
+_ARCH_DEFAULTS = {"gemma3": dict(norm_placement="sandwich", qk_norm="head"),
+                  "gemma2": dict(norm_placement="sandwich", qk_norm="none"),
+                  "qwen3": dict(norm_placement="pre", qk_norm="head"),
+                  "olmo2": dict(norm_placement="post", qk_norm="full")}
+_DEFAULTS = dict(norm_placement="pre", qk_norm="none")
 
 # Keys each supported rope_scaling type needs besides "type".
 _ROPE_SCALING_KEYS = {
@@ -26,7 +39,8 @@ _ROPE_SCALING_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (Llama family or Gemma 3).
+    """Architecture of a decoder-only transformer (every family of
+    `brf.models.ARCHITECTURES` runs on one engine; these fields select the differences).
 
     See notes/MODEL_CONTRACT.md for the meaning of every field.
     """
@@ -51,6 +65,9 @@ class ModelConfig:
     embed_scale: bool = False
     final_logit_softcap: float | None = None
     attn_logit_softcap: float | None = None
+    attn_bias: bool = False
+    qk_norm: str | None = None
+    norm_placement: str | None = None
     max_seq_len: int = 2048
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
@@ -64,6 +81,9 @@ class ModelConfig:
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        for name, value in {**_DEFAULTS, **_ARCH_DEFAULTS.get(self.arch, {})}.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         self.validate()
 
     def __hash__(self):
@@ -86,11 +106,14 @@ class ModelConfig:
             raise ValueError(f"layer_types: unknown {sorted(bad)}; use {LAYER_TYPES}")
         if "local" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_window must be set when layer_types has local")
-        if "local" in self.layer_types and self.rope_local_theta is None:
-            raise ValueError("rope_local_theta must be set when layer_types has local")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
                                               f"n_kv_heads={self.n_kv_heads}")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement={self.norm_placement!r} unsupported; use one of "
+                             f"{NORM_PLACEMENTS}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={self.qk_norm!r} unsupported; use one of {QK_NORMS}")
         if self.act not in ACTIVATIONS:
             raise ValueError(f"act={self.act!r} unsupported; use one of {ACTIVATIONS}")
         if self.rope_scaling is not None:

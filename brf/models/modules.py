@@ -1,4 +1,5 @@
-"""The models as `flax.nnx` modules: `Llama` and `Gemma3`, run by the functional engine.
+"""The models as `flax.nnx` modules, one class per family (`Llama`, `Gemma3`, ...:
+``brf.models.ARCHITECTURES[arch].module``), run by the functional engine.
 
 A module holds a model's parameters as `nnx.Param`s under the names of the
 params pytree (notes/MODEL_CONTRACT.md), in either of its two layouts, and its
@@ -16,8 +17,10 @@ sharing its buffers):
 * layout 'layers' (what `brf.checkpoints.registry.load` returns):
   ``state['layers'][i][name]`` is ``params['layers'][i][name]`` (``layers`` is
   an `nnx.List` of `Block`s; names ``attn_norm``, ``wqkv_t``, ``wo_t``,
-  ``mlp_norm``, ``w_gate_up_t``, ``w_down_t`` and, for Gemma 3, ``q_norm``,
-  ``k_norm``, ``post_attn_norm``, ``post_mlp_norm``);
+  ``mlp_norm``, ``w_gate_up_t``, ``w_down_t`` and, where the config has them,
+  ``bqkv`` (q/k/v biases), ``q_norm``, ``k_norm`` (q/k norms),
+  ``post_attn_norm``, ``post_mlp_norm`` (norms after attention and the MLP;
+  with ``norm_placement='post'`` there is no ``attn_norm`` / ``mlp_norm``);
 * layout 'stacked' (as checkpoints store it): ``state['layers'][name]`` is
   ``params['layers'][name]``, every layer on a leading [L] axis (``layers`` is
   one `Block`); names ``wq``, ``wk``, ``wv``, ``wo``, ``w_gate``, ``w_up``,
@@ -103,7 +106,7 @@ def check_params(cfg: ModelConfig, params: dict) -> None:
 
 class Transformer(nnx.Module):
     """A decoder-only transformer as an nnx module; use the family classes
-    `Llama` and `Gemma3` (or `from_params`, which picks one by ``cfg.arch``).
+    (`Llama`, `Gemma3`, `Qwen2`, ...; `from_params` picks one by ``cfg.arch``).
 
     Args:
         cfg: the architecture; ``cfg.arch`` must be the class's family.
@@ -193,10 +196,51 @@ class Transformer(nnx.Module):
 
 
 class Llama(Transformer):
-    """The Llama family (SmolLM2; Llama, Qwen2, Mistral-style): GQA, RoPE with
-    optional linear / llama3 scaling, SiLU-gated MLP, tied or untied head."""
+    """The Llama family (SmolLM2, Llama 2/3): GQA, RoPE with optional linear /
+    llama3 scaling, SiLU-gated MLP, tied or untied head."""
 
     ARCH = "llama"
+
+
+class Mistral(Transformer):
+    """Mistral: Llama's layers, every layer attending within ``sliding_window``
+    when the checkpoint sets one (v0.1), else globally."""
+
+    ARCH = "mistral"
+
+
+class Qwen2(Transformer):
+    """Qwen2 / Qwen2.5: Llama's layers with biases on the q, k and v projections."""
+
+    ARCH = "qwen2"
+
+
+class Qwen3(Transformer):
+    """Qwen3 (dense): Llama's layers with an RMSNorm on each query and key head
+    before RoPE."""
+
+    ARCH = "qwen3"
+
+
+class Phi3(Transformer):
+    """Phi-3 / Phi-4: Llama's layers; the checkpoint's fused qkv and gate/up
+    projections are split on reading; a sliding window where set."""
+
+    ARCH = "phi3"
+
+
+class Gemma2(Transformer):
+    """Gemma 2: alternating local / global layers, norms before and after
+    attention and the MLP, soft-capped attention scores and logits."""
+
+    ARCH = "gemma2"
+
+
+class Olmo2(Transformer):
+    """OLMo 2: norms after attention and the MLP only, and RMSNorms over all
+    query and key features before RoPE."""
+
+    ARCH = "olmo2"
 
 
 class Gemma3(Transformer):
@@ -275,5 +319,6 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, tokens_BxN, valid_B
     return loss
 
 
-__all__ = ["Block", "Gemma3", "Llama", "Transformer", "check_params", "from_params",
-           "make_optimizer", "next_token_nll", "train_step"]
+__all__ = ["Block", "Gemma2", "Gemma3", "Llama", "Mistral", "Olmo2", "Phi3", "Qwen2", "Qwen3",
+           "Transformer", "check_params", "from_params", "make_optimizer", "next_token_nll",
+           "train_step"]

@@ -1,8 +1,10 @@
-"""Pure-function forward passes for decoder-only transformers (Llama, Gemma 3).
+"""Pure-function forward passes for decoder-only transformers (every family of
+`brf.models.ARCHITECTURES`).
 
-One code path serves both families; the differences are fields of ModelConfig
-(activation, embedding scale, per-layer window and RoPE base) and the presence
-of the Gemma-only parameters (q/k norms, post-attention / post-MLP norms).
+One code path serves every family; the differences are fields of ModelConfig
+(activation, embedding scale, per-layer window and RoPE base, soft-capping,
+q/k/v biases, q/k norms, where the norms sit) and the parameters they imply
+(`param_shapes`).
 Stacked layers run as one `lax.scan`; per-layer params (`unstack_layers`) run
 a prompt as one jitted call per layer that every layer shares (compile time
 independent of depth) and a decoding step as one call over all layers.
@@ -43,21 +45,28 @@ def _acc(dtype):
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """Shapes of the params pytree of notes/MODEL_CONTRACT.md, as nested dicts of tuples."""
+    """Shapes of the params pytree of notes/MODEL_CONTRACT.md, as nested dicts of tuples.
+
+    Which per-layer tensors exist follows the config: q/k/v biases with
+    ``attn_bias``; q/k norm scales of E features (``qk_norm='head'``) or of all
+    projected features (``'full'``); pre-norms unless ``norm_placement='post'``
+    and post-norms unless it is ``'pre'``.
+    """
     L, D, F, E = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.head_dim
-    layers = {
-        "attn_norm": (L, D),
-        "wq": (L, D, cfg.n_heads * E),
-        "wk": (L, D, cfg.n_kv_heads * E),
-        "wv": (L, D, cfg.n_kv_heads * E),
-        "wo": (L, cfg.n_heads * E, D),
-        "mlp_norm": (L, D),
-        "w_gate": (L, D, F),
-        "w_up": (L, D, F),
-        "w_down": (L, F, D),
-    }
-    if cfg.arch == "gemma3":
-        layers.update(q_norm=(L, E), k_norm=(L, E), post_attn_norm=(L, D), post_mlp_norm=(L, D))
+    HE, KE = cfg.n_heads * E, cfg.n_kv_heads * E
+    pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+    layers = {"attn_norm": (L, D)} if pre else {}
+    layers.update(wq=(L, D, HE), wk=(L, D, KE), wv=(L, D, KE), wo=(L, HE, D))
+    if cfg.attn_bias:
+        layers.update(bq=(L, HE), bk=(L, KE), bv=(L, KE))
+    if pre:
+        layers["mlp_norm"] = (L, D)
+    layers.update(w_gate=(L, D, F), w_up=(L, D, F), w_down=(L, F, D))
+    if cfg.qk_norm != "none":
+        full = cfg.qk_norm == "full"
+        layers.update(q_norm=(L, HE if full else E), k_norm=(L, KE if full else E))
+    if post:
+        layers.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
     shapes = {"embed": (cfg.vocab_size, D), "final_norm": (D,), "layers": layers}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, D)
@@ -310,23 +319,41 @@ def _proj(lp, name, h_BxTxI, dtype):
 
 
 def _post_norm(cfg, lp, name, x):
-    """Gemma's norm after attention / the MLP (`name` absent in Llama: x unchanged)."""
+    """Gemma's and OLMo 2's norm after attention / the MLP (`name` absent in Llama:
+    x unchanged)."""
+    return rms_norm(x, lp[name], cfg.norm_eps) if name in lp else x
+
+
+def _pre_norm(cfg, lp, name, x):
+    """The norm before attention / the MLP (`name` absent in OLMo 2: x unchanged)."""
     return rms_norm(x, lp[name], cfg.norm_eps) if name in lp else x
 
 
 def _qkv(cfg, dtype, x_BxTxD, lp, rope):
-    """Queries q_BxTxHxE and the new (kT_BxKxExT, v_BxKxTxE), normed and rotated."""
+    """Queries q_BxTxHxE and the new (kT_BxKxExT, v_BxKxTxE), normed and rotated.
+
+    Around the projections, as the config has them: the pre-norm (absent for
+    OLMo 2's post-norms), q/k/v biases (Qwen2), and q/k RMSNorms before RoPE,
+    per head (Gemma 3, Qwen3) or over all projected features (OLMo 2).
+    """
     B, T, _ = x_BxTxD.shape
     E, H, K = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    h_BxTxD = rms_norm(x_BxTxD, lp["attn_norm"], cfg.norm_eps)
+    h_BxTxD = _pre_norm(cfg, lp, "attn_norm", x_BxTxD)
     if "wq" in lp:
         q, k, v = (_proj(lp, name, h_BxTxD, dtype) for name in ("wq", "wk", "wv"))
+        if "bq" in lp:
+            q, k, v = (a + lp[b].astype(dtype) for a, b in zip((q, k, v), ("bq", "bk", "bv")))
     else:  # fused by unstack_layers
-        q, k, v = jnp.split(_proj(lp, "wqkv", h_BxTxD, dtype), [H * E, (H + K) * E], axis=-1)
+        qkv = _proj(lp, "wqkv", h_BxTxD, dtype)
+        if "bqkv" in lp:
+            qkv = qkv + lp["bqkv"].astype(dtype)
+        q, k, v = jnp.split(qkv, [H * E, (H + K) * E], axis=-1)
+    if cfg.qk_norm == "full":
+        q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
     q_BxTxHxE = q.reshape(B, T, H, E)
     k_BxTxKxE = k.reshape(B, T, K, E)
     v_BxTxKxE = v.reshape(B, T, K, E)
-    if "q_norm" in lp:
+    if cfg.qk_norm == "head":
         q_BxTxHxE = rms_norm(q_BxTxHxE, lp["q_norm"], cfg.norm_eps)
         k_BxTxKxE = rms_norm(k_BxTxKxE, lp["k_norm"], cfg.norm_eps)
     q_BxTxHxE = _rotate(q_BxTxHxE, *rope)
@@ -365,8 +392,8 @@ def _self_attention(cfg, q_BxTxHxE, q_pos_BxT, new, kv, window, at: Slots, sever
 
 
 def _mlp(cfg, dtype, x_BxTxD, lp):
-    """The gated MLP's output (after Gemma's post-MLP norm), to add to x."""
-    h_BxTxD = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.norm_eps)
+    """The gated MLP's output (after a post-MLP norm where there is one), to add to x."""
+    h_BxTxD = _pre_norm(cfg, lp, "mlp_norm", x_BxTxD)
     act = jax.nn.silu if cfg.act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
     if "w_gate" in lp:
         gate, up = _proj(lp, "w_gate", h_BxTxD, dtype), _proj(lp, "w_up", h_BxTxD, dtype)
@@ -402,7 +429,8 @@ def unstack_layers(params: dict) -> dict:
     `forward` accepts both layouts.
 
     The projections that read the same input are also concatenated along their
-    output axis (``wqkv`` = [wq | wk | wv], ``w_gate_up`` = [w_gate | w_up]):
+    output axis (``wqkv`` = [wq | wk | wv], ``w_gate_up`` = [w_gate | w_up];
+    q/k/v biases likewise, ``bqkv`` = [bq | bk | bv]):
     one larger matrix-vector product per group instead of three or two small
     ones, which matters when decoding is bound by reading the weights.
 
@@ -419,7 +447,8 @@ def unstack_layers(params: dict) -> dict:
     n = len(next(iter(layers.values())))
     stacked = dict(layers)
     for name, parts in _FUSED.items():
-        stacked[name] = jnp.concatenate([stacked.pop(k) for k in parts], axis=-1)
+        if parts[0] in stacked:  # biases: only where the architecture has them
+            stacked[name] = jnp.concatenate([stacked.pop(k) for k in parts], axis=-1)
     for name in _TRANSPOSED:
         stacked[name + "_t"] = jnp.swapaxes(stacked.pop(name), -1, -2)
     per_layer = tuple({k: v[i] for k, v in stacked.items()} for i in range(n))
@@ -427,7 +456,7 @@ def unstack_layers(params: dict) -> dict:
 
 
 # Projections concatenated by `unstack_layers` (name -> parts, in order).
-_FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+_FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"), "bqkv": ("bq", "bk", "bv")}
 # Projections `unstack_layers` stores transposed, [out, in], as <name>_t.
 _TRANSPOSED = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -436,7 +465,8 @@ def _split_fused(lp: dict, cfg: ModelConfig) -> dict:
     """The separate [in, out] projections of a per-layer dict made by `unstack_layers`."""
     E = cfg.head_dim
     width = dict(wq=cfg.n_heads * E, wk=cfg.n_kv_heads * E, wv=cfg.n_kv_heads * E,
-                 w_gate=cfg.d_ff, w_up=cfg.d_ff)
+                 w_gate=cfg.d_ff, w_up=cfg.d_ff, bq=cfg.n_heads * E, bk=cfg.n_kv_heads * E,
+                 bv=cfg.n_kv_heads * E)
     out = dict(lp)
     for name in _TRANSPOSED:
         if name + "_t" in out:
