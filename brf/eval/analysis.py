@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -45,14 +45,21 @@ def side(ci) -> str:
     return "lower" if ci[1] < 0 else "higher" if ci[0] > 0 else "undecided"
 
 
-def tied(rows: Sequence[Any], margin: float = TIE_MARGIN) -> list:
+def tied(rows: Sequence[Any], margin: float = TIE_MARGIN,
+         slack: Mapping[str, float] | None = None) -> list:
     """The rows (MethodResults or Fitted) whose calibration NLL lies within ``margin`` of
     the lowest, lowest first (the first of equal rows as listed: the row :func:`_best`
-    chooses comes first)."""
+    chooses comes first). ``slack`` (label -> nats) widens the margin between two rows
+    by both rows' slack: how far the stability check saw each row's fit move
+    (:mod:`brf.eval.stability`), so that two rows a refit could reorder count as tied."""
     if not rows:
         return []
-    low = min(r.calib_nll for r in rows)
-    return sorted((r for r in rows if r.calib_nll <= low + margin), key=lambda r: r.calib_nll)
+    slack = slack or {}
+    low = min(rows, key=lambda r: r.calib_nll)
+    s0 = slack.get(low.label, 0.0)
+    return sorted((r for r in rows
+                   if r.calib_nll <= low.calib_nll + margin + s0 + slack.get(r.label, 0.0)),
+                  key=lambda r: r.calib_nll)
 
 
 @dataclasses.dataclass
@@ -274,6 +281,9 @@ class AnalysisResult:
     forking: dict
     sweep: list[dict]
     left_out: list[str]
+    # label -> nats each row's fit moved in the stability check, which widens the tie
+    # margin between rows (tied); empty before the check
+    slack: dict = dataclasses.field(default_factory=dict)
 
     def rows(self, variant: str, roles: Sequence[str] | None = None) -> list[MethodResult]:
         return [m for m in self.methods if m.variant == variant
@@ -300,6 +310,7 @@ class AnalysisResult:
             "fair_summary": {v: c.as_dict() for v, c in self.fair.items()},
             "forking": self.forking,
             "sweep": self.sweep,
+            "ties": {"margin": TIE_MARGIN, "slack": dict(self.slack)},
         }
 
 
@@ -432,8 +443,8 @@ def member_nll(table: EventTable, i: int) -> np.ndarray:
     return np.where(nll <= NLL_CAP, nll, NLL_CAP) - table.offset
 
 
-def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[MethodResult]
-                ) -> dict[str, Comparison]:
+def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[MethodResult],
+                slack: Mapping[str, float] | None = None) -> dict[str, Comparison]:
     """Per variant: the best BRF setting vs the best baseline, both chosen on calibration
     NLL among rows of that variant (like with like); paired block bootstrap on test. The
     rows tied with either choice (:data:`TIE_MARGIN`) are compared too."""
@@ -442,8 +453,8 @@ def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[Method
                                       seed=plan.stats.seed)
     for v in variants:
         rows = [m for m in result_methods if m.variant == v]
-        born = tied([m for m in rows if m.role == "brf"])
-        base = tied([m for m in rows if m.role == "baseline"])
+        born = tied([m for m in rows if m.role == "brf"], slack=slack)
+        base = tied([m for m in rows if m.role == "baseline"], slack=slack)
         if not born or not base:
             continue
         b, a = born[0], base[0]
@@ -454,13 +465,13 @@ def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[Method
 
 
 def control_specs(methods: Sequence[MethodResult], n: int, variants: Sequence[str], *,
-                  seed: int) -> list[MethodSpec]:
+                  seed: int, slack: Mapping[str, float] | None = None) -> list[MethodSpec]:
     """Per variant, the controls (:func:`brf.eval.controls.controls_for`) of the BRF row
     with a per-token phase map and the lowest calibration NLL of that variant, and of
     every per-token row tied with it (:data:`TIE_MARGIN`)."""
     out = []
     for v in variants:
-        for b in tied([m for m in methods if m.variant == v and _per_token(m)]):
+        for b in tied([m for m in methods if m.variant == v and _per_token(m)], slack=slack):
             out += list(controls_lib.controls_for(b.spec, n, seed=seed).values())
     return out
 
@@ -470,7 +481,7 @@ def _per_token(m: MethodResult) -> bool:
 
 
 def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodResult],
-                 n: int) -> dict[str, FairComparison]:
+                 n: int, slack: Mapping[str, float] | None = None) -> dict[str, FairComparison]:
     """Per variant: the best BRF row against the best of every other row of the variant
     (baselines, controls, single members and the rest; both chosen on calibration NLL),
     with their free-parameter counts, and the per-token BRF row the controls were built
@@ -499,11 +510,11 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
 
     for v in variants:
         rows = [m for m in methods if m.variant == v]
-        born = tied([m for m in rows if m.role == "brf"])
-        rival = tied([m for m in rows if m.role != "brf"])
+        born = tied([m for m in rows if m.role == "brf"], slack=slack)
+        rival = tied([m for m in rows if m.role != "brf"], slack=slack)
         if not born or not rival:
             continue
-        tokens = tied([m for m in rows if _per_token(m)])
+        tokens = tied([m for m in rows if _per_token(m)], slack=slack)
         sets = [control_set(t, rows) for t in tokens]
         main = sets[0] if sets else None
         out[v] = FairComparison(
@@ -520,7 +531,8 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
 
 
 def forking_tokens(plan: Plan, variants: Sequence[str], result_methods: list[MethodResult],
-                   calib: EventTable, test: EventTable) -> dict:
+                   calib: EventTable, test: EventTable,
+                   slack: Mapping[str, float] | None = None) -> dict:
     """Per variant: every method's gain over the best single member by the members' mean
     entropy (deciles, top fraction), and entropy-gated fusion that runs the other
     members only at the primary member's top-fraction entropy positions
@@ -538,7 +550,7 @@ def forking_tokens(plan: Plan, variants: Sequence[str], result_methods: list[Met
     out = {}
     for v in variants:
         rows = [m for m in result_methods if m.variant == v]
-        singles = tied([m for m in rows if m.role == "member"])
+        singles = tied([m for m in rows if m.role == "member"], slack=slack)
         if not singles:
             continue
         ref = singles[0]
@@ -549,13 +561,13 @@ def forking_tokens(plan: Plan, variants: Sequence[str], result_methods: list[Met
         thr = float(np.quantile(ent_cal[:, primary], 1 - top))
         gated = {}
         for kind, roles in (("brf", ("brf",)), ("baseline", ("baseline",))):
-            cands = tied([m for m in rows if m.role in roles])
+            cands = tied([m for m in rows if m.role in roles], slack=slack)
             if cands:
                 best = cands[0]
                 gated[kind] = {"method": best.label, **forking.gated_fusion(
                     best.test_nll, primary_nll, ref.test_nll, ent_test[:, primary], thr, n),
                     "tied": [m.label for m in cands]}
-        born = tied([m for m in rows if m.role == "brf"])
+        born = tied([m for m in rows if m.role == "brf"], slack=slack)
         out[v] = {"reference": ref.label, "primary_member": primary, "top_fraction": top,
                   "by_method": per_method, "gated": gated,
                   "reference_tied": [m.label for m in singles],
@@ -629,12 +641,12 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
 
 
 def cross_terms(test: EventTable, born: Sequence[MethodResult], *, n_boot: int,
-                seed: int) -> dict:
+                seed: int, slack: Mapping[str, float] | None = None) -> dict:
     """The cross-term test (:func:`brf.eval.hypotheses.cross_term_test`) of the BRF row
     with the lowest calibration NLL of ``born``, with ``tied`` (that row and every row
     within :data:`TIE_MARGIN` of it) and ``alternatives`` (the test's ``rel`` AUROC with
     each other tied row)."""
-    rows = tied(born)
+    rows = tied(born, slack=slack)
     out = hypotheses.cross_term_test(test, rows[0].fitted, n_boot=n_boot, seed=seed)
     alternatives = []
     for m in rows[1:]:

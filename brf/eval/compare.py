@@ -504,13 +504,18 @@ def answers(brief: dict) -> dict[str, Answer]:
                                                  "BRF worse than the best other row")
         if c.get("controls"):
             beaten = sum(x["ci"][1] < 0 for x in c["controls"])
-            out[f"controls [{v}]"] = Answer(
-                controls_answer(c["controls"]), float(beaten),
-                rows=(c["per_token"]["label"],)).with_alternatives(
-                Answer(controls_answer(a["controls"]),
-                       float(sum(x["ci"][1] < 0 for x in a["controls"])),
-                       rows=(a["per_token"]["label"],))
-                for a in c.get("per_token_alternatives", []))
+            alts = [Answer(controls_answer(a["controls"]),
+                           float(sum(x["ci"][1] < 0 for x in a["controls"])),
+                           rows=(a["per_token"]["label"],))
+                    for a in c.get("per_token_alternatives", [])]
+            done = {c["per_token"]["label"]} | {a.rows[0] for a in alts}
+            # a tied per-token row whose controls were not fitted (tied only through the
+            # stability check's moves): its answer is unknown, so the verdict cannot stand
+            alts += [Answer("controls not fitted", math.nan, rows=(label,))
+                     for label in c.get("per_token_tied", []) if label not in done]
+            out[f"controls [{v}]"] = Answer(controls_answer(c["controls"]), float(beaten),
+                                            rows=(c["per_token"]["label"],)
+                                            ).with_alternatives(alts)
     if brief.get("cross_term"):
         ct = brief["cross_term"]
 

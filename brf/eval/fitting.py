@@ -287,17 +287,24 @@ def _from_free(name, v, xp=jnp):
 
 
 _BOUNDED = {"calib.temperature", "calib.member_temperature"}
+# The member weights' logits lie within +-log(WEIGHT_RANGE): a weight's ratio to another's
+# can shrink to e^-30 (its member all but left out, as a fit may want) while exp stays
+# finite. A fit that wants a member out ends where its weight no longer changes the
+# NLL in float32, which happens long before this bound.
+WEIGHT_RANGE = math.exp(30.0)
 
 
 def _box(name: str, settings: "FitSettings") -> float:
     """r of a parameter's box, [1/r, r] for a positive one (its log coordinate in
     [-log r, log r]) and [-log r, log r] for the weight logits ``_w``; 0: unbounded.
     The calibration temperatures take ``calib_range``, every other positive parameter
-    and the weight logits ``param_range``."""
+    ``param_range``, the weight logits :data:`WEIGHT_RANGE`."""
     if name in _BOUNDED:
         return float(settings.calib_range)
-    if name in _POSITIVE or name == "_w":
+    if name in _POSITIVE:
         return float(settings.param_range)
+    if name == "_w":
+        return WEIGHT_RANGE
     return 0.0
 
 
@@ -343,8 +350,8 @@ class FitSettings:
         [1/calib_range, calib_range] (0: unbounded; the calibrated objectives then
         have no minimum, see docs/study.md, "Fits").
       param_range: every other positive parameter (a phase map's rate and scale, a
-        temperature, a threshold) lies in [1/param_range, param_range], and the
-        member weights' logits within +-log(param_range) (0: unbounded). A fit whose
+        temperature, a threshold) lies in [1/param_range, param_range] (0:
+        unbounded). A fit whose
         infimum lies at 0 or infinity (a sigmoid's rate running off to a step, a
         scale shrinking to 0) then ends on the bound, where it repeats, instead of
         wherever a line search gave up along a flat valley.
@@ -361,10 +368,10 @@ class FitSettings:
     gtol: float = 1e-5
     history: int = 10
     max_step: float = 1.0
-    starts: int = 8
+    starts: int = 12
     screen_positions: int = 512
     screen_iter: int = 25
-    keep: int = 3
+    keep: int = 4
     subsample: int = 1024
     polish: int = 2
     calib_range: float = 1000.0
@@ -408,10 +415,15 @@ def perturbations(spec: str) -> frozenset[str]:
     return names
 
 
-# Methods whose calibration NLL jumps where a decision flips (a member routed to, a gate,
-# a plausibility cut): fitted by compass search (brf.eval.compass), which compares
-# values only, instead of L-BFGS, which reads a gradient that sees no jump.
-PIECEWISE = frozenset({"routing", "entropy_gated", "contrastive"})
+# Methods whose calibration NLL jumps where a decision flips at many positions (the member
+# routed to, the plausibility cut): fitted by compass search (brf.eval.compass), which
+# compares values only, instead of L-BFGS, which reads a gradient that sees no jump.
+# (Entropy-gated fusion gates too, but on one member's entropy against a threshold the
+# grid holds: L-BFGS fits its weights and temperatures better and as repeatably, measured
+# on the swarm table.)
+PIECEWISE = frozenset({"routing", "contrastive"})
+# How many times a converged L-BFGS run is started again from its end (while it pays).
+RESTARTS = 3
 # Two ends of a stage at the same grid point are one candidate when no free coordinate
 # differs by more than this (they lie in one basin).
 _SAME_END = 0.05
@@ -805,7 +817,19 @@ class _Problem:
         args = self.lbfgs_args(settings)
         if screen:
             args["max_iter"] = settings.screen_iter
-        return lbfgs.minimize(fun, x, pairs=list(pairs) or None, hessian=h, **args)
+            return lbfgs.minimize(fun, x, pairs=list(pairs) or None, hessian=h, **args)
+        r = lbfgs.minimize(fun, x, pairs=list(pairs) or None, hessian=h, **args)
+        # L-BFGS can stop part way along a narrow curved valley, its curvature pairs
+        # describing where it has been rather than where it is: started again from its
+        # end with no pairs it often goes on. Restarted while that pays.
+        evals, iters = r.evaluations, r.iterations
+        for _ in range(RESTARTS):
+            again = lbfgs.minimize(fun, r.x, **args)
+            evals, iters = evals + again.evaluations, iters + again.iterations
+            if not again.value < r.value - lbfgs.NOISE * abs(r.value):
+                break
+            r = again
+        return r._replace(evaluations=evals, iterations=iters)
 
     def program_key(self, point: dict) -> tuple:
         """What the compiled program at a grid point depends on (see :func:`_compile`)."""

@@ -149,7 +149,8 @@ VARIANT_WORDS = {"proposed": "as proposed (no temperature for either side, excep
 
 # How a verdict that rests on rows chosen on calibration is qualified (TIE_MARGIN of
 # brf.eval.analysis; kept here as words so that reports need no import of the fitter).
-TIE_WORDS = "within 2e-4 nats on calibration, twice the fits' repeatability"
+TIE_WORDS = ("within 2e-4 nats on calibration (twice the fits' repeatability goal) "
+             "plus how far the stability check saw either row's fit move")
 _SIDES = {"lower": "lower", "higher": "higher", "undecided": "not distinguishable"}
 
 
@@ -228,15 +229,17 @@ def fair_sentence(c: dict, variant: str, unit: str = "position") -> str:
                 f"control: " + "; ".join(parts) + f" -- it beats {len(beaten)} of "
                 f"{len(c['controls'])} controls" + (f"; {why}." if why else "."))
         alts = c.get("per_token_alternatives") or []
-        if alts:
+        done = {t["label"]} | {a["per_token"]["label"] for a in alts}
+        missing = [label for label in c.get("per_token_tied", []) if label not in done]
+        if alts or missing:
             main = controls_answer(c["controls"])
-            each = "; ".join(f"{a['per_token']['label']}: {controls_answer(a['controls'])}"
-                             for a in alts)
-            out += (f" Per-token rows tied with it ({TIE_WORDS}), each against its own "
-                    f"controls: {each} -- "
-                    + ("the verdict stands." if all(controls_answer(a["controls"]) == main
-                                                    for a in alts)
-                       else f"FRAGILE (the chosen row: {main})."))
+            each = [f"{a['per_token']['label']}: {controls_answer(a['controls'])}"
+                    for a in alts] + [f"{label}: controls not fitted" for label in missing]
+            stands = not missing and all(controls_answer(a["controls"]) == main for a in alts)
+            out += (f" Per-token rows tied with it ({TIE_WORDS}, or a refit could reorder "
+                    f"them), each against its own controls: {'; '.join(each)} -- "
+                    + ("the verdict stands." if stands else
+                       f"FRAGILE (the chosen row: {main})."))
     return out
 
 

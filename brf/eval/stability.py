@@ -26,8 +26,8 @@ import time
 from typing import NamedTuple, Sequence
 
 from brf.eval import compare, study_report
-from brf.eval.analysis import (AnalysisResult, MethodResult, comparisons, cross_terms,
-                               fair_summary, fit_all, forking_tokens)
+from brf.eval.analysis import (AnalysisResult, MethodResult, _per_token, comparisons,
+                               cross_terms, fair_summary, fit_all, forking_tokens, tied)
 from brf.eval.compare import Answer
 from brf.eval.fitting import FIT_TOLERANCE, perturbations
 from brf.eval.plan import Plan
@@ -50,6 +50,7 @@ class Check(NamedTuple):
     rows: tuple[RowMove, ...]
     verdicts: dict[str, tuple[Answer, Answer]]   # key -> (the run's answer, the refit's)
     perturbed: AnalysisResult
+    result: AnalysisResult   # the run's analysis, its ties widened by the rows' moves
     seconds: float
 
     @property
@@ -100,7 +101,13 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
           n: int) -> Check | None:
     """Refits ``result``'s rows of the refitted variants under ``plan.stability`` and
     compares every verdict that rests on them; None when the plan turns the check off or
-    no variant is refitted."""
+    no variant is refitted.
+
+    Each row's move widens the tie margin between it and the others
+    (:func:`brf.eval.analysis.tied`'s ``slack``): rows a refit could reorder count as
+    tied, so a verdict that rests on which of them came first is reported as fragile.
+    The check's ``result`` is the analysis with its ties so widened (the run reports
+    it); the verdicts compared are that result's and the refit's, with the same ties."""
     todo = refitted_variants(variants)
     if not plan.stability or not todo:
         return None
@@ -114,27 +121,44 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
                   cache_path=perturbed_cache(cache_path), desc="stability check",
                   before=before)
     refit = {m.label: m for m in new}
-    methods = [refit.get(m.label, m) for m in result.methods]
-    perturbed = _recomputed(plan, result, methods, variants, n)
     rows = tuple(RowMove(m.label, m.calib_nll, refit[m.label].calib_nll) for m in old)
-    verdicts = _paired(_answers(result, todo), _answers(perturbed, todo))
-    return Check(plan.stability, rows, verdicts, perturbed, time.time() - t0)
+    slack = {r.label: abs(r.move) for r in rows if math.isfinite(r.move) and r.move != 0.0}
+    main = (_recomputed(plan, result, result.methods, variants, n, slack)
+            if _ties(result.methods, variants, slack) != _ties(result.methods, variants, {})
+            else dataclasses.replace(result, slack=slack))
+    methods = [refit.get(m.label, m) for m in result.methods]
+    perturbed = _recomputed(plan, result, methods, variants, n, slack)
+    verdicts = _paired(_answers(main, todo), _answers(perturbed, todo))
+    return Check(plan.stability, rows, verdicts, perturbed, main, time.time() - t0)
+
+
+def _ties(methods: Sequence[MethodResult], variants: Sequence[str], slack) -> tuple:
+    """Every choice of rows a verdict rests on, as the tied labels (for: does ``slack``
+    change any?)."""
+    out = []
+    for v in variants:
+        rows = [m for m in methods if m.variant == v]
+        for pick in (lambda m: m.role == "brf", lambda m: m.role == "baseline",
+                     lambda m: m.role != "brf", lambda m: m.role == "member", _per_token):
+            out.append(tuple(m.label for m in tied([m for m in rows if pick(m)], slack=slack)))
+    return tuple(out)
 
 
 def _recomputed(plan: Plan, result: AnalysisResult, methods: list[MethodResult],
-                variants: Sequence[str], n: int) -> AnalysisResult:
-    """``result`` with ``methods`` in place of its rows: every verdict that reads the fits
-    recomputed (the coherence test and the sweep read none)."""
+                variants: Sequence[str], n: int, slack: dict) -> AnalysisResult:
+    """``result`` with ``methods`` in place of its rows and ``slack`` widening its ties:
+    every verdict that reads the fits recomputed (the coherence test and the sweep read
+    none)."""
     st = plan.stats
     v_cross = "calibrated" if "calibrated" in variants else variants[0]
     return dataclasses.replace(
-        result, methods=methods,
+        result, methods=methods, slack=dict(slack),
         cross=cross_terms(result.test, [m for m in methods if m.role == "brf"
                                         and m.variant == v_cross],
-                          n_boot=st.n_boot, seed=st.seed),
-        comparisons=comparisons(plan, variants, methods),
-        fair=fair_summary(plan, variants, methods, n),
-        forking=forking_tokens(plan, variants, methods, result.calib, result.test))
+                          n_boot=st.n_boot, seed=st.seed, slack=slack),
+        comparisons=comparisons(plan, variants, methods, slack),
+        fair=fair_summary(plan, variants, methods, n, slack),
+        forking=forking_tokens(plan, variants, methods, result.calib, result.test, slack))
 
 
 def _answers(result: AnalysisResult, variants: Sequence[str]) -> dict[str, Answer]:

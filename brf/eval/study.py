@@ -71,6 +71,8 @@ def run_analysis(plan: Plan, level: Level, analysis: Analysis, corpus: LoadedCor
     result = analyse(plan, built.table, len(corpus.segments), variants=analysis.variants,
                      cache_path=cache_path, with_sweep=analysis.sweep)
     check = stability.check(plan, result, analysis.variants, cache_path=cache_path, n=n)
+    if check is not None:
+        result = check.result  # its ties widened by how far each row's refit moved
     rep = {"analysis": analysis.label, "level": level.name,
            "members": [i.as_dict() for i in built.infos], **level.fields(analysis),
            "coverage": built.coverage.as_dict(), **result.section()}
