@@ -351,15 +351,20 @@ def fit_all(plan: Plan, specs: Sequence[MethodSpec], calib: EventTable, test: Ev
 def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSettings, *,
               cache: FitCache | None = None, desc: str = "fitting methods",
               before: Sequence[MethodResult] = ()) -> list[Fitted]:
-    """Fits every spec on calibration, each once (``cache`` keeps them).
+    """Fits every spec on calibration, each once (``cache`` keeps them), in two passes.
 
-    A spec in a variant other than 'proposed' also starts from the proposed fit of the
-    same row (the last one listed before it, or in ``before``: rows fitted earlier on
-    the same table). No fit starts from any other row's fit: each depends on its own
-    spec, the table and its own proposed fit only, so fits do not depend on their
-    order, and a refit under other last bits starts where this one did. The fits run
-    in the order of :func:`_schedule`, beside the compilation of the programs they
-    need.
+    First each spec on its own (:func:`brf.eval.fitting.fit_method`: its initial values
+    and random starts; a spec in a variant other than 'proposed' also from the proposed
+    fit of the same row, the last one listed before it or in ``before``, rows fitted
+    earlier on the same table). Then every calibrated row (not a single member) again
+    from its own first fit and from the temperatures and weights of the
+    :data:`POOL_STARTS` best calibrated rows of the table's first pass (``before``'s
+    included), keeping the lower: the calibrated objectives have basins that random
+    starts seldom reach (members tempered far from 1) and that another method found.
+    The second pass reads the first pass's results only, so no fit depends on the order
+    of the rows, and a refit under other last bits runs the same passes. The first
+    pass runs in the order of :func:`_schedule`, beside the compilation of the programs
+    it needs.
     """
     proposed = {_row_key(m.spec): m.fitted for m in before if m.variant == "proposed"}
     order, warm_of = _schedule(specs)
@@ -382,7 +387,52 @@ def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSetti
             if cache is not None:
                 cache.put(specs[i], f)
         fits[i] = f
-    return [fits[i] for i in range(len(specs))]
+    out = [fits[i] for i in range(len(specs))]
+    return _pooled_pass(specs, out, calib, settings, cache,
+                        [first_pass(m.fitted) for m in before
+                         if m.variant != "proposed" and m.role != "member"])
+
+
+# How many of the table's best calibrated first-pass fits start each calibrated row
+# in the second pass; the pass's version (a cached fit of another version is refitted).
+POOL_STARTS = 4
+_POOLED = 1
+
+
+def first_pass(f: Fitted) -> Fitted:
+    """The first-pass fit a fit came from (itself, before the second pass)."""
+    fp = f.info.get("first_pass")
+    if not fp:
+        return f
+    return dataclasses.replace(f, params=fp["params"], weights=np.asarray(fp["weights"]),
+                               calib_nll=float(fp["calib_nll"]), info={})
+
+
+def _pooled_pass(specs: Sequence[MethodSpec], fits: list[Fitted], calib: EventTable,
+                 settings: FitSettings, cache: FitCache | None,
+                 earlier: Sequence[Fitted]) -> list[Fitted]:
+    """The second pass of :func:`fit_specs` (``earlier``: first-pass fits of rows fitted
+    before on the same table, in the pool too)."""
+    rows = [i for i, s in enumerate(specs) if s.variant != "proposed" and s.role != "member"
+            and not _nothing_to_fit(s)]
+    pool = sorted([first_pass(fits[i]) for i in rows] + list(earlier),
+                  key=lambda f: (f.calib_nll, f.label))
+    todo = [i for i in rows if fits[i].info.get("pooled") != _POOLED]
+    out = list(fits)
+    again = dataclasses.replace(settings, starts=0)
+    for i in tqdm(todo, desc="second pass", unit="method", dynamic_ncols=True,
+                  disable=not todo):
+        f = first_pass(fits[i])
+        others = [g for g in pool if g.label != f.label][:POOL_STARTS]
+        g = fit_spec(specs[i], calib, again, warm=f, starts=others)
+        keep = g if g.calib_nll < f.calib_nll else fits[i]
+        out[i] = dataclasses.replace(keep, info={
+            **dict(keep.info), "pooled": _POOLED,
+            "first_pass": {"params": f.params, "weights": np.asarray(f.weights).tolist(),
+                           "calib_nll": f.calib_nll}})
+        if cache is not None:
+            cache.put(specs[i], out[i])
+    return out
 
 
 def _schedule(specs: Sequence[MethodSpec]) -> tuple[list[int], list[int | None]]:
