@@ -21,7 +21,7 @@ aligned / fused one before that mask.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +87,75 @@ def _build(aligner: str, tokenizers: tuple, vocab_sizes: tuple[int, ...]):
     built = (codecs, alignment, mask_E, index, token_mask)
     _BUILT[key] = (tokenizers, built)
     return built
+
+
+# (tokenizer id, union digests) -> (tokenizer, EventTokens): each member's tokens for
+# every union event, built once per process (the value keeps the tokenizer alive).
+_EVENT_TOKENS: dict[tuple, tuple] = {}
+
+
+class EventTokens(NamedTuple):
+    """A member's tokens for every union event, as a ragged table.
+
+    Attributes:
+        starts: int32 [U]: where event u's tokens begin in ``flat``.
+        lengths: int32 [U]: how many (0: CONTROL; -1: the member cannot encode
+            the event's bytes losslessly, which `brf.align.reencode` refuses).
+        flat: int32: the tokens, event after event.
+    """
+    starts: np.ndarray
+    lengths: np.ndarray
+    flat: np.ndarray
+
+
+def event_tokens(codec, union) -> EventTokens:
+    """Member tokens for every event: ``encode_bytes(codec, bytes(u))``, all at once.
+
+    In fused decoding every member reads every event right after it is drawn, so
+    ``brf.align.reencode`` with every token frozen encodes the new bytes on their
+    own: a function of the event alone. That makes the map a table the compiled
+    step can read on the device (`brf.ensemble.step`). Valid UTF-8 strings go
+    through the tokenizer in one batch; the few that are not (byte tokens) and
+    any whose encoding does not decode back to them go through
+    ``encode_bytes`` one by one, exactly as reencode would.
+    """
+    key = (id(codec.tokenizer), union.digests, union.size)
+    hit = _EVENT_TOKENS.get(key)
+    if hit is not None:
+        return hit[1]
+    from brf.align.reencode import encode_bytes
+    strings = union.strings
+    texts, which = [], []
+    for u, data in enumerate(strings):
+        if u == align.CONTROL or not data:
+            continue
+        try:
+            texts.append(data.decode("utf-8"))
+            which.append(u)
+        except UnicodeDecodeError:
+            pass
+    backend = getattr(codec.tokenizer, "backend_tokenizer", codec.tokenizer)
+    ids: list = [()] * len(strings)
+    for u, enc in zip(which, backend.encode_batch(texts, add_special_tokens=False)):
+        ids[u] = tuple(enc.ids)
+    lengths = np.zeros(len(strings), np.int32)
+    decode = codec.table.decode
+    for u, data in enumerate(strings):
+        if u == align.CONTROL or not data:
+            continue
+        if not ids[u] or decode(ids[u]) != data:
+            try:
+                ids[u] = tuple(encode_bytes(codec, data))
+            except ValueError:
+                ids[u], lengths[u] = (), -1
+                continue
+        lengths[u] = len(ids[u])
+    starts = np.zeros(len(strings), np.int32)
+    starts[1:] = np.cumsum(np.maximum(lengths, 0))[:-1]
+    flat = np.fromiter((t for seq in ids for t in seq), np.int32)
+    out = EventTokens(starts, lengths, flat if flat.size else np.zeros(1, np.int32))
+    _EVENT_TOKENS[key] = (codec.tokenizer, out)
+    return out
 
 
 class AlignedSpace:
