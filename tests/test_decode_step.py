@@ -1,6 +1,7 @@
 """The compiled decoding step (brf.ensemble.step) against the host loop it replaces:
 the same events for the same seed, in a shared vocabulary and across vocabularies,
-greedy and sampled; one compiled program reused across calls."""
+greedy and sampled, fused and mixture-sampled (the same members run at the same
+steps); one compiled program reused across calls."""
 
 import numpy as np
 import pytest
@@ -45,6 +46,9 @@ def _same(a, b):
                         seed=2, weights=[0.4, 0.6])),
     ("cross_pair", dict(aligner="topk_union", aligner_params={"k": 8}, method="linear",
                         sampler="greedy")),
+    # Mixture sampling: lazy catch-up of the pending events inside the step.
+    ("pair", dict(mode="mixture_exact", choice="shared", weights=[0.3, 0.7], seed=5)),
+    ("pair", dict(mode="mixture_per_member", sampler="temperature=0.8,top_k=20", seed=7)),
 ])
 def test_device_engine_draws_what_the_host_loop_draws(request, ensemble, kw):
     members = request.getfixturevalue(ensemble)

@@ -36,11 +36,13 @@ Reproducibility: step t of a run with ``seed`` uses ``fold_in(PRNGKey(seed), t)`
 split into a member-choice key and a token key; the same seed, members,
 prompts and settings give the same text.
 
-Engines: mode 'fuse' runs on the device by default (``engine='device'``,
-:mod:`brf.ensemble.step`): one compiled program per block of steps, every
-member's forward pass, the alignment, the fusion and the draw inside it; the
-host replays each block's events into text between blocks. The mixture modes,
-``trace=True`` and members placed apart run the host loop below
+Engines: mode 'fuse', and the mixture modes in a shared vocabulary, run on the
+device by default (``engine='device'``, :mod:`brf.ensemble.step`): one compiled
+program per block of steps, every member's forward pass (or lazy catch-up),
+the alignment, the fusion and the draw inside it; the host replays each
+block's events into text between blocks. The mixture modes across
+vocabularies (a pending text's re-encoding depends on its context, so it is no
+table), ``trace=True`` and members placed apart run the host loop below
 (``engine='host'``), one dispatch per member and stage per step; both engines
 draw the same events for the same seed.
 """
@@ -240,10 +242,11 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
         dtype: compute dtype of the members.
         results: if given, filled with one :class:`Generation` per prompt.
         trace: record per-step distributions into the results (tests).
-        engine: 'device' (mode 'fuse': steps compiled and looped on the device,
+        engine: 'device' (steps compiled and looped on the device,
             :mod:`brf.ensemble.step`), 'host' (a dispatch per stage of every step),
-            or 'auto' (the device where it applies: mode 'fuse' without trace,
-            members on the same devices).
+            or 'auto' (the device where it applies: mode 'fuse', or a mixture
+            mode in a shared vocabulary; without trace; members on the same
+            devices).
         block_steps: steps per device block (the host streams text between blocks).
 
     Yields:
@@ -286,10 +289,12 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
                method_params=method_params, sampler=sampler, max_new_tokens=max_new_tokens,
                stop=tuple(stop), seed=seed, space=space, choice=choice, dtype=dtype,
                trace=trace, prompt_ids=prompt_ids)
-    on_device = mode == "fuse" and not trace and _colocated(members)
+    on_device = ((mode == "fuse" or isinstance(space, IdentitySpace)) and not trace
+                 and _colocated(members))
     if engine == "device" and not on_device:
-        raise EnsembleInputError("engine='device' runs mode 'fuse' without trace, with every "
-                                 "member on the same devices; use engine='host' or 'auto'")
+        raise EnsembleInputError("engine='device' runs mode 'fuse', or a mixture mode in a "
+                                 "shared vocabulary, without trace, with every member on the "
+                                 "same devices; use engine='host' or 'auto'")
     if engine != "host" and on_device:
         return _run_device(job, results, block_steps)
     return _run(job, results)
@@ -417,9 +422,9 @@ def _run(job: _Job, results: list[Generation] | None) -> Iterator[Piece]:
 
 
 class _Read(NamedTuple):
-    """What `_advance` reads of a member in the device engine: tokens read, none pending."""
+    """What `_advance` reads of a member in the device engine: tokens read and pending."""
     n_read: list
-    pending: tuple
+    pending: list
 
 
 def _device_plan(job: _Job):
@@ -436,7 +441,8 @@ def _device_plan(job: _Job):
                           sizes=(space.size,) * len(members), num_events=space.size, k=0,
                           method=fuser.name, static=fuser._static, sampler=job.sampler,
                           max_new_tokens=job.max_new_tokens, dtype=jnp.dtype(job.dtype).name,
-                          longest=(1,) * len(members))
+                          longest=(1,) * len(members), mode=job.mode,
+                          shared=job.choice == "shared")
         return spec, dstep.Tables(weights, fuser._dynamic, jnp.asarray(eos)), None
     from brf.align import CONTROL
     from brf.ensemble.aligned import event_tokens
@@ -458,7 +464,7 @@ def _device_plan(job: _Job):
 
 def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
                 ) -> Iterator[Piece]:
-    """Mode 'fuse' on the device: blocks of compiled steps (:mod:`brf.ensemble.step`).
+    """Decoding on the device: blocks of compiled steps (:mod:`brf.ensemble.step`).
 
     Between blocks the host replays each event exactly as the host loop does
     (`_advance`: text, stop strings, the members' re-encoding, the finish
@@ -478,20 +484,28 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
               for m, ids in zip(members, job.prompt_ids)]
     spec, tables, tokens = _device_plan(job)
     params = tuple(m.params for m in members)
-    state = dstep.DecodeState(tuple(st.cache for st in states),
-                              tuple(st.logits_BxV for st in states), jnp.int32(0),
-                              jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32),
-                              jax.random.PRNGKey(job.seed))
+    mixture = job.mode != "fuse"
+    slots = job.max_new_tokens + 1  # pending events a member can hold (mixture modes)
+    state = dstep.DecodeState(
+        tuple(st.cache for st in states), tuple(st.logits_BxV for st in states), jnp.int32(0),
+        jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(job.seed),
+        tuple(jnp.zeros((B, slots), jnp.int32) for _ in range(n)) if mixture else (),
+        tuple(jnp.zeros((B,), jnp.int32) for _ in range(n)) if mixture else ())
     n_read = [list(st.n_read) for st in states]
+    pending = [[[] for _ in range(B)] for _ in range(n)]
     ends = [st.end for st in states]
-    views = [_Read(n_read[i], ((),) * B) for i in range(n)]
+    views = [_Read(n_read[i], pending[i]) for i in range(n)]
     done = [False] * B
     while not all(done):
         live = [b for b in range(B) if not done[b]]
         caches, reads, spans = list(state.caches), [], []
         for i, m in enumerate(members):
-            per_step = spec.slots_per_step(i)
-            horizon = block_steps * min(per_step, 2) + per_step
+            if mixture:  # a catch-up may read every pending event, in chunks
+                per_step = dstep.CHUNK
+                horizon = 2 * (block_steps + max(map(len, pending[i]))) + dstep.CHUNK
+            else:
+                per_step = spec.slots_per_step(i)
+                horizon = block_steps * min(per_step, 2) + per_step
             if ends[i] + horizon > caches[i]["pos"].shape[1]:
                 caches[i] = model_cache.grow(caches[i], catchup.bucket(ends[i] + horizon))
             r, span = dstep.block_reads(m.cfg, ends[i], caches[i]["pos"].shape[1],
@@ -499,19 +513,25 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
             reads.append(r)
             spans.append(span)
         state = state._replace(caches=tuple(caches))
-        state, events_KxB, k, fill = dstep.run_block(spec, params, tables, state,
-                                                     steps=block_steps, reads=tuple(reads),
-                                                     spans=tuple(spans))
-        events_KxB, k = np.asarray(events_KxB), int(k)
+        state, events_KxB, ran_KxN, k, fill = dstep.run_block(
+            spec, params, tables, state, steps=block_steps, reads=tuple(reads),
+            spans=tuple(spans))
+        events_KxB, ran_KxN, k = np.asarray(events_KxB), np.asarray(ran_KxN), int(k)
         ends = [int(e) for e in np.asarray(fill)]
         stopped = []
         for t in range(k):
+            ran = [i for i in range(n) if ran_KxN[t, i]]
+            if mixture:  # the members that ran read everything pending, every sequence
+                for i in ran:
+                    for b in range(B):
+                        n_read[i][b] += len(pending[i][b])
+                        pending[i][b].clear()
             edits = [[(0, ())] * B for _ in range(n)]
             for b in range(B):
                 e = int(events_KxB[t, b])
                 if e < 0 or done[b]:
                     continue
-                for i in range(n):
+                for i in ran:
                     gens[b].members_run[i] += 1
                 piece, reason = _advance(job, b, e, gens[b], streams[b], views, edits)
                 for i in range(n):
@@ -521,7 +541,10 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
                     if reason is None and (n_retract or tuple(new) != read):
                         raise RuntimeError(f"member {i} read {read} on the device where the "
                                            f"re-encoding gives {n_retract} retracted, {new}")
-                    n_read[i][b] += len(new)
+                    if mixture:
+                        pending[i][b].extend(new)
+                    else:
+                        n_read[i][b] += len(new)
                 done[b] = reason is not None
                 if reason == "stop":
                     stopped.append(b)

@@ -1,4 +1,4 @@
-"""Fused decoding as one compiled step, and a block of steps looped on the device.
+"""Decoding as one compiled step, and a block of steps looped on the device.
 
 The decoding loop of :mod:`brf.ensemble.decode` in the shape serving codebases
 give it: a :class:`DecodeState` pytree (every member's KV cache and last
@@ -52,7 +52,7 @@ CHUNK = 4
 
 
 class DecodeState(NamedTuple):
-    """Everything a fused decoding step reads and writes (a pytree).
+    """Everything a decoding step reads and writes (a pytree).
 
     Attributes:
         caches: per member its KV cache (``brf.models.cache``), batch B.
@@ -61,6 +61,9 @@ class DecodeState(NamedTuple):
         finished: bool [B]: the sequence has ended (it draws and reads nothing more).
         n_events: int32 [B]: events generated per sequence.
         key: the base PRNG key (``PRNGKey(seed)``).
+        pending: mixture modes: per member [B, P] int32, the events it has not
+            read yet (lazy catch-up); () in mode 'fuse'.
+        n_pending: mixture modes: per member [B] int32, how many; () in mode 'fuse'.
     """
     caches: tuple
     logits: tuple
@@ -68,6 +71,8 @@ class DecodeState(NamedTuple):
     finished: jax.Array
     n_events: jax.Array
     key: jax.Array
+    pending: tuple = ()
+    n_pending: tuple = ()
 
 
 class Tables(NamedTuple):
@@ -109,6 +114,11 @@ class Spec(NamedTuple):
         dtype: the members' compute dtype (a name).
         longest: per member the most tokens one event can take (1 in a shared
             vocabulary).
+        mode: 'fuse', or a mixture mode in a shared vocabulary: 'mixture_exact'
+            (each sequence's event drawn from the member it picked, plain
+            sampling) or 'mixture_per_member' (the sampler applied to the picked
+            member's distribution); see :mod:`brf.ensemble.decode`.
+        shared: mixture modes: one pick per step for the whole batch.
     """
     cfgs: tuple
     space: str
@@ -121,11 +131,19 @@ class Spec(NamedTuple):
     max_new_tokens: int
     dtype: str
     longest: tuple
+    mode: str = "fuse"
+    shared: bool = False
 
     def slots_per_step(self, i: int) -> int:
-        """The cache slots member i's read of one event takes at most."""
+        """The cache slots member i's read of one event takes at most (mode 'fuse')."""
         n = self.longest[i]
-        return 1 if n <= 1 else CHUNK * -(-n // CHUNK)
+        return 1 if n <= 1 else _chunked(n)
+
+
+def _chunked(n):
+    """Slots a read of n tokens takes: one, or chunks of CHUNK."""
+    return jnp.where(n <= 1, n, CHUNK * ((n + CHUNK - 1) // CHUNK)) if isinstance(
+        n, jax.Array) else (n if n <= 1 else CHUNK * -(-n // CHUNK))
 
 
 def _aligned(spec: Spec, tables: Tables, logits: tuple):
@@ -154,6 +172,31 @@ def _read(cfg, params, cache, tokens_BxT, valid_BxT, dtype, reads):
     return out, T._updated_cache(cache, new_L, write_at, meta)
 
 
+def _read_tokens(cfg, dtype, params, cache, logits_BxV, token_at, n_B, longest: int, reads):
+    """A member reads ``n_B[b]`` tokens per sequence (``token_at(j_BxW) -> ids``), one
+    forward pass when no sequence has more than one, else chunks of CHUNK; a
+    sequence with nothing to read keeps its logits."""
+    def chunk(j, width, carry):
+        cache, logits_BxV = carry
+        at_BxW = j * width + jnp.arange(width)[None, :]
+        valid_BxW = at_BxW < n_B[:, None]
+        ids_BxW = jnp.where(valid_BxW, token_at(at_BxW), 0)
+        out, cache = _read(cfg, params, cache, ids_BxW, valid_BxW, dtype, reads)
+        return cache, jnp.where(valid_BxW.any(1)[:, None], out, logits_BxV)
+
+    if longest <= 1:
+        return chunk(0, 1, (cache, logits_BxV))
+
+    def one(carry):
+        return chunk(0, 1, carry)
+
+    def several(carry):
+        rounds = (jnp.max(n_B) + CHUNK - 1) // CHUNK
+        return jax.lax.fori_loop(0, rounds, lambda j, c: chunk(j, CHUNK, c), carry)
+
+    return jax.lax.cond(jnp.max(n_B) <= 1, one, several, (cache, logits_BxV))
+
+
 def _read_event(spec: Spec, i: int, params, cache, logits_BxV, event_B, reading_B, tables,
                 reads):
     """Member i reads the tokens of each reading sequence's event; the others keep their logits."""
@@ -165,28 +208,10 @@ def _read_event(spec: Spec, i: int, params, cache, logits_BxV, event_B, reading_
     starts, lengths, flat = tables.tokens[i]
     n_B = jnp.where(reading_B, jnp.maximum(lengths[event_B], 0), 0)
     first_B = starts[event_B]
-
-    def chunk(j, width, carry):
-        cache, logits_BxV = carry
-        at_BxW = j * width + jnp.arange(width)[None, :]
-        valid_BxW = at_BxW < n_B[:, None]
-        ids_BxW = flat[jnp.clip(first_B[:, None] + at_BxW, 0, flat.shape[0] - 1)]
-        out, cache = _read(cfg, params, cache, jnp.where(valid_BxW, ids_BxW, 0), valid_BxW,
-                           dtype, reads)
-        return cache, jnp.where(valid_BxW.any(1)[:, None], out, logits_BxV)
-
-    if spec.longest[i] <= 1:
-        cache, logits_BxV = chunk(0, 1, (cache, logits_BxV))
-        return logits_BxV, cache
-
-    def one(carry):
-        return chunk(0, 1, carry)
-
-    def several(carry):
-        rounds = (jnp.max(n_B) + CHUNK - 1) // CHUNK
-        return jax.lax.fori_loop(0, rounds, lambda j, c: chunk(j, CHUNK, c), carry)
-
-    cache, logits_BxV = jax.lax.cond(jnp.max(n_B) <= 1, one, several, (cache, logits_BxV))
+    cache, logits_BxV = _read_tokens(
+        cfg, dtype, params, cache, logits_BxV,
+        lambda at_BxW: flat[jnp.clip(first_B[:, None] + at_BxW, 0, flat.shape[0] - 1)],
+        n_B, spec.longest[i], reads)
     return logits_BxV, cache
 
 
@@ -203,8 +228,10 @@ def fused_step(spec: Spec, params: tuple, tables: Tables, state: DecodeState, re
 
     Returns:
         (the new state, event_B int32: the event drawn, -1 for a sequence that
-        had already finished).
+        had already finished, ran_n bool: which members ran a forward pass).
     """
+    if spec.mode != "fuse":
+        return _mixture_step(spec, params, tables, state, reads)
     _, k_token = jax.random.split(jax.random.fold_in(state.key, state.step))
     logp_BxnxE, events = _aligned(spec, tables, state.logits)
     logq_BxE, _ = _apply(logp_BxnxE, tables.weights, None, tables.fusion, name=spec.method,
@@ -233,7 +260,68 @@ def fused_step(spec: Spec, params: tuple, tables: Tables, state: DecodeState, re
         logits.append(l)
     new = DecodeState(tuple(caches), tuple(logits), state.step + 1, state.finished | end_B,
                       n_events, state.key)
-    return new, jnp.where(live_B, event_B, -1)
+    return new, jnp.where(live_B, event_B, -1), jnp.ones((len(spec.cfgs),), bool)
+
+
+def _mixture_step(spec: Spec, params, tables: Tables, state: DecodeState, reads):
+    """One step of mixture sampling in a shared vocabulary, as the host loop takes it.
+
+    Each sequence picks a member (``select_member`` with the step's member key;
+    one pick for the batch when ``spec.shared``); every member some live sequence
+    picked first reads all its pending events (lazy catch-up, every sequence at
+    once); the event is drawn from each sequence's member (mixture_exact: a
+    token of that member at temperature 1, with key ``fold_in(token key, i)``;
+    mixture_per_member: the sampler on its distribution); then every member
+    appends the event to its pending list.
+    """
+    from brf.fusion.mixture import select_member
+    n, B = len(spec.cfgs), state.finished.shape[0]
+    k_member, k_token = jax.random.split(jax.random.fold_in(state.key, state.step))
+    if spec.shared:
+        member_B = jnp.broadcast_to(select_member(k_member, tables.weights), (B,))
+    else:
+        member_B = select_member(k_member, jnp.broadcast_to(tables.weights, (B, n)))
+    live_B = ~state.finished
+    caches, logits, ran = list(state.caches), list(state.logits), []
+    pending, n_pending = list(state.pending), list(state.n_pending)
+    for i in range(n):
+        need = jnp.any(live_B & (member_B == i))
+        ran.append(need)
+
+        def catch_up(carry, i=i):
+            cache, logits_BxV, n_B = carry
+            cache, logits_BxV = _read_tokens(
+                spec.cfgs[i], spec.dtype, params[i], cache, logits_BxV,
+                lambda at_BxW: jnp.take_along_axis(
+                    pending[i], jnp.minimum(at_BxW, pending[i].shape[1] - 1), axis=1),
+                n_B, 2, reads[i])
+            return cache, logits_BxV, jnp.zeros_like(n_B)
+
+        caches[i], logits[i], n_pending[i] = jax.lax.cond(
+            need, catch_up, lambda c: c, (caches[i], logits[i], n_pending[i]))
+    if spec.mode == "mixture_exact":
+        event_B = jnp.zeros((B,), jnp.int32)
+        for i in range(n):
+            tok_B = _draw(jax.random.fold_in(k_token, i), logits[i], None, Sampler())
+            event_B = jnp.where(member_B == i, tok_B, event_B)
+    else:
+        logp_nxBxV = jnp.stack([jax.nn.log_softmax(l, axis=-1) for l in logits])
+        rows_BxV = jnp.take_along_axis(logp_nxBxV, member_B[None, :, None], axis=0)[0]
+        event_B = _draw(k_token, rows_BxV, None, spec.sampler)
+    n_events = state.n_events + live_B.astype(jnp.int32)
+    end_B = tables.eos[event_B] | (n_events >= spec.max_new_tokens)
+    for i, cfg in enumerate(spec.cfgs):
+        end_B = end_B | (caches[i]["next_pos"] + n_pending[i] + 1 >= cfg.max_seq_len)
+    keep_B = live_B & ~end_B
+    for i in range(n):  # every member appends the event to its pending list
+        at_B = jnp.minimum(n_pending[i], pending[i].shape[1] - 1)
+        row = jnp.arange(B)
+        pending[i] = pending[i].at[row, at_B].set(
+            jnp.where(keep_B, event_B, pending[i][row, at_B]))
+        n_pending[i] = n_pending[i] + keep_B.astype(jnp.int32)
+    new = DecodeState(tuple(caches), tuple(logits), state.step + 1, state.finished | end_B,
+                      n_events, state.key, tuple(pending), tuple(n_pending))
+    return new, jnp.where(live_B, event_B, -1), jnp.stack(ran)
 
 
 def _run_block(spec: Spec, params, tables, state, *, steps: int, reads: tuple, spans: tuple):
@@ -243,22 +331,30 @@ def _run_block(spec: Spec, params, tables, state, *, steps: int, reads: tuple, s
     def room(state):
         ok = jnp.bool_(True)
         for i, span in enumerate(spans):
-            ok = ok & (state.caches[i]["end"] + spec.slots_per_step(i) <= span)
+            if spec.mode == "fuse":
+                need = spec.slots_per_step(i)
+            else:  # the next step may catch up on every pending event at once
+                need = _chunked(jnp.max(state.n_pending[i]))
+            cap = jnp.bool_(True) if spec.mode == "fuse" else (
+                jnp.max(state.n_pending[i]) < state.pending[i].shape[1])
+            ok = ok & (state.caches[i]["end"] + need <= span) & cap
         return ok
 
     def cond(carry):
-        state, _, k = carry
+        state, _, _, k = carry
         return (k < steps) & ~jnp.all(state.finished) & room(state)
 
     def body(carry):
-        state, events_KxB, k = carry
-        state, event_B = fused_step(spec, params, tables, state, reads)
-        return state, events_KxB.at[k].set(event_B), k + 1
+        state, events_KxB, ran_KxN, k = carry
+        state, event_B, ran_N = fused_step(spec, params, tables, state, reads)
+        return state, events_KxB.at[k].set(event_B), ran_KxN.at[k].set(ran_N), k + 1
 
     events_KxB = jnp.full((steps, B), -1, jnp.int32)
-    state, events_KxB, k = jax.lax.while_loop(cond, body, (state, events_KxB, jnp.int32(0)))
+    ran_KxN = jnp.zeros((steps, len(spec.cfgs)), bool)
+    state, events_KxB, ran_KxN, k = jax.lax.while_loop(
+        cond, body, (state, events_KxB, ran_KxN, jnp.int32(0)))
     ends = jnp.stack([c["end"] for c in state.caches])
-    return state, events_KxB, k, ends
+    return state, events_KxB, ran_KxN, k, ends
 
 
 _run_block_jit = jax.jit(_run_block, static_argnames=("spec", "steps", "reads", "spans"),
@@ -279,8 +375,9 @@ def run_block(spec: Spec, params: tuple, tables: Tables, state: DecodeState, *, 
             the cache's allocation; reads' spans must cover them).
 
     Returns:
-        (state, events_KxB int32 (-1: no event), steps run (int32 []), each
-        member's cache fill (int32 [n])).
+        (state, events_KxB int32 (-1: no event), ran_KxN bool (which members ran
+        a forward pass at each step), steps run (int32 []), each member's cache
+        fill (int32 [n])).
     """
     return _run_block_jit(spec, params, tables, state, steps=steps, reads=reads, spans=spans)
 
