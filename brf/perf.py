@@ -15,7 +15,9 @@ sizes. Every figure is set beside a bound measured or derived in the same run:
 * **the fused pair**: greedy fused generation through the public
   ``brf.ensemble.generate`` on both engines, beside the members' own decoding
   steps (:func:`brf.ensemble.bench.bench_engines`);
-* **brf.fuse** from Python against the same computation inside ``jax.jit``.
+* **brf.fuse** from Python against the same computation inside ``jax.jit``;
+* **attention**: brf's against ``jax.nn.dot_product_attention`` at a model's
+  head shapes (one decoding query over a context, a causal prompt).
 
 Members need a tokenizer to generate; :func:`word_tokenizer` builds a
 word-level one with exactly the model's vocabulary size, so no tokenizer file
@@ -151,6 +153,45 @@ def decoding(cfg: ModelConfig, params, *, batch: int, context: int, steps: int, 
             "step_bytes": step_bytes}
 
 
+def attention(cfg: ModelConfig, *, batch: int, context: int, prompt: int, dtype,
+              repeats: int = 10) -> dict:
+    """brf's attention against ``jax.nn.dot_product_attention`` at a model's head shapes:
+    one decoding query per sequence over ``context`` cached keys (brf's cache layout;
+    the library call gets the keys in its own layout, transposed outside the timing),
+    and a causal ``prompt`` attending to itself. On a GPU the library call may lower
+    to a fused (cuDNN) kernel; on a CPU both are XLA."""
+    rng = np.random.default_rng(2)
+    B, K, H, E = batch, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
+
+    def arr(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    q1, kT, v, kn, vn = arr(B, 1, H, E), arr(B, K, E, context), arr(B, K, context, E), \
+        arr(B, K, E, 1), arr(B, K, 1, E)
+    ones = jnp.ones((B, 1, context), bool)
+    ours_1 = jax.jit(lambda q, kT, v, kn, vn: T._attention(
+        cfg, q, [(kT, v, ones), (kn, vn, jnp.ones((B, 1, 1), bool))]))
+    k_lib = jnp.concatenate([kT, kn], -1).transpose(0, 3, 1, 2)
+    v_lib = jnp.concatenate([v, vn], 2).transpose(0, 2, 1, 3)
+    lib_1 = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=cfg.attn_scale))
+    qp, kp, vp = arr(B, prompt, H, E), arr(B, prompt, K, E), arr(B, prompt, K, E)
+    pos = jnp.broadcast_to(jnp.arange(prompt)[None], (B, prompt))
+    mask = T._mask(pos, pos, T._NO_WINDOW)
+    ours_p = jax.jit(lambda q, k, v: T._causal_attention(
+        cfg, q, None, (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)))
+    lib_p = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=cfg.attn_scale,
+                                                                  is_causal=True))
+    out = {"batch": batch, "context": context, "prompt": prompt}
+    out["decode_brf_s"] = time_call(lambda: ours_1(q1, kT, v, kn, vn), repeats=repeats)
+    out["decode_library_s"] = time_call(lambda: lib_1(q1, k_lib, v_lib), repeats=repeats)
+    out["prompt_brf_s"] = time_call(lambda: ours_p(qp, kp, vp), repeats=max(2, repeats // 5))
+    out["prompt_library_s"] = time_call(lambda: lib_p(qp, kp, vp), repeats=max(2, repeats // 5))
+    diff = jnp.abs(ours_p(qp, kp, vp).astype(jnp.float32)
+                   - lib_p(qp, kp, vp).reshape(B, prompt, H * E).astype(jnp.float32))
+    out["prompt_max_abs_diff"] = float(jnp.max(diff))
+    return out
+
+
 def word_tokenizer(vocab_size: int, eos_id: int = 1):
     """A word-level tokenizer with ``vocab_size`` tokens ('<pad>', '</s>', 'w2', ...)
     for random members: prompts are written as 'w5 w17 ...', and generated ids
@@ -209,6 +250,6 @@ def bandwidth_bytes_per_s(n_bytes: int) -> float:
     return memory_bandwidth(n_bytes, repeats=10)
 
 
-__all__ = ["PEAK_FLOPS", "bandwidth_bytes_per_s", "decoding", "forward_flops", "fuse_call",
+__all__ = ["PEAK_FLOPS", "attention", "bandwidth_bytes_per_s", "decoding", "forward_flops", "fuse_call",
            "fused_pair", "peak_flops", "random_member", "random_params", "scoring",
            "word_tokenizer"]

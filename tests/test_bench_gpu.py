@@ -20,7 +20,7 @@ def _bench():
 
 def test_tiny_run_covers_every_part():
     bench = _bench()
-    out = bench.run(["gemma-3-270m"], ["score", "decode", "pair", "fuse"],
+    out = bench.run(["gemma-3-270m"], list(bench.PARTS),
                     ["llama-3.1-8b", "llama-3.2-1b"], True, bench.settings(True))
     json.dumps(out)  # one JSON
     assert out["tiny"] and out["bandwidth_bytes_per_s"] > 0
@@ -37,3 +37,6 @@ def test_tiny_run_covers_every_part():
     assert run["same_text"]  # both engines generate the same text
     assert run["host_s"] > 0 and run["device_s"] > 0
     assert out["fuse"]["python"] > 0 and out["fuse"]["inside_jit"] > 0
+    for row in out["models"]["gemma-3-270m"]["attention"]:
+        assert row["prompt_max_abs_diff"] < 1e-4  # the library call computes the same
+        assert row["decode_brf_s"] > 0 and row["decode_library_s"] > 0
