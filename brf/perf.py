@@ -125,7 +125,7 @@ def decoding(cfg: ModelConfig, params, *, batch: int, context: int, steps: int, 
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             out, new_L, write_at, meta = T._compute(params, cfg, token[:, None], None, cache,
                                                     jnp.dtype(dtype), "last", reads)
-            return out, T._updated_cache(cache, new_L, write_at, meta)
+            return out, T.ordered_write(cache, out, new_L, write_at, meta)
         return jax.lax.fori_loop(0, steps, body, (logits, cache))
 
     def on_device():

@@ -3,6 +3,8 @@ the same events for the same seed, in a shared vocabulary and across vocabularie
 greedy and sampled, fused and mixture-sampled (the same members run at the same
 steps); one compiled program reused across calls."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,7 +73,6 @@ def test_device_engine_compiles_once_and_stops_at_eos(pair):
     # A member whose EOS is an event the pair draws: both engines stop there.
     events = first[0].member_ids[0][len(pair[0].prompt_ids(PROMPTS[0])):]
     t = next(t for t in range(1, len(events)) if events[t] not in events[:t])
-    import dataclasses
     a = dataclasses.replace(pair[0], cfg=dataclasses.replace(pair[0].cfg, eos_ids=(2, events[t])))
     host, device = (generate([a, pair[1]], PROMPTS, sampler="greedy", max_new_tokens=12,
                              engine=e) for e in ("host", "device"))
@@ -79,3 +80,28 @@ def test_device_engine_compiles_once_and_stops_at_eos(pair):
     assert device[0].finish_reason == "eos" and device[0].n_events == t + 1
     np.testing.assert_array_equal(device[0].member_ids[0], first[0].member_ids[0][:len(
         pair[0].prompt_ids(PROMPTS[0])) + t])
+
+
+def test_the_step_updates_the_caches_in_place(pair, monkeypatch):
+    """No copy of a KV cache inside the compiled block: XLA writes the new keys and
+    values in place (a copy per step would cost the whole cache's bytes)."""
+    import re
+
+    import jax
+    from brf.models import transformer as T
+    members = [dataclasses.replace(m, params=T.unstack_layers(m.params)) for m in pair]
+    seen = {}
+    real = dstep._run_block_jit
+
+    def spy(spec, params, tables, state, **kw):
+        seen.update(args=(spec, params, tables, state), kw=kw)
+        return real(spec, params, tables, state, **kw)
+
+    monkeypatch.setattr(dstep, "_run_block_jit", spy)
+    generate(members, PROMPTS[:1], max_new_tokens=2, sampler="greedy", method="linear")
+    spec, params, tables, state = seen["args"]
+    shapes = {tuple(a.shape) for c in state.caches for a in c["k"] + c["v"]}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    hlo = real.lower(spec, params, tables, abstract, **seen["kw"]).compile().as_text()
+    copied = [m.group(1) for m in re.finditer(r"= f32\[([0-9,]+)\]\{[0-9,]*\} copy\(", hlo)]
+    assert not [c for c in copied if tuple(int(d) for d in c.split(",")) in shapes]

@@ -169,7 +169,7 @@ def _read(cfg, params, cache, tokens_BxT, valid_BxT, dtype, reads):
     """One forward pass of a member over new tokens: (last valid logits [B, V], cache)."""
     out, new_L, write_at, meta = T._compute(params, cfg, tokens_BxT, valid_BxT, cache,
                                             jnp.dtype(dtype), "last", reads)
-    return out, T._updated_cache(cache, new_L, write_at, meta)
+    return out, T.ordered_write(cache, out, new_L, write_at, meta)
 
 
 def _read_tokens(cfg, dtype, params, cache, logits_BxV, token_at, n_B, longest: int, reads):

@@ -603,6 +603,17 @@ def _logits(params, cfg, x_BxTxD, valid_BxT, logits):
     return unembed(params, cfg, x_BxTxD)
 
 
+def ordered_write(cache, out, new_L, write_at, meta):
+    """`_updated_cache` inside a program that also read the cache (e.g. a decoding
+    loop on the device): every layer's new keys and values are made to depend on
+    ``out`` (the logits, which depend on every layer's reads of the cache) by
+    adding min(|out[0]|, 0) = 0. Without that dependence XLA cannot order the
+    reads before the in-place write and copies the whole cache every step."""
+    zero = jnp.minimum(jnp.abs(out.reshape(-1)[0]), 0)
+    new_L = [(k + zero.astype(k.dtype), v + zero.astype(v.dtype)) for k, v in new_L]
+    return _updated_cache(cache, new_L, write_at, meta)
+
+
 def _updated_cache(cache, new_L, write_at, meta, write=_write_cache):
     """The cache after a call: every layer's new keys/values written, `meta` from `_embed`."""
     if cache is None:
