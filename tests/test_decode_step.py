@@ -105,3 +105,33 @@ def test_the_step_updates_the_caches_in_place(pair, monkeypatch):
     hlo = real.lower(spec, params, tables, abstract, **seen["kw"]).compile().as_text()
     copied = [m.group(1) for m in re.finditer(r"= f32\[([0-9,]+)\]\{[0-9,]*\} copy\(", hlo)]
     assert not [c for c in copied if tuple(int(d) for d in c.split(",")) in shapes]
+
+
+def test_event_tokens_are_each_events_own_encoding_and_survive_the_disk(cross_pair, tmp_path,
+                                                                       monkeypatch):
+    from brf import align
+    from brf.align.reencode import encode_bytes
+    from brf.ensemble import aligned
+    codecs = [align.make_codec(m.tokenizer) for m in cross_pair]
+    union = align.make_aligner("union", [c.table for c in codecs]).union
+    monkeypatch.setenv("BRF_CACHE", str(tmp_path))
+    monkeypatch.setattr(aligned, "_DISK_ABOVE", 0)
+    for codec in codecs:
+        monkeypatch.setattr(aligned, "_EVENT_TOKENS", {})
+        built = aligned.event_tokens(codec, union)
+        monkeypatch.setattr(aligned, "_EVENT_TOKENS", {})
+        read = aligned.event_tokens(codec, union)  # from the file just written
+        for a, b in zip(built, read):
+            np.testing.assert_array_equal(a, b)
+        for u, data in enumerate(union.strings):
+            got = tuple(built.flat[built.starts[u]:][:max(built.lengths[u], 0)])
+            if u == align.CONTROL:
+                assert built.lengths[u] == 0
+                continue
+            try:
+                want = tuple(encode_bytes(codec, data))
+            except ValueError:
+                assert built.lengths[u] == -1
+                continue
+            assert got == want, (u, data)
+    assert len(list(tmp_path.rglob("events-*.npz"))) == 2

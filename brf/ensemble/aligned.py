@@ -21,6 +21,7 @@ aligned / fused one before that mask.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple, Sequence
 
 import jax
@@ -117,12 +118,60 @@ def event_tokens(codec, union) -> EventTokens:
     step can read on the device (`brf.ensemble.step`). Valid UTF-8 strings go
     through the tokenizer in one batch; the few that are not (byte tokens) and
     any whose encoding does not decode back to them go through
-    ``encode_bytes`` one by one, exactly as reencode would.
+    ``encode_bytes`` one by one, exactly as reencode would. Built once per
+    process; for large union spaces (the shipped pair's 258,776 events) also
+    kept in ``$BRF_CACHE/align``, keyed by the member's and the union's digests.
     """
     key = (id(codec.tokenizer), union.digests, union.size)
     hit = _EVENT_TOKENS.get(key)
     if hit is not None:
         return hit[1]
+    path = _event_tokens_path(codec, union)
+    if path is not None and os.path.exists(path):
+        try:
+            with np.load(path) as z:
+                out = EventTokens(z["starts"], z["lengths"], z["flat"])
+            if len(out.starts) == union.size:
+                _EVENT_TOKENS[key] = (codec.tokenizer, out)
+                return out
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged file is rebuilt
+    out = _encode_events(codec, union)
+    _EVENT_TOKENS[key] = (codec.tokenizer, out)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + ".tmp.npz"
+            np.savez(tmp, starts=out.starts, lengths=out.lengths, flat=out.flat)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a cache that cannot be written only costs time
+    return out
+
+
+# Union spaces with more events than this keep their event tokens on disk
+# (``$BRF_CACHE/align``): building them encodes every event with the tokenizer.
+_DISK_ABOVE = 50_000
+
+
+def _event_tokens_path(codec, union) -> str | None:
+    if union.size <= _DISK_ABOVE:
+        return None
+    import hashlib
+    from brf.align.union import default_cache_dir
+    # The token table's digest does not cover how text is split (merges,
+    # normalisers, pre-tokenizers): the tokenizer's own serialisation does.
+    backend = getattr(codec.tokenizer, "backend_tokenizer", codec.tokenizer)
+    try:
+        rules = hashlib.sha256(backend.to_str().encode()).hexdigest()
+    except AttributeError:
+        return None
+    key = hashlib.sha256("/".join((codec.table.digest, rules) + tuple(union.digests)).encode())
+    return os.path.join(default_cache_dir(), f"events-{key.hexdigest()[:24]}.npz")
+
+
+def _encode_events(codec, union) -> EventTokens:
+    """`event_tokens` computed: a batch encode, then the exceptions one by one."""
     from brf.align.reencode import encode_bytes
     strings = union.strings
     texts, which = [], []
@@ -153,9 +202,7 @@ def event_tokens(codec, union) -> EventTokens:
     starts = np.zeros(len(strings), np.int32)
     starts[1:] = np.cumsum(np.maximum(lengths, 0))[:-1]
     flat = np.fromiter((t for seq in ids for t in seq), np.int32)
-    out = EventTokens(starts, lengths, flat if flat.size else np.zeros(1, np.int32))
-    _EVENT_TOKENS[key] = (codec.tokenizer, out)
-    return out
+    return EventTokens(starts, lengths, flat if flat.size else np.zeros(1, np.int32))
 
 
 class AlignedSpace:
