@@ -245,8 +245,8 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
         engine: 'device' (steps compiled and looped on the device,
             :mod:`brf.ensemble.step`), 'host' (a dispatch per stage of every step),
             or 'auto' (the device where it applies: mode 'fuse', or a mixture
-            mode in a shared vocabulary; without trace; members on the same
-            devices).
+            mode in a shared vocabulary; a 'identity', 'union' or 'topk_union'
+            space; without trace; members on the same devices).
         block_steps: steps per device block (the host streams text between blocks).
 
     Yields:
@@ -289,7 +289,9 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
                method_params=method_params, sampler=sampler, max_new_tokens=max_new_tokens,
                stop=tuple(stop), seed=seed, space=space, choice=choice, dtype=dtype,
                trace=trace, prompt_ids=prompt_ids)
-    on_device = ((mode == "fuse" or isinstance(space, IdentitySpace)) and not trace
+    from brf.ensemble.aligned import AlignedSpace
+    known = isinstance(space, (IdentitySpace, AlignedSpace))  # not a custom factory's
+    on_device = (known and (mode == "fuse" or isinstance(space, IdentitySpace)) and not trace
                  and _colocated(members))
     if engine == "device" and not on_device:
         raise EnsembleInputError("engine='device' runs mode 'fuse', or a mixture mode in a "
@@ -439,11 +441,11 @@ def _device_plan(job: _Job):
         eos[[e for e in space.eos if 0 <= e < space.size]] = True
         spec = dstep.Spec(cfgs=tuple(m.cfg for m in members), space="identity",
                           sizes=(space.size,) * len(members), num_events=space.size, k=0,
-                          method=fuser.name, static=fuser._static, sampler=job.sampler,
+                          method=fuser.name, static=fuser.static, sampler=job.sampler,
                           max_new_tokens=job.max_new_tokens, dtype=jnp.dtype(job.dtype).name,
                           longest=(1,) * len(members), mode=job.mode,
                           shared=job.choice == "shared")
-        return spec, dstep.Tables(weights, fuser._dynamic, jnp.asarray(eos)), None
+        return spec, dstep.Tables(weights, fuser.dynamic, jnp.asarray(eos)), None
     from brf.align import CONTROL
     from brf.ensemble.aligned import event_tokens
     dev = space.alignment.table
@@ -453,10 +455,10 @@ def _device_plan(job: _Job):
     spec = dstep.Spec(cfgs=tuple(m.cfg for m in members), space=space.name,
                       sizes=tuple(c.table.size for c in space.codecs), num_events=space.size,
                       k=int(space.params.get("k", 16)) if space.name == "topk_union" else 0,
-                      method=fuser.name, static=fuser._static, sampler=job.sampler,
+                      method=fuser.name, static=fuser.static, sampler=job.sampler,
                       max_new_tokens=job.max_new_tokens, dtype=jnp.dtype(job.dtype).name,
                       longest=tuple(max(int(t.lengths.max()), 1) for t in tokens))
-    tables = dstep.Tables(weights, fuser._dynamic, jnp.asarray(eos), space.mask_E,
+    tables = dstep.Tables(weights, fuser.dynamic, jnp.asarray(eos), space.mask_E,
                           tuple(dev.index), dev.anchor_nU,
                           tuple(tuple(jnp.asarray(a) for a in t) for t in tokens))
     return spec, tables, tokens

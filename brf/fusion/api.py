@@ -85,6 +85,16 @@ class Fuser:
     def __repr__(self) -> str:
         return f"Fuser({self.name!r}, {self.params})"
 
+    @property
+    def static(self) -> tuple:
+        """The compile-time parameters (hashable): part of a program's identity."""
+        return self._static
+
+    @property
+    def dynamic(self) -> dict:
+        """The traced parameters (a pytree of device arrays): arguments of a program."""
+        return self._dynamic
+
     def fn(self, logits_XnV, weights=None, where=None):
         """The pure function ``(logits, weights, where) -> (logq, info)``, no checks:
         for use inside the caller's own jitted program."""
