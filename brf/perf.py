@@ -212,14 +212,15 @@ def random_member(name: str, cfg: ModelConfig, params, tokenizer, weight: float)
 
 
 def fused_pair(members: Sequence, *, batch: int, prompt_len: int, steps: int,
-               phase: str, repeats: int) -> dict:
-    """Fused greedy generation (BRF) on both engines beside the members' own steps."""
+               phase: str, repeats: int, dtype=jnp.bfloat16) -> dict:
+    """Fused greedy generation (BRF) on both engines beside the members' own steps,
+    computing in ``dtype`` (the weights' dtype: no cast per step)."""
     from brf.ensemble.bench import bench_engines
     prompt = " ".join(f"w{i}" for i in range(2, 2 + prompt_len))
     table, nums = bench_engines(list(members), [prompt] * batch,
                                 [m.weight for m in members], aligner="identity",
                                 max_new_tokens=steps, repeats=repeats,
-                                method_params={"phase": phase})
+                                method_params={"phase": phase}, dtype=dtype)
     out = {"batch": batch, "prompt_len": prompt_len, "steps": steps, "table": table,
            "same_text": nums["same_text"], "members_s": nums["members_s"]}
     for key, label in (("host", "fused, host loop (engine='host')"),

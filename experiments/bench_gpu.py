@@ -51,7 +51,7 @@ def settings(tiny: bool, dtype="bfloat16", context=1024, cache_slots=4096, steps
         return dict(dtype=jnp.float32, score=dict(batch=2, length=64), contexts=32, slots=256,
                     steps=8, batches=(1, 2), pair_prompt=16, pair_steps=8, repeats=1,
                     fuse_vocab=4096, bandwidth=1 << 24, phase=phase)
-    return dict(dtype=jnp.dtype(dtype), score=dict(batch=8, length=2048), contexts=context,
+    return dict(dtype=jnp.dtype(dtype), score=dict(batch=4, length=2048), contexts=context,
                 slots=cache_slots, steps=steps, batches=tuple(batches), pair_prompt=128,
                 pair_steps=steps, repeats=2, fuse_vocab=128256, bandwidth=1 << 30, phase=phase)
 
@@ -97,7 +97,8 @@ def run(models, parts, pair, tiny: bool, s: dict) -> dict:
                    for i, (p, c) in enumerate(zip(pair, pcfgs))]
         out["pair"] = {"members": list(pair), "runs": [
             perf.fused_pair(members, batch=b, prompt_len=s["pair_prompt"], steps=s["pair_steps"],
-                            phase=s["phase"], repeats=s["repeats"]) for b in (1,)]}
+                            phase=s["phase"], repeats=s["repeats"], dtype=s["dtype"])
+            for b in (1,)]}
         print("pair", out["pair"], flush=True)
         del members
     if "fuse" in parts:
