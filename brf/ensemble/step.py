@@ -38,11 +38,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from brf.align import CONTROL, topk_union_logprobs, union_logprobs
+from brf.align import topk_union_logprobs, union_logprobs
 from brf.fusion.api import _apply
-from brf.fusion.mixture import select_member  # noqa: F401  (the keys follow its split)
+from brf.fusion.mixture import select_member
 from brf.fusion.sampling import Sampler
 from brf.fusion.sampling import sample as _sample
 from brf.models import transformer as T
@@ -274,7 +273,6 @@ def _mixture_step(spec: Spec, params, tables: Tables, state: DecodeState, reads)
     mixture_per_member: the sampler on its distribution); then every member
     appends the event to its pending list.
     """
-    from brf.fusion.mixture import select_member
     n, B = len(spec.cfgs), state.finished.shape[0]
     k_member, k_token = jax.random.split(jax.random.fold_in(state.key, state.step))
     if spec.shared:
