@@ -3,6 +3,9 @@
   python experiments/bench_ensemble.py                          # default pair, 32 tokens
   python experiments/bench_ensemble.py --max_new_tokens=64 --repeats=2
   python experiments/bench_ensemble.py --members=random:smollm2-135m-instruct:0,random:smollm2-135m-instruct:1
+  python experiments/bench_ensemble.py --engines --max_new_tokens=64 --repeats=2
+      # fused generation (BRF, greedy) on the host loop and on the compiled step,
+      # beside the members' own forward passes (issue 52)
 
 Prints a markdown table (see brf/ensemble/bench.py for what each row means).
 """
@@ -13,7 +16,7 @@ from absl import flags
 import jax
 
 from brf import cli
-from brf.ensemble.bench import bench
+from brf.ensemble.bench import bench, bench_engines
 from brf.ensemble.run import auto_aligner, load_members
 
 FLAGS = flags.FLAGS
@@ -22,6 +25,9 @@ flags.DEFINE_list("weights", [], "member weights (default uniform)")
 flags.DEFINE_integer("max_new_tokens", 32, "events per prompt")
 flags.DEFINE_integer("repeats", 1, "timed runs per row (best is kept)")
 flags.DEFINE_integer("seed", 0, "seed")
+flags.DEFINE_bool("engines", False, "time the host loop against the compiled step")
+flags.DEFINE_string("phase", "tanh(rate=0.5, offset=[0, 0.5])", "--engines: BRF's phase map "
+                    "(configs/generate.py's default)")
 flags.DEFINE_list("prompts", ["The history of the printing press begins"], "prompts (a batch)")
 
 
@@ -31,6 +37,17 @@ def main(argv):
     n = len(members)
     weights = [float(w) for w in FLAGS.weights] or [1.0 / n] * n
     aligner = auto_aligner(members)
+    if FLAGS.engines:
+        table, nums = bench_engines(members, FLAGS.prompts, weights, aligner=aligner,
+                                    max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats,
+                                    method_params={"phase": FLAGS.phase})
+        print(f"device: {jax.devices()[0].device_kind} "
+              f"({platform.processor() or platform.machine()}), batch {len(FLAGS.prompts)}, "
+              f"{FLAGS.max_new_tokens} new tokens, greedy, BRF {FLAGS.phase}, aligner "
+              f"{aligner}, weights {weights}\n")
+        print(table)
+        print(f"\nsame text on both engines: {nums['same_text']}")
+        return
     table, nums = bench(members, FLAGS.prompts, weights, aligner=aligner,
                         max_new_tokens=FLAGS.max_new_tokens, seed=FLAGS.seed,
                         repeats=FLAGS.repeats)

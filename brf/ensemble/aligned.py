@@ -21,7 +21,8 @@ aligned / fused one before that mask.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+import os
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,121 @@ def _build(aligner: str, tokenizers: tuple, vocab_sizes: tuple[int, ...]):
     built = (codecs, alignment, mask_E, index, token_mask)
     _BUILT[key] = (tokenizers, built)
     return built
+
+
+# (tokenizer id, union digests) -> (tokenizer, EventTokens): each member's tokens for
+# every union event, built once per process (the value keeps the tokenizer alive).
+_EVENT_TOKENS: dict[tuple, tuple] = {}
+
+
+class EventTokens(NamedTuple):
+    """A member's tokens for every union event, as a ragged table.
+
+    Attributes:
+        starts: int32 [U]: where event u's tokens begin in ``flat``.
+        lengths: int32 [U]: how many (0: CONTROL; -1: the member cannot encode
+            the event's bytes losslessly, which `brf.align.reencode` refuses).
+        flat: int32: the tokens, event after event.
+    """
+    starts: np.ndarray
+    lengths: np.ndarray
+    flat: np.ndarray
+
+
+def event_tokens(codec, union) -> EventTokens:
+    """Member tokens for every event: ``encode_bytes(codec, bytes(u))``, all at once.
+
+    In fused decoding every member reads every event right after it is drawn, so
+    ``brf.align.reencode`` with every token frozen encodes the new bytes on their
+    own: a function of the event alone. That makes the map a table the compiled
+    step can read on the device (`brf.ensemble.step`). Valid UTF-8 strings go
+    through the tokenizer in one batch; the few that are not (byte tokens) and
+    any whose encoding does not decode back to them go through
+    ``encode_bytes`` one by one, exactly as reencode would. Built once per
+    process; for large union spaces (the shipped pair's 258,776 events) also
+    kept in ``$BRF_CACHE/align``, keyed by the member's and the union's digests.
+    """
+    key = (id(codec.tokenizer), union.digests, union.size)
+    hit = _EVENT_TOKENS.get(key)
+    if hit is not None:
+        return hit[1]
+    path = _event_tokens_path(codec, union)
+    if path is not None and os.path.exists(path):
+        try:
+            with np.load(path) as z:
+                out = EventTokens(z["starts"], z["lengths"], z["flat"])
+            if len(out.starts) == union.size:
+                _EVENT_TOKENS[key] = (codec.tokenizer, out)
+                return out
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged file is rebuilt
+    out = _encode_events(codec, union)
+    _EVENT_TOKENS[key] = (codec.tokenizer, out)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + ".tmp.npz"
+            np.savez(tmp, starts=out.starts, lengths=out.lengths, flat=out.flat)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a cache that cannot be written only costs time
+    return out
+
+
+# Union spaces with more events than this keep their event tokens on disk
+# (``$BRF_CACHE/align``): building them encodes every event with the tokenizer.
+_DISK_ABOVE = 50_000
+
+
+def _event_tokens_path(codec, union) -> str | None:
+    if union.size <= _DISK_ABOVE:
+        return None
+    import hashlib
+    from brf.align.union import default_cache_dir
+    # The token table's digest does not cover how text is split (merges,
+    # normalisers, pre-tokenizers): the tokenizer's own serialisation does.
+    backend = getattr(codec.tokenizer, "backend_tokenizer", codec.tokenizer)
+    try:
+        rules = hashlib.sha256(backend.to_str().encode()).hexdigest()
+    except AttributeError:
+        return None
+    key = hashlib.sha256("/".join((codec.table.digest, rules) + tuple(union.digests)).encode())
+    return os.path.join(default_cache_dir(), f"events-{key.hexdigest()[:24]}.npz")
+
+
+def _encode_events(codec, union) -> EventTokens:
+    """`event_tokens` computed: a batch encode, then the exceptions one by one."""
+    from brf.align.reencode import encode_bytes
+    strings = union.strings
+    texts, which = [], []
+    for u, data in enumerate(strings):
+        if u == align.CONTROL or not data:
+            continue
+        try:
+            texts.append(data.decode("utf-8"))
+            which.append(u)
+        except UnicodeDecodeError:
+            pass
+    backend = getattr(codec.tokenizer, "backend_tokenizer", codec.tokenizer)
+    ids: list = [()] * len(strings)
+    for u, enc in zip(which, backend.encode_batch(texts, add_special_tokens=False)):
+        ids[u] = tuple(enc.ids)
+    lengths = np.zeros(len(strings), np.int32)
+    decode = codec.table.decode
+    for u, data in enumerate(strings):
+        if u == align.CONTROL or not data:
+            continue
+        if not ids[u] or decode(ids[u]) != data:
+            try:
+                ids[u] = tuple(encode_bytes(codec, data))
+            except ValueError:
+                ids[u], lengths[u] = (), -1
+                continue
+        lengths[u] = len(ids[u])
+    starts = np.zeros(len(strings), np.int32)
+    starts[1:] = np.cumsum(np.maximum(lengths, 0))[:-1]
+    flat = np.fromiter((t for seq in ids for t in seq), np.int32)
+    return EventTokens(starts, lengths, flat if flat.size else np.zeros(1, np.int32))
 
 
 class AlignedSpace:

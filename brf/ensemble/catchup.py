@@ -28,7 +28,7 @@ import numpy as np
 
 from brf import sharding
 from brf.models import cache as model_cache
-from brf.models.transformer import prefill, prefill_donated
+from brf.models.transformer import cache_reads, prefill, prefill_donated
 
 
 def bucket(n: int, smallest: int = 1) -> int:
@@ -164,10 +164,14 @@ def catch_up(member, state: MemberState, *, dtype=jnp.float32, donate: bool = Tr
     tokens, valid = _padded(state.pending, T, 0)
     mesh = _data_mesh(member.params, len(lengths))
     fn = prefill_donated if donate else prefill
+    # Attention reads the slots written so far (and a local layer its window), not
+    # the whole allocation.
+    reads = cache_reads(member.cfg, state.end, cache["pos"].shape[1],
+                        [n for n, k in zip(state.n_read, lengths) if k], T)
     logits_BxV, cache = fn(member.params, member.cfg,
                            sharding.shard_batch(jnp.asarray(tokens), mesh),
                            sharding.shard_batch(jnp.asarray(valid), mesh), cache,
-                           dtype=jnp.dtype(dtype), logits="last")
+                           dtype=jnp.dtype(dtype), logits="last", reads=reads)
     if min(lengths) == 0:
         read_B = jnp.asarray(np.array(lengths) > 0)
         logits_BxV = jnp.where(read_B[:, None], logits_BxV, state.logits_BxV)

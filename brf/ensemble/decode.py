@@ -35,6 +35,16 @@ token each step).
 Reproducibility: step t of a run with ``seed`` uses ``fold_in(PRNGKey(seed), t)``
 split into a member-choice key and a token key; the same seed, members,
 prompts and settings give the same text.
+
+Engines: mode 'fuse', and the mixture modes in a shared vocabulary, run on the
+device by default (``engine='device'``, :mod:`brf.ensemble.step`): one compiled
+program per block of steps, every member's forward pass (or lazy catch-up),
+the alignment, the fusion and the draw inside it; the host replays each
+block's events into text between blocks. The mixture modes across
+vocabularies (a pending text's re-encoding depends on its context, so it is no
+table), ``trace=True`` and members placed apart run the host loop below
+(``engine='host'``), one dispatch per member and stage per step; both engines
+draw the same events for the same seed.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from brf.fusion.sampling import sample as _sample
 
 MODES = ("fuse", "mixture_exact", "mixture_per_member")
 CHOICES = ("per_sequence", "shared")
+ENGINES = ("auto", "device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +216,8 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
            sampler: Sampler | str | None = None, max_new_tokens: int = 64,
            stop: Sequence[str] = (), seed: int = 0, aligner: str | Callable = "identity",
            aligner_params: Mapping[str, Any] | None = None, choice: str = "per_sequence", dtype=jnp.float32,
-           results: list[Generation] | None = None, trace: bool = False
-           ) -> Iterator[Piece]:
+           results: list[Generation] | None = None, trace: bool = False,
+           engine: str = "auto", block_steps: int = 16) -> Iterator[Piece]:
     """Generates text for a batch of prompts, yielding pieces as they become final.
 
     All input checks run when this is called, before any model runs and before
@@ -231,6 +242,12 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
         dtype: compute dtype of the members.
         results: if given, filled with one :class:`Generation` per prompt.
         trace: record per-step distributions into the results (tests).
+        engine: 'device' (steps compiled and looped on the device,
+            :mod:`brf.ensemble.step`), 'host' (a dispatch per stage of every step),
+            or 'auto' (the device where it applies: mode 'fuse', or a mixture
+            mode in a shared vocabulary; a 'identity', 'union' or 'topk_union'
+            space; without trace; members on the same devices).
+        block_steps: steps per device block (the host streams text between blocks).
 
     Yields:
         :class:`Piece` objects, in step order.
@@ -240,6 +257,10 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
     sampler = Sampler.parse(sampler) if not isinstance(sampler, Sampler) else sampler
     method_params = dict(method_params or {})
     _check_request(mode, choice, prompts, max_new_tokens, method, method_params, sampler)
+    if engine not in ENGINES:
+        raise EnsembleInputError(f"unknown engine {engine!r}; use one of {ENGINES}")
+    if not isinstance(block_steps, int) or isinstance(block_steps, bool) or block_steps < 1:
+        raise EnsembleInputError(f"block_steps must be an integer >= 1; got {block_steps!r}")
     w = normalised_weights(members, weights)
     if mode == "fuse":
         method_params = _with_unembeddings(method, method_params, members)
@@ -264,11 +285,21 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
         for p in ids:
             check_prompt_fits(m, p, max_new_tokens)
     space.start(prompt_ids)
-    return _run(_Job(members=members, prompts=prompts, weights=w, mode=mode, method=method,
-                     method_params=method_params, sampler=sampler,
-                     max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed, space=space,
-                     choice=choice, dtype=dtype, trace=trace, prompt_ids=prompt_ids),
-                results)
+    job = _Job(members=members, prompts=prompts, weights=w, mode=mode, method=method,
+               method_params=method_params, sampler=sampler, max_new_tokens=max_new_tokens,
+               stop=tuple(stop), seed=seed, space=space, choice=choice, dtype=dtype,
+               trace=trace, prompt_ids=prompt_ids)
+    from brf.ensemble.aligned import AlignedSpace
+    known = isinstance(space, (IdentitySpace, AlignedSpace))  # not a custom factory's
+    on_device = (known and (mode == "fuse" or isinstance(space, IdentitySpace)) and not trace
+                 and _colocated(members))
+    if engine == "device" and not on_device:
+        raise EnsembleInputError("engine='device' runs mode 'fuse', or a mixture mode in a "
+                                 "shared vocabulary, without trace, with every member on the "
+                                 "same devices; use engine='host' or 'auto'")
+    if engine != "host" and on_device:
+        return _run_device(job, results, block_steps)
+    return _run(job, results)
 
 
 def _check_request(mode: str, choice: str, prompts: list, max_new_tokens: int, method: str,
@@ -291,6 +322,12 @@ def _check_request(mode: str, choice: str, prompts: list, max_new_tokens: int, m
             f"without truncation; got {sampler}. Use mode='mixture_per_member' (sampler "
             f"applied to each member before mixing) or mode='fuse' with method='linear' "
             f"(sampler applied to the pool)")
+
+
+def _colocated(members: Sequence[Member]) -> bool:
+    """True when every member's weights live on the same devices (one program can hold them)."""
+    from brf import sharding
+    return len({sharding.device_set(m.params) for m in members}) <= 1
 
 
 def _gatherer(members: Sequence[Member]) -> Callable[[jax.Array], jax.Array]:
@@ -384,6 +421,141 @@ def _run(job: _Job, results: list[Generation] | None) -> Iterator[Piece]:
             if piece or reason:
                 yield Piece(b, piece, reason)
         states = [catchup.edit_pending(st, edits[i]) for i, st in enumerate(states)]
+
+
+class _Read(NamedTuple):
+    """What `_advance` reads of a member in the device engine: tokens read and pending."""
+    n_read: list
+    pending: list
+
+
+def _device_plan(job: _Job):
+    """The static spec and the device tables of the compiled step for this job."""
+    from brf.ensemble import step as dstep
+    from brf.fusion.api import cached_fuser
+    space, members = job.space, job.members
+    fuser = cached_fuser(job.method, job.method_params)
+    weights = jnp.asarray(job.weights, jnp.float32)
+    if isinstance(space, IdentitySpace):
+        eos = np.zeros(space.size, bool)
+        eos[[e for e in space.eos if 0 <= e < space.size]] = True
+        spec = dstep.Spec(cfgs=tuple(m.cfg for m in members), space="identity",
+                          sizes=(space.size,) * len(members), num_events=space.size, k=0,
+                          method=fuser.name, static=fuser.static, sampler=job.sampler,
+                          max_new_tokens=job.max_new_tokens, dtype=jnp.dtype(job.dtype).name,
+                          longest=(1,) * len(members), mode=job.mode,
+                          shared=job.choice == "shared")
+        return spec, dstep.Tables(weights, fuser.dynamic, jnp.asarray(eos)), None
+    from brf.align import CONTROL
+    from brf.ensemble.aligned import event_tokens
+    dev = space.alignment.table
+    tokens = [event_tokens(c, space.union) for c in space.codecs]
+    eos = np.zeros(space.size, bool)
+    eos[CONTROL] = True
+    spec = dstep.Spec(cfgs=tuple(m.cfg for m in members), space=space.name,
+                      sizes=tuple(c.table.size for c in space.codecs), num_events=space.size,
+                      k=int(space.params.get("k", 16)) if space.name == "topk_union" else 0,
+                      method=fuser.name, static=fuser.static, sampler=job.sampler,
+                      max_new_tokens=job.max_new_tokens, dtype=jnp.dtype(job.dtype).name,
+                      longest=tuple(max(int(t.lengths.max()), 1) for t in tokens))
+    tables = dstep.Tables(weights, fuser.dynamic, jnp.asarray(eos), space.mask_E,
+                          tuple(dev.index), dev.anchor_nU,
+                          tuple(tuple(jnp.asarray(a) for a in t) for t in tokens))
+    return spec, tables, tokens
+
+
+def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
+                ) -> Iterator[Piece]:
+    """Decoding on the device: blocks of compiled steps (:mod:`brf.ensemble.step`).
+
+    Between blocks the host replays each event exactly as the host loop does
+    (`_advance`: text, stop strings, the members' re-encoding, the finish
+    reason) and checks that every member read the tokens the re-encoding gives.
+    A sequence a stop string ended is marked finished on the device before the
+    next block; a cache is grown when the next block might not fit in it.
+    """
+    from brf.ensemble import step as dstep
+    from brf.models import cache as model_cache
+    members, B, n = job.members, len(job.prompts), len(job.members)
+    gens = [Generation(prompt=p, members_run=[0] * n) for p in job.prompts]
+    if results is not None:
+        results[:] = gens
+    streams = [TextStream(job.stop) for _ in range(B)]
+    states = [catchup.start(m, ids, dtype=job.dtype,
+                            slots=catchup.bucket(max(map(len, ids)), 8) + 2 * job.max_new_tokens)
+              for m, ids in zip(members, job.prompt_ids)]
+    spec, tables, tokens = _device_plan(job)
+    params = tuple(m.params for m in members)
+    mixture = job.mode != "fuse"
+    slots = job.max_new_tokens + 1  # pending events a member can hold (mixture modes)
+    state = dstep.DecodeState(
+        tuple(st.cache for st in states), tuple(st.logits_BxV for st in states), jnp.int32(0),
+        jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(job.seed),
+        tuple(jnp.zeros((B, slots), jnp.int32) for _ in range(n)) if mixture else (),
+        tuple(jnp.zeros((B,), jnp.int32) for _ in range(n)) if mixture else ())
+    n_read = [list(st.n_read) for st in states]
+    pending = [[[] for _ in range(B)] for _ in range(n)]
+    ends = [st.end for st in states]
+    views = [_Read(n_read[i], pending[i]) for i in range(n)]
+    done = [False] * B
+    while not all(done):
+        live = [b for b in range(B) if not done[b]]
+        caches, reads, spans = list(state.caches), [], []
+        for i, m in enumerate(members):
+            if mixture:  # a catch-up may read every pending event, in chunks
+                per_step = dstep.CHUNK
+                horizon = 2 * (block_steps + max(map(len, pending[i]))) + dstep.CHUNK
+            else:
+                per_step = spec.slots_per_step(i)
+                horizon = block_steps * min(per_step, 2) + per_step
+            if ends[i] + horizon > caches[i]["pos"].shape[1]:
+                caches[i] = model_cache.grow(caches[i], catchup.bucket(ends[i] + horizon))
+            r, span = dstep.block_reads(m.cfg, ends[i], caches[i]["pos"].shape[1],
+                                        [n_read[i][b] for b in live], horizon)
+            reads.append(r)
+            spans.append(span)
+        state = state._replace(caches=tuple(caches))
+        state, events_KxB, ran_KxN, k, fill = dstep.run_block(
+            spec, params, tables, state, steps=block_steps, reads=tuple(reads),
+            spans=tuple(spans))
+        events_KxB, ran_KxN, k = np.asarray(events_KxB), np.asarray(ran_KxN), int(k)
+        ends = [int(e) for e in np.asarray(fill)]
+        stopped = []
+        for t in range(k):
+            ran = [i for i in range(n) if ran_KxN[t, i]]
+            if mixture:  # the members that ran read everything pending, every sequence
+                for i in ran:
+                    for b in range(B):
+                        n_read[i][b] += len(pending[i][b])
+                        pending[i][b].clear()
+            edits = [[(0, ())] * B for _ in range(n)]
+            for b in range(B):
+                e = int(events_KxB[t, b])
+                if e < 0 or done[b]:
+                    continue
+                for i in ran:
+                    gens[b].members_run[i] += 1
+                piece, reason = _advance(job, b, e, gens[b], streams[b], views, edits)
+                for i in range(n):
+                    n_retract, new = edits[i][b]
+                    read = (e,) if tokens is None else tuple(
+                        tokens[i].flat[tokens[i].starts[e]:][:max(tokens[i].lengths[e], 0)])
+                    if reason is None and (n_retract or tuple(new) != read):
+                        raise RuntimeError(f"member {i} read {read} on the device where the "
+                                           f"re-encoding gives {n_retract} retracted, {new}")
+                    if mixture:
+                        pending[i][b].extend(new)
+                    else:
+                        n_read[i][b] += len(new)
+                done[b] = reason is not None
+                if reason == "stop":
+                    stopped.append(b)
+                if piece or reason:
+                    yield Piece(b, piece, reason)
+        if stopped:
+            state = state._replace(finished=state.finished.at[jnp.asarray(stopped)].set(True))
+        if k == 0 and not all(done):
+            raise RuntimeError("a device block made no progress")
 
 
 def _draw_step(job: _Job, k_token, logits: dict, member_B, w_dev, method_params) -> _Step:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from brf.fusion.checks import FusionInputError
 from brf.fusion.members import chunked_top2_gap
@@ -230,9 +231,12 @@ def phase_map(spec: str | Mapping[str, Any] | PhaseMap, **overrides) -> PhaseMap
                 + (" or one value per member" if k == "offset" else "")
                 + f"; got shape {arr.shape}")
         if not isinstance(arr, jax.core.Tracer):
-            if not bool(jnp.all(jnp.isfinite(arr))):
+            # Checked with NumPy: a concrete value read on the host, which also
+            # holds when this runs while a caller's jit traces (a closed-over map).
+            value = np.asarray(arr)
+            if not np.all(np.isfinite(value)):
                 raise FusionInputError(f"phase map parameter {k}={v} is not finite")
-            if k in _NONNEGATIVE and bool(jnp.any(arr < 0)):
+            if k in _NONNEGATIVE and np.any(value < 0):
                 raise FusionInputError(f"phase map parameter {k}={v} must be >= 0")
         out[k] = arr
     return PhaseMap(name, out)

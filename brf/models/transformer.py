@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +272,94 @@ def _causal_attention(cfg, q_BxTxHxE, old, new):
     return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
 
 
+class Reads(NamedTuple):
+    """Which cache slots a call's layers read: a static (hashable) promise of the caller.
+
+    Attributes:
+        span: global layers read slots [0, span) only. The caller promises that
+            every slot written before this call lies below span (e.g. a power
+            of two >= the cache's ``end``); None reads all S slots.
+        local: sliding-window layers read only the ``local`` slots before the
+            call's first new slot. The caller promises that every earlier slot
+            holding a key inside a new query's window lies among them: with
+            window W and at most P padding slots (position -1) among a
+            sequence's recent slots, W + P suffices (`cache_reads`). None: as
+            the global layers.
+
+    Reading fewer slots changes no value: the slots left out are masked anyway.
+    Powers of two keep the number of compiled shapes small.
+    """
+    span: int | None = None
+    local: int | None = None
+
+
+# Spans below this many slots are rounded up to it: a span is a static shape, so
+# each one is a compiled program, and below it attention is a small part of a step.
+SMALLEST_SPAN = 1024
+
+
+def cache_reads(cfg: ModelConfig, end: int, slots: int, n_read: Sequence[int] = (),
+                new: int = 1, smallest: int = SMALLEST_SPAN) -> Reads | None:
+    """The `Reads` a call may use, from what its caller knows on the host.
+
+    Args:
+        cfg: the architecture (its sliding window, if it has local layers).
+        end: slots written so far (the cache's ``end``; a bound on it is fine).
+        slots: S, the slots allocated.
+        n_read: per sequence that has queries in the call, its tokens read so far
+            (so ``end - n_read`` bounds its padding slots); empty: no local reads.
+        new: the call's new tokens (a bound on the query positions' spread).
+        smallest: the smallest span used (see SMALLEST_SPAN).
+
+    Returns:
+        None (read every slot) or a `Reads`: ``span`` the next power of two >=
+        ``end`` (at least ``smallest``) when that is at most half the
+        allocation, ``local`` a power of two >= window + the most padding any of
+        these sequences has + ``new``, when below what the global layers read.
+    """
+    span = max(_bucket(end), _bucket(smallest))
+    span = span if 2 * span <= slots else None
+    local = None
+    if "local" in cfg.layer_types and n_read:
+        need = max(_bucket(cfg.sliding_window + max(end - min(n_read), 0) + new),
+                   _bucket(min(smallest, cfg.sliding_window)))
+        local = need if need < (span or slots) else None
+    return None if span is None and local is None else Reads(span, local)
+
+
+def _bucket(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _visible_slots(S: int, write_at, window, reads: Reads | None):
+    """Which cache slots one layer's attention reads: None (all S), or ``(start, R)``:
+    R slots (static) from slot ``start`` (a static 0, or a traced index).
+
+    Global layers read the first ``reads.span`` slots; a sliding-window layer
+    (``window`` a static int below _NO_WINDOW) with ``reads.local`` reads that
+    many slots ending at ``write_at``. The rest of the cache is not touched,
+    so a step costs what its context needs, not what was allocated.
+    """
+    if reads is None:
+        return None
+    span = S if reads.span is None else min(int(reads.span), S)
+    static_window = isinstance(window, (int, np.integer)) and int(window) < _NO_WINDOW
+    if static_window and reads.local is not None and int(reads.local) < span:
+        R = int(reads.local)
+        return jnp.clip(write_at - R, 0, span - R).astype(jnp.int32), R
+    return (0, span) if span < S else None
+
+
+def _take_slots(x, axis: int, slots):
+    """x restricted to the slots `_visible_slots` chose, along ``axis``."""
+    if slots is None:
+        return x
+    start, R = slots
+    if isinstance(start, int):
+        return jax.lax.slice_in_dim(x, start, start + R, axis=axis)
+    return jax.lax.dynamic_slice_in_dim(x, start, R, axis=axis)
+
+
 class Slots(NamedTuple):
     """Where a call's T new tokens sit; the same for every layer of the call."""
     pos_BxT: jax.Array   # each new token's position (-1: padding)
@@ -282,7 +370,7 @@ class Slots(NamedTuple):
     allow: Any = None
 
 
-def _block(cfg, dtype, x_BxTxD, lp, *, rope, window, kv, at: Slots, keep="all"):
+def _block(cfg, dtype, x_BxTxD, lp, *, rope, window, kv, at: Slots, keep="all", reads=None):
     """One decoder layer: returns the new residual stream and the T new keys and values.
 
     keep='last' carries on only each sequence's last valid token (the residual
@@ -295,6 +383,7 @@ def _block(cfg, dtype, x_BxTxD, lp, *, rope, window, kv, at: Slots, keep="all"):
     The caller writes the returned (kT_BxKxExT, v_BxKxTxE) at slot
     ``at.write_at`` (`_write_cache`): an in-place update inside a computation
     that also reads the cache makes XLA:CPU copy the whole cache per layer.
+    reads (static, `Reads`) bounds the cache slots the attention reads.
     """
     q_BxTxHxE, new = _qkv(cfg, dtype, x_BxTxD, lp, rope)
     if keep == "none":
@@ -306,7 +395,7 @@ def _block(cfg, dtype, x_BxTxD, lp, *, rope, window, kv, at: Slots, keep="all"):
         q_BxTxHxE = jnp.take_along_axis(q_BxTxHxE, last_Bx1[:, :, None, None], axis=1)
         q_pos_BxT = jnp.take_along_axis(at.pos_BxT, last_Bx1, axis=1)
     o_BxTxHE = _self_attention(cfg, q_BxTxHxE.astype(dtype), q_pos_BxT, new, kv, window, at,
-                               several=keep != "last")
+                               several=keep != "last", reads=reads)
     x_BxTxD = x_BxTxD + _post_norm(cfg, lp, "post_attn_norm", _proj(lp, "wo", o_BxTxHE, dtype))
     return x_BxTxD + _mlp(cfg, dtype, x_BxTxD, lp), new
 
@@ -367,25 +456,28 @@ def _mask(q_pos_BxT, k_pos_BxS, window):
     return (k_pos_BxS[:, None, :] >= 0) & (diff_BxTxS >= 0) & (diff_BxTxS < window)
 
 
-def _self_attention(cfg, q_BxTxHxE, q_pos_BxT, new, kv, window, at: Slots, several: bool):
+def _self_attention(cfg, q_BxTxHxE, q_pos_BxT, new, kv, window, at: Slots, several: bool,
+                    reads: Reads | None = None):
     """Attention of the queries to the cache as it was (kv) and to the new keys.
 
     Slots from at.write_at on are not these tokens' yet in the old cache. The new
     keys are a second part of the same softmax (attending to an updated cache
     would copy the whole cache per layer). several: the queries are every new
     token (causal blocks, `_causal_attention`), not each sequence's last one.
+    reads: which cache slots are read (`_visible_slots`).
     """
     old = None
     if kv is not None:
         S = at.kpos_BxS.shape[1]
+        slots = _visible_slots(S, at.write_at, window, reads)
         old_pos_BxS = jnp.where(jnp.arange(S) < at.write_at, at.kpos_BxS, -1)
-        old = (*kv, _mask(q_pos_BxT, old_pos_BxS, window))
+        mask = _mask(q_pos_BxT, _take_slots(old_pos_BxS, 1, slots), window)
+        if at.allow is not None:  # tree attention: the explicit slot mask, on the same slots
+            mask = mask & _take_slots(at.allow[0], 2, slots)
+        old = (_take_slots(kv[0], 3, slots), _take_slots(kv[1], 2, slots), mask)
     new_part = (*new, _mask(q_pos_BxT, at.pos_BxT, window))
     if at.allow is not None:
-        cache_allow_BxTxS, tree_allow_BxTxT = at.allow
-        if old is not None:
-            old = (*old[:2], old[2] & cache_allow_BxTxS)
-        new_part = (*new_part[:2], new_part[2] & tree_allow_BxTxT)
+        new_part = (*new_part[:2], new_part[2] & at.allow[1])
     if several:
         return _causal_attention(cfg, q_BxTxHxE, old, new_part)
     return _attention(cfg, q_BxTxHxE, ([] if old is None else [old]) + [new_part])
@@ -541,6 +633,17 @@ def _logits(params, cfg, x_BxTxD, valid_BxT, logits):
     return unembed(params, cfg, x_BxTxD)
 
 
+def ordered_write(cache, out, new_L, write_at, meta):
+    """`_updated_cache` inside a program that also read the cache (e.g. a decoding
+    loop on the device): every layer's new keys and values are made to depend on
+    ``out`` (the logits, which depend on every layer's reads of the cache) by
+    adding min(|out[0]|, 0) = 0. Without that dependence XLA cannot order the
+    reads before the in-place write and copies the whole cache every step."""
+    zero = jnp.minimum(jnp.abs(out.reshape(-1)[0]), 0)
+    new_L = [(k + zero.astype(k.dtype), v + zero.astype(v.dtype)) for k, v in new_L]
+    return _updated_cache(cache, new_L, write_at, meta)
+
+
 def _updated_cache(cache, new_L, write_at, meta, write=_write_cache):
     """The cache after a call: every layer's new keys/values written, `meta` from `_embed`."""
     if cache is None:
@@ -551,7 +654,7 @@ def _updated_cache(cache, new_L, write_at, meta, write=_write_cache):
 
 
 def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=None, *,
-            dtype=jnp.float32, logits: str = "all"):
+            dtype=jnp.float32, logits: str = "all", reads: Reads | None = None):
     """Runs T new tokens through the model, optionally against a KV cache.
 
     Args:
@@ -568,6 +671,7 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
             dtype jnp.float64, which makes the whole pass float64).
         logits: 'all' -> logits_BxTxV; 'last' -> logits_BxV at each sequence's
             last valid token; 'none' -> None (only fill the cache).
+        reads: which cache slots the layers read (`Reads`; None: all of them).
 
     Returns:
         (logits, cache): float32 logits as chosen, and the updated cache (None
@@ -576,11 +680,11 @@ def forward(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT=None, cache=No
     """
     _check_logits(logits)
     out, new_L, write_at, meta = _compute(params, cfg, tokens_BxT, valid_BxT, cache,
-                                          jnp.dtype(dtype), logits)
+                                          jnp.dtype(dtype), logits, reads)
     return out, _updated_cache(cache, new_L, write_at, meta)
 
 
-def _compute(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits):
+def _compute(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, reads=None):
     """`forward` up to the cache write: (logits, each layer's new (kT, v), write_at,
     meta for `_updated_cache`). The cache is only read."""
     x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta = _embed(params["embed"], cfg, tokens_BxT,
@@ -595,7 +699,7 @@ def _compute(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits):
         for layer, lp in enumerate(params["layers"]):
             rope = (cos_RxBxTxF[rope_L[layer]], sin_RxBxTxF[rope_L[layer]])
             x_BxTxD, new = _block(cfg, dtype, x_BxTxD, lp, rope=rope, window=window_L[layer],
-                                  kv=kv_L[layer], at=at)
+                                  kv=kv_L[layer], at=at, reads=reads)
             new_L.append(new)
     else:
         # The per-layer caches are stacked for the scan.
@@ -604,7 +708,8 @@ def _compute(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits):
         def step(x, xs):
             lp, r, window, kv = xs
             rope = (cos_RxBxTxF[r], sin_RxBxTxF[r])
-            return _block(cfg, dtype, x, lp, rope=rope, window=window, kv=kv, at=at)
+            return _block(cfg, dtype, x, lp, rope=rope, window=window, kv=kv, at=at,
+                          reads=reads)
 
         xs = (params["layers"], rope_L, window_L, kv_stacked)
         x_BxTxD, new_stacked = jax.lax.scan(step, x_BxTxD, xs)
@@ -620,20 +725,22 @@ def unembed(params: dict, cfg: ModelConfig, x_BxTxD):
     return _softcap(out, cfg.final_logit_softcap)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "logits"))
-def _forward_jit(params, cfg, tokens_BxT, valid_BxT, cache, *, dtype, logits):
-    return forward(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype, logits=logits)
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "logits", "reads"))
+def _forward_jit(params, cfg, tokens_BxT, valid_BxT, cache, *, dtype, logits, reads=None):
+    return forward(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype, logits=logits,
+                   reads=reads)
 
 
-_forward_jit_donated = jax.jit(_forward_jit.__wrapped__, static_argnames=("cfg", "dtype", "logits"),
+_forward_jit_donated = jax.jit(_forward_jit.__wrapped__,
+                               static_argnames=("cfg", "dtype", "logits", "reads"),
                                donate_argnames="cache")
 _embed_jit = jax.jit(_embed, static_argnames=("cfg", "dtype"))
 # A decoding step's layers in one call (see `_run_layers`); the cache is written by
 # `_write_jit(_donated)` after it.
-_compute_jit = jax.jit(_compute, static_argnames=("cfg", "dtype", "logits"))
+_compute_jit = jax.jit(_compute, static_argnames=("cfg", "dtype", "logits", "reads"))
 
 
-_block_jit = jax.jit(_block, static_argnames=("cfg", "dtype", "keep"))
+_block_jit = jax.jit(_block, static_argnames=("cfg", "dtype", "keep", "reads"))
 _write_jit = jax.jit(_write_cache)
 _write_jit_donated = jax.jit(_write_cache, donate_argnames=("k_L", "v_L"))
 _logits_jit = jax.jit(_logits, static_argnames=("cfg", "logits"))
@@ -654,7 +761,7 @@ def _layer_plan(cfg: ModelConfig):
     return [(int(r), jnp.asarray(w)) for r, w in zip(rope_L, window_L)]
 
 
-def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate):
+def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate, reads=None):
     """`forward` for the per-layer layout.
 
     Several tokens run one jitted call per layer: every layer has the same
@@ -675,7 +782,7 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
     write = _write_jit_donated if donate else _write_jit
     if tokens_BxT.shape[1] == 1 and cache is not None:
         out, new_L, write_at, meta = _compute_jit(params, cfg, tokens_BxT, valid_BxT, cache,
-                                                  dtype=dtype, logits=logits)
+                                                  dtype=dtype, logits=logits, reads=reads)
         return out, _updated_cache(cache, new_L, write_at, meta, write)
     meta_in = None if cache is None else {k: cache[k] for k in ("pos", "end", "next_pos")}
     x_BxTxD, valid_BxT, pos_BxT, kpos_BxS, meta = _embed_jit(
@@ -697,7 +804,7 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
     new_L = []
     for lp, kv, (r, window), keep in zip(params["layers"], kv_L, _layer_plan(cfg), keep_L):
         x_BxTxD, new = _block_jit(cfg, dtype, x_BxTxD, lp, rope=ropes[r], window=window, kv=kv,
-                                  at=at, keep=keep)
+                                  at=at, keep=keep, reads=reads)
         new_L.append(new)
     new_cache = _updated_cache(cache, new_L, write_at, meta, write)
     head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
@@ -706,7 +813,7 @@ def _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, donate
 
 
 def prefill(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT, cache, *,
-            dtype=jnp.float32, logits: str = "all"):
+            dtype=jnp.float32, logits: str = "all", reads: Reads | None = None):
     """`forward` with a cache: prompt prefill, or catching up on pending tokens.
 
     Stacked params run as one jitted scan; per-layer params (`unstack_layers`,
@@ -721,27 +828,31 @@ def prefill(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT, cache, *,
         cache: KV cache (`brf.models.cache.init_cache`), or None for a stateless pass.
         dtype: compute dtype (static).
         logits: 'all' | 'last' | 'none' (static); see `forward`.
+        reads: which cache slots the layers read (`Reads`, static; None: all).
 
     Returns:
         (logits_BxTxV or logits_BxV or None, cache).
     """
     if is_unstacked(params):
-        return _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, False)
-    return _forward_jit(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype, logits=logits)
+        return _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, False,
+                           reads)
+    return _forward_jit(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype, logits=logits,
+                        reads=reads)
 
 
 def prefill_donated(params: dict, cfg: ModelConfig, tokens_BxT, valid_BxT, cache, *,
-                    dtype=jnp.float32, logits: str = "all"):
+                    dtype=jnp.float32, logits: str = "all", reads: Reads | None = None):
     """`prefill` with the cache donated: XLA updates it in place instead of
     copying it (about 2x faster decoding); the cache passed in is invalidated."""
     if is_unstacked(params):
-        return _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, True)
+        return _run_layers(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, True,
+                           reads)
     return _forward_jit_donated(params, cfg, tokens_BxT, valid_BxT, cache, dtype=dtype,
-                                logits=logits)
+                                logits=logits, reads=reads)
 
 
 def decode_step(params: dict, cfg: ModelConfig, token_B, cache, valid_B=None, *,
-                dtype=jnp.float32):
+                dtype=jnp.float32, reads: Reads | None = None):
     """One decoding step: appends token_B to the cache and returns next-token logits.
 
     Args:
@@ -752,21 +863,22 @@ def decode_step(params: dict, cfg: ModelConfig, token_B, cache, valid_B=None, *,
         valid_B: optional bool; False leaves that sequence's position unchanged
             (e.g. finished sequences) and its slot masked.
         dtype: compute dtype (static).
+        reads: which cache slots the layers read (`Reads`, static; None: all).
 
     Returns:
         (logits_BxV float32, cache).
     """
     valid_Bx1 = None if valid_B is None else jnp.asarray(valid_B)[:, None]
     return prefill(params, cfg, jnp.asarray(token_B)[:, None], valid_Bx1, cache,
-                   dtype=dtype, logits="last")
+                   dtype=dtype, logits="last", reads=reads)
 
 
 def decode_step_donated(params: dict, cfg: ModelConfig, token_B, cache, valid_B=None, *,
-                        dtype=jnp.float32):
+                        dtype=jnp.float32, reads: Reads | None = None):
     """`decode_step` with the cache donated (updated in place; the input is invalidated)."""
     valid_Bx1 = None if valid_B is None else jnp.asarray(valid_B)[:, None]
     return prefill_donated(params, cfg, jnp.asarray(token_B)[:, None], valid_Bx1, cache,
-                           dtype=dtype, logits="last")
+                           dtype=dtype, logits="last", reads=reads)
 
 
 
@@ -782,7 +894,7 @@ _tree_meta_jit = jax.jit(_tree_meta)
 
 def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_BxT,
                  cache_allow_BxTxS, tree_allow_BxTxT, *, dtype=jnp.float32,
-                 donate: bool = False):
+                 donate: bool = False, reads: Reads | None = None):
     """T new tokens at given positions, each attending to chosen cache slots and
     chosen new tokens (tree attention); their keys and values are then written
     at the cache's next T slots.
@@ -807,6 +919,8 @@ def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_Bx
             (lower triangular), and t itself must be allowed.
         dtype: compute dtype.
         donate: update the cache in place (the cache passed in is invalidated).
+        reads: which cache slots the layers read (`Reads`; None: all). The
+            slots ``cache_allow_BxTxS`` allows must lie inside them.
 
     Returns:
         (logits_BxTxV, cache): float32 logits (float64 for a float64 run), each
@@ -821,7 +935,8 @@ def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_Bx
     logits, new_L = _tree_jit(params, cfg, (tuple(cache["k"]), tuple(cache["v"])), meta_in,
                               jnp.asarray(tokens_BxT), pos_BxT,
                               jnp.asarray(cache_allow_BxTxS, bool),
-                              jnp.asarray(tree_allow_BxTxT, bool), dtype=jnp.dtype(dtype))
+                              jnp.asarray(tree_allow_BxTxT, bool), dtype=jnp.dtype(dtype),
+                              reads=reads)
     meta = _tree_meta_jit(meta_in, pos_BxT)
     cache = _updated_cache(cache, new_L, cache["end"], meta,
                            _write_jit_donated if donate else _write_jit)
@@ -829,7 +944,7 @@ def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_Bx
 
 
 def _tree(params, cfg, kv, meta, tokens_BxT, pos_BxT, cache_allow_BxTxS, tree_allow_BxTxT, *,
-          dtype):
+          dtype, reads=None):
     """`forward_tree` up to the cache write: logits and every layer's new (kT, v).
 
     All layers run in one call (the cache is only read): unlike a long prompt,
@@ -845,12 +960,12 @@ def _tree(params, cfg, kv, meta, tokens_BxT, pos_BxT, cache_allow_BxTxS, tree_al
     for layer, lp in enumerate(params["layers"]):
         rope = (cos_RxBxTxF[rope_L[layer]], sin_RxBxTxF[rope_L[layer]])
         x_BxTxD, new = _block(cfg, dtype, x_BxTxD, lp, rope=rope, window=window_L[layer],
-                              kv=(kv[0][layer], kv[1][layer]), at=at, keep="all")
+                              kv=(kv[0][layer], kv[1][layer]), at=at, keep="all", reads=reads)
         new_L.append(new)
     return _logits(params, cfg, x_BxTxD, None, "all"), new_L
 
 
-_tree_jit = jax.jit(_tree, static_argnames=("cfg", "dtype"))
+_tree_jit = jax.jit(_tree, static_argnames=("cfg", "dtype", "reads"))
 
 
 def compiled_count() -> int:
@@ -861,7 +976,7 @@ def compiled_count() -> int:
                                          _tree_meta_jit))
 
 
-__all__ = ["cast_params", "compiled_count", "decode_step", "decode_step_donated", "forward",
+__all__ = ["Reads", "cache_reads", "cast_params", "compiled_count", "decode_step", "decode_step_donated", "forward",
            "forward_tree", "init_params", "is_unstacked", "param_shapes", "prefill", "prefill_donated",
            "rope_inv_freq", "layer_tables", "rms_norm", "apply_rope", "stack_layers",
            "unembed", "unstack_layers"]

@@ -1,0 +1,402 @@
+"""Decoding as one compiled step, and a block of steps looped on the device.
+
+The decoding loop of :mod:`brf.ensemble.decode` in the shape serving codebases
+give it: a :class:`DecodeState` pytree (every member's KV cache and last
+logits, the step counter, the base random key, per sequence its finished flag
+and event count) and one pure function, :func:`fused_step`, that maps
+``(params, tables, state)`` to ``(state, events)``:
+
+1. the step's keys: ``fold_in(PRNGKey(seed), step)`` split into a member key
+   and a token key, as the host loop draws them;
+2. every member's logits aligned onto the event space (identity: log-softmax;
+   'union' / 'topk_union': ``brf.align``'s maps, their index tables passed as
+   device arrays);
+3. the fusion method (``brf.fusion.Fuser.fn``), and the sampler's draw,
+   restricted to the events every member can read;
+4. the finish rules the host applies (an end-of-sequence event, the
+   ``max_new_tokens``-th event, a member's context full);
+5. every member reads the drawn event's tokens into its cache (one token in a
+   shared vocabulary; in aligned spaces the event's canonical tokens from
+   :func:`brf.ensemble.aligned.event_tokens`, in chunks of a few tokens when
+   an event is longer than one), so the next step's logits are ready.
+
+:func:`run_block` runs up to ``steps`` of them in one ``lax.while_loop`` with
+the state donated (the caches are updated in place) and stops early once every
+sequence has finished or a cache's read span is full; the host reads back only
+the block's events and each cache's fill. What needs the host stays there,
+between blocks: text and stop strings, the members' re-encoding of the text
+(checked against the tokens the device read), growing a cache. Nothing in a
+step reads a value back to Python.
+
+Which cache slots the attention reads is fixed per block (``Reads``): the
+slots written by the block's end, and for sliding-window layers their window.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from brf.align import topk_union_logprobs, union_logprobs
+from brf.fusion.api import _apply
+from brf.fusion.mixture import select_member
+from brf.fusion.sampling import Sampler
+from brf.fusion.sampling import sample as _sample
+from brf.models import transformer as T
+
+# Tokens a member reads per forward pass when an event is longer than one token.
+CHUNK = 4
+
+
+class DecodeState(NamedTuple):
+    """Everything a decoding step reads and writes (a pytree).
+
+    Attributes:
+        caches: per member its KV cache (``brf.models.cache``), batch B.
+        logits: per member [B, V_i] float32: its next-token logits after what it read.
+        step: int32 []: steps taken (the random key of step t is fold_in(key, t)).
+        finished: bool [B]: the sequence has ended (it draws and reads nothing more).
+        n_events: int32 [B]: events generated per sequence.
+        key: the base PRNG key (``PRNGKey(seed)``).
+        pending: mixture modes: per member [B, P] int32, the events it has not
+            read yet (lazy catch-up); () in mode 'fuse'.
+        n_pending: mixture modes: per member [B] int32, how many; () in mode 'fuse'.
+    """
+    caches: tuple
+    logits: tuple
+    step: jax.Array
+    finished: jax.Array
+    n_events: jax.Array
+    key: jax.Array
+    pending: tuple = ()
+    n_pending: tuple = ()
+
+
+class Tables(NamedTuple):
+    """The device arrays a step reads; traced arguments, nothing baked into the program.
+
+    Attributes:
+        weights: [n] member weights.
+        fusion: the fusion method's traced parameters (``Fuser``'s dynamic part).
+        eos: bool [E]: events that end a sequence (identity: the members' EOS ids).
+        mask: bool [E] or None: events every member can read (sampling is limited to them).
+        index: union spaces: per member int32 [V_i] token -> event; else None.
+        anchor: topk_union: int32 [n, U] backoff anchors; else None.
+        tokens: union spaces: per member (starts [U], lengths [U], flat) of
+            :class:`brf.ensemble.aligned.EventTokens`; else None.
+    """
+    weights: jax.Array
+    fusion: Any
+    eos: jax.Array
+    mask: Any = None
+    index: Any = None
+    anchor: Any = None
+    tokens: Any = None
+
+
+class Spec(NamedTuple):
+    """The static description of a step (hashable: part of the compiled program's key).
+
+    Attributes:
+        cfgs: per member its ModelConfig.
+        space: 'identity' | 'union' | 'topk_union'.
+        sizes: per member the tokens its logits are cut to before aligning
+            (the tokenizer's size; a model's head may be padded beyond it).
+        num_events: U (union spaces) or V.
+        k: topk_union's k (0 otherwise).
+        method: the fusion method's registered name.
+        static: its static parameters (``Fuser``'s static part).
+        sampler: the sampler.
+        max_new_tokens: events per sequence at most.
+        dtype: the members' compute dtype (a name).
+        longest: per member the most tokens one event can take (1 in a shared
+            vocabulary).
+        mode: 'fuse', or a mixture mode in a shared vocabulary: 'mixture_exact'
+            (each sequence's event drawn from the member it picked, plain
+            sampling) or 'mixture_per_member' (the sampler applied to the picked
+            member's distribution); see :mod:`brf.ensemble.decode`.
+        shared: mixture modes: one pick per step for the whole batch.
+    """
+    cfgs: tuple
+    space: str
+    sizes: tuple
+    num_events: int
+    k: int
+    method: str
+    static: tuple
+    sampler: Sampler
+    max_new_tokens: int
+    dtype: str
+    longest: tuple
+    mode: str = "fuse"
+    shared: bool = False
+
+    def slots_per_step(self, i: int) -> int:
+        """The cache slots member i's read of one event takes at most (mode 'fuse')."""
+        n = self.longest[i]
+        return 1 if n <= 1 else _chunked(n)
+
+
+def _chunked(n):
+    """Slots a read of n tokens takes: one, or chunks of CHUNK."""
+    return jnp.where(n <= 1, n, CHUNK * ((n + CHUNK - 1) // CHUNK)) if isinstance(
+        n, jax.Array) else (n if n <= 1 else CHUNK * -(-n // CHUNK))
+
+
+def _aligned(spec: Spec, tables: Tables, logits: tuple):
+    """Members' log-probs over the events [B, n, E], and the columns' event ids (or None)."""
+    if spec.space == "identity":
+        return jnp.stack([jax.nn.log_softmax(l, axis=-1) for l in logits], axis=1), None
+    cut = tuple(l[:, :v] for l, v in zip(logits, spec.sizes))
+    full = union_logprobs(cut, tables.index, num_events=spec.num_events)
+    if spec.space == "union":
+        return full, None
+    logp, events, _ = topk_union_logprobs(full, tables.anchor, k=spec.k)
+    return logp, events
+
+
+def _draw(key, logq_BxE, mask_BxE, sampler: Sampler):
+    """The sampler's draw from logq restricted to mask (renormalised), as the host loop draws."""
+    if mask_BxE is not None:
+        logq_BxE = jax.nn.log_softmax(jnp.where(mask_BxE, logq_BxE, -jnp.inf), axis=-1)
+    return _sample(key, logq_BxE, sampler)
+
+
+def _read(cfg, params, cache, tokens_BxT, valid_BxT, dtype, reads):
+    """One forward pass of a member over new tokens: (last valid logits [B, V], cache)."""
+    out, new_L, write_at, meta = T._compute(params, cfg, tokens_BxT, valid_BxT, cache,
+                                            jnp.dtype(dtype), "last", reads)
+    return out, T.ordered_write(cache, out, new_L, write_at, meta)
+
+
+def _read_tokens(cfg, dtype, params, cache, logits_BxV, token_at, n_B, longest: int, reads):
+    """A member reads ``n_B[b]`` tokens per sequence (``token_at(j_BxW) -> ids``), one
+    forward pass when no sequence has more than one, else chunks of CHUNK; a
+    sequence with nothing to read keeps its logits."""
+    def chunk(j, width, carry):
+        cache, logits_BxV = carry
+        at_BxW = j * width + jnp.arange(width)[None, :]
+        valid_BxW = at_BxW < n_B[:, None]
+        ids_BxW = jnp.where(valid_BxW, token_at(at_BxW), 0)
+        out, cache = _read(cfg, params, cache, ids_BxW, valid_BxW, dtype, reads)
+        return cache, jnp.where(valid_BxW.any(1)[:, None], out, logits_BxV)
+
+    if longest <= 1:
+        return chunk(0, 1, (cache, logits_BxV))
+
+    def one(carry):
+        return chunk(0, 1, carry)
+
+    def several(carry):
+        rounds = (jnp.max(n_B) + CHUNK - 1) // CHUNK
+        return jax.lax.fori_loop(0, rounds, lambda j, c: chunk(j, CHUNK, c), carry)
+
+    return jax.lax.cond(jnp.max(n_B) <= 1, one, several, (cache, logits_BxV))
+
+
+def _read_event(spec: Spec, i: int, params, cache, logits_BxV, event_B, reading_B, tables,
+                reads):
+    """Member i reads the tokens of each reading sequence's event; the others keep their logits."""
+    cfg, dtype = spec.cfgs[i], spec.dtype
+    if spec.space == "identity":
+        out, cache = _read(cfg, params, cache, event_B[:, None], reading_B[:, None], dtype,
+                           reads)
+        return jnp.where(reading_B[:, None], out, logits_BxV), cache
+    starts, lengths, flat = tables.tokens[i]
+    n_B = jnp.where(reading_B, jnp.maximum(lengths[event_B], 0), 0)
+    first_B = starts[event_B]
+    cache, logits_BxV = _read_tokens(
+        cfg, dtype, params, cache, logits_BxV,
+        lambda at_BxW: flat[jnp.clip(first_B[:, None] + at_BxW, 0, flat.shape[0] - 1)],
+        n_B, spec.longest[i], reads)
+    return logits_BxV, cache
+
+
+def fused_step(spec: Spec, params: tuple, tables: Tables, state: DecodeState, reads: tuple
+               ) -> tuple[DecodeState, jax.Array]:
+    """One step of fused decoding for every sequence (pure; see the module docstring).
+
+    Args:
+        spec: the static description.
+        params: per member its params pytree.
+        tables: the device tables.
+        state: the decode state.
+        reads: per member its ``Reads`` (static) or None.
+
+    Returns:
+        (the new state, event_B int32: the event drawn, -1 for a sequence that
+        had already finished, ran_n bool: which members ran a forward pass).
+    """
+    if spec.mode != "fuse":
+        return _mixture_step(spec, params, tables, state, reads)
+    _, k_token = jax.random.split(jax.random.fold_in(state.key, state.step))
+    logp_BxnxE, events = _aligned(spec, tables, state.logits)
+    logq_BxE, _ = _apply(logp_BxnxE, tables.weights, None, tables.fusion, name=spec.method,
+                         static=spec.static)
+    mask = tables.mask
+    if mask is not None and events is not None:
+        mask = jnp.where(events >= 0, mask[jnp.maximum(events, 0)], False)
+    col_B = _draw(k_token, logq_BxE, mask, spec.sampler)
+    event_B = col_B if events is None else jnp.take_along_axis(events, col_B[:, None], 1)[:, 0]
+    live_B = ~state.finished
+    n_events = state.n_events + live_B.astype(jnp.int32)
+    end_B = tables.eos[event_B] | (n_events >= spec.max_new_tokens)
+    for i, cfg in enumerate(spec.cfgs):  # a member's context would be full
+        if spec.space == "identity":
+            need_B = jnp.ones_like(event_B)
+        else:
+            need_B = tables.tokens[i][1][event_B]
+            end_B = end_B | (need_B < 0)  # unreadable: the host raises as reencode does
+        end_B = end_B | (state.caches[i]["next_pos"] + need_B >= cfg.max_seq_len)
+    reading_B = live_B & ~end_B
+    caches, logits = [], []
+    for i in range(len(spec.cfgs)):
+        l, c = _read_event(spec, i, params[i], state.caches[i], state.logits[i], event_B,
+                           reading_B, tables, reads[i])
+        caches.append(c)
+        logits.append(l)
+    new = DecodeState(tuple(caches), tuple(logits), state.step + 1, state.finished | end_B,
+                      n_events, state.key)
+    return new, jnp.where(live_B, event_B, -1), jnp.ones((len(spec.cfgs),), bool)
+
+
+def _mixture_step(spec: Spec, params, tables: Tables, state: DecodeState, reads):
+    """One step of mixture sampling in a shared vocabulary, as the host loop takes it.
+
+    Each sequence picks a member (``select_member`` with the step's member key;
+    one pick for the batch when ``spec.shared``); every member some live sequence
+    picked first reads all its pending events (lazy catch-up, every sequence at
+    once); the event is drawn from each sequence's member (mixture_exact: a
+    token of that member at temperature 1, with key ``fold_in(token key, i)``;
+    mixture_per_member: the sampler on its distribution); then every member
+    appends the event to its pending list.
+    """
+    n, B = len(spec.cfgs), state.finished.shape[0]
+    k_member, k_token = jax.random.split(jax.random.fold_in(state.key, state.step))
+    if spec.shared:
+        member_B = jnp.broadcast_to(select_member(k_member, tables.weights), (B,))
+    else:
+        member_B = select_member(k_member, jnp.broadcast_to(tables.weights, (B, n)))
+    live_B = ~state.finished
+    caches, logits, ran = list(state.caches), list(state.logits), []
+    pending, n_pending = list(state.pending), list(state.n_pending)
+    for i in range(n):
+        need = jnp.any(live_B & (member_B == i))
+        ran.append(need)
+
+        def catch_up(carry, i=i):
+            cache, logits_BxV, n_B = carry
+            cache, logits_BxV = _read_tokens(
+                spec.cfgs[i], spec.dtype, params[i], cache, logits_BxV,
+                lambda at_BxW: jnp.take_along_axis(
+                    pending[i], jnp.minimum(at_BxW, pending[i].shape[1] - 1), axis=1),
+                n_B, 2, reads[i])
+            return cache, logits_BxV, jnp.zeros_like(n_B)
+
+        caches[i], logits[i], n_pending[i] = jax.lax.cond(
+            need, catch_up, lambda c: c, (caches[i], logits[i], n_pending[i]))
+    if spec.mode == "mixture_exact":
+        event_B = jnp.zeros((B,), jnp.int32)
+        for i in range(n):
+            tok_B = _draw(jax.random.fold_in(k_token, i), logits[i], None, Sampler())
+            event_B = jnp.where(member_B == i, tok_B, event_B)
+    else:
+        logp_nxBxV = jnp.stack([jax.nn.log_softmax(l, axis=-1) for l in logits])
+        rows_BxV = jnp.take_along_axis(logp_nxBxV, member_B[None, :, None], axis=0)[0]
+        event_B = _draw(k_token, rows_BxV, None, spec.sampler)
+    n_events = state.n_events + live_B.astype(jnp.int32)
+    end_B = tables.eos[event_B] | (n_events >= spec.max_new_tokens)
+    for i, cfg in enumerate(spec.cfgs):
+        end_B = end_B | (caches[i]["next_pos"] + n_pending[i] + 1 >= cfg.max_seq_len)
+    keep_B = live_B & ~end_B
+    for i in range(n):  # every member appends the event to its pending list
+        at_B = jnp.minimum(n_pending[i], pending[i].shape[1] - 1)
+        row = jnp.arange(B)
+        pending[i] = pending[i].at[row, at_B].set(
+            jnp.where(keep_B, event_B, pending[i][row, at_B]))
+        n_pending[i] = n_pending[i] + keep_B.astype(jnp.int32)
+    new = DecodeState(tuple(caches), tuple(logits), state.step + 1, state.finished | end_B,
+                      n_events, state.key, tuple(pending), tuple(n_pending))
+    return new, jnp.where(live_B, event_B, -1), jnp.stack(ran)
+
+
+def _run_block(spec: Spec, params, tables, state, *, steps: int, reads: tuple, spans: tuple):
+    """Up to ``steps`` fused steps in one while loop (see :func:`run_block`)."""
+    B = state.finished.shape[0]
+
+    def room(state):
+        ok = jnp.bool_(True)
+        for i, span in enumerate(spans):
+            if spec.mode == "fuse":
+                need = spec.slots_per_step(i)
+            else:  # the next step may catch up on every pending event at once
+                need = _chunked(jnp.max(state.n_pending[i]))
+            cap = jnp.bool_(True) if spec.mode == "fuse" else (
+                jnp.max(state.n_pending[i]) < state.pending[i].shape[1])
+            ok = ok & (state.caches[i]["end"] + need <= span) & cap
+        return ok
+
+    def cond(carry):
+        state, _, _, k = carry
+        return (k < steps) & ~jnp.all(state.finished) & room(state)
+
+    def body(carry):
+        state, events_KxB, ran_KxN, k = carry
+        state, event_B, ran_N = fused_step(spec, params, tables, state, reads)
+        return state, events_KxB.at[k].set(event_B), ran_KxN.at[k].set(ran_N), k + 1
+
+    events_KxB = jnp.full((steps, B), -1, jnp.int32)
+    ran_KxN = jnp.zeros((steps, len(spec.cfgs)), bool)
+    state, events_KxB, ran_KxN, k = jax.lax.while_loop(
+        cond, body, (state, events_KxB, ran_KxN, jnp.int32(0)))
+    ends = jnp.stack([c["end"] for c in state.caches])
+    return state, events_KxB, ran_KxN, k, ends
+
+
+_run_block_jit = jax.jit(_run_block, static_argnames=("spec", "steps", "reads", "spans"),
+                         donate_argnames=("state",))
+
+
+def run_block(spec: Spec, params: tuple, tables: Tables, state: DecodeState, *, steps: int,
+              reads: tuple, spans: tuple):
+    """Runs fused steps on the device until ``steps`` are done, every sequence has
+    finished, or a member's next read could pass its span.
+
+    Args:
+        spec, params, tables: as for :func:`fused_step`.
+        state: the decode state (donated: its caches are updated in place).
+        steps: the block's length (static).
+        reads: per member ``Reads`` or None (static; exact for the whole block).
+        spans: per member the slots its reads may fill up to (static; at most
+            the cache's allocation; reads' spans must cover them).
+
+    Returns:
+        (state, events_KxB int32 (-1: no event), ran_KxN bool (which members ran
+        a forward pass at each step), steps run (int32 []), each member's cache
+        fill (int32 [n])).
+    """
+    return _run_block_jit(spec, params, tables, state, steps=steps, reads=reads, spans=spans)
+
+
+def compiled_count() -> int:
+    """Programs :func:`run_block` has compiled (retrace checks)."""
+    return _run_block_jit._cache_size()
+
+
+def block_reads(cfg, end: int, slots: int, n_read, horizon: int):
+    """The ``(reads, span)`` of a member for a block that may write ``horizon`` more slots.
+
+    ``span`` is the slots the block may fill: the allocation, or where that is
+    at least twice what the block can reach, the power of two (at least
+    ``T.SMALLEST_SPAN``) that covers ``end + horizon``; the reads cover it, and
+    a local layer's window is widened by the padding the block may add.
+    """
+    reads = T.cache_reads(cfg, end + horizon, slots, n_read, horizon)
+    span = slots if reads is None or reads.span is None else reads.span
+    return reads, span
+
+
+__all__ = ["CHUNK", "DecodeState", "Spec", "Tables", "block_reads", "compiled_count",
+           "fused_step", "run_block"]
