@@ -31,6 +31,7 @@ from brf.fusion import pools as _pools  # noqa: F401  (registers the baselines)
 from brf.fusion import methods as M
 from brf.fusion.checks import (FusionInputError, check_inputs, check_shapes, is_concrete,
                                value_status)
+from brf.fusion.born import xla_sincos as born_xla_sincos, xla_sincos_on
 from brf.fusion.phase import check_offset
 
 # How often each method's jitted body has been traced (tests use it to prove
@@ -56,11 +57,15 @@ def _uniform(n: int, dtype) -> jax.Array:
     return jnp.full((n,), 1.0 / n, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("name", "static", "check"))
-def _fuse_jit(logits, weights, where, dynamic, *, name, static, check=False):
-    """The method as one program; with ``check`` also the inputs' value status."""
+@functools.partial(jax.jit, static_argnames=("name", "static", "check", "xla_sincos"))
+def _fuse_jit(logits, weights, where, dynamic, *, name, static, check=False, xla_sincos=False):
+    """The method as one program; with ``check`` also the inputs' value status.
+    ``xla_sincos``: the caller's :func:`brf.fusion.born.xla_sincos` mode (part of the
+    program's identity: a nested jit's trace is cached by its static arguments, not by
+    the context it was called in)."""
     TRACE_COUNTS[name] += 1
-    out, info = _apply(logits, weights, where, dynamic, name=name, static=static)
+    with born_xla_sincos(xla_sincos):
+        out, info = _apply(logits, weights, where, dynamic, name=name, static=static)
     if check:
         return out, info, value_status(logits, weights, where)
     return out, info
@@ -122,14 +127,15 @@ class Fuser:
         concrete = all(x is None or is_concrete(x) for x in (logits_XnV, weights, where))
         if validate and concrete:
             out, info, status = _fuse_jit(logits_XnV, weights, where, self._dynamic,
-                                          name=self.name, static=self._static, check=True)
+                                          name=self.name, static=self._static, check=True,
+                                          xla_sincos=xla_sincos_on())
             status = int(jax.device_get(status))  # 4 bytes, the only read-back
             if status:
                 check_inputs(logits_XnV, weights, where)  # raises, naming the first bad index
                 raise FusionInputError(f"bad input to {self.name!r} (status {status})")
         else:
             out, info = _fuse_jit(logits_XnV, weights, where, self._dynamic, name=self.name,
-                                  static=self._static)
+                                  static=self._static, xla_sincos=xla_sincos_on())
         return (out, info) if return_info else out
 
 

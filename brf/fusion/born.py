@@ -78,6 +78,11 @@ def xla_sincos(on: bool = True):
         _XLA_SINCOS.reset(token)
 
 
+def xla_sincos_on() -> bool:
+    """Whether :func:`sincos` now takes XLA's sin and cos (inside :func:`xla_sincos`)."""
+    return _XLA_SINCOS.get()
+
+
 def sincos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sin x, cos x): for float32, within 1.2e-7 of the exact values (about 2 ulp;
     tested for |x| <= 3000); float64 and non-float input, and any input traced inside
