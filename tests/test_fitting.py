@@ -8,6 +8,7 @@ from scipy import optimize
 
 from brf.eval import lbfgs
 from brf.event_table import EventTable
+from brf.eval.planted import two_members
 from brf.eval.fitting import FitSettings, Fitted, MethodSpec, evaluate, fit_method
 
 
@@ -18,19 +19,7 @@ def _log_softmax(x, axis=-1):
 
 def _table(P=1500, E=12, seed=0):
     """Two members, one sharp and one noisy; gold drawn from a third distribution."""
-    rng = np.random.default_rng(seed)
-    true = _log_softmax(rng.normal(size=(P, E)) * 1.5)
-    true[:, -1] = -np.inf  # gold is never the event member 1 lacks
-    true = _log_softmax(true)
-    gold = np.array([rng.choice(E, p=np.exp(r)) for r in true])
-    true[:, -1] = -8.0
-    a = _log_softmax(true * 2.0)
-    b = _log_softmax(true + rng.normal(size=(P, E)))
-    b[:, -1] = -np.inf  # an event member 1 cannot express
-    b = _log_softmax(b)
-    logp = np.stack([a, b], 1).astype(np.float32)
-    return EventTable(logp, gold, np.ones((P, 2), np.float32), np.ones(P, np.int64),
-                      np.arange(P) // 50)
+    return two_members(P, E, seed)
 
 
 def _loglinear_nll64(x, logp, gold):

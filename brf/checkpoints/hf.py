@@ -248,14 +248,21 @@ def _silu(hf: dict) -> None:
     _require(hf, "hidden_act", ("silu",), "silu")
 
 
+def _silu_llama_rope(hf: dict, common: dict, **layout) -> ModelConfig:
+    """A SiLU model with Llama's RoPE (what most families share); ``layout``: the
+    family's own ModelConfig fields (biases, norms, windows)."""
+    _silu(hf)
+    theta, scaling = _llama_rope(hf)
+    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
+                       **layout)
+
+
 def _llama_from_hf(hf: dict, common: dict) -> ModelConfig:
     """Llama (and SmolLM2): no biases, SiLU, global attention."""
     _require(hf, "attention_bias", (False,), False)
     _require(hf, "mlp_bias", (False,), False)
-    _silu(hf)
-    theta, scaling = _llama_rope(hf)
-    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
-                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu")
+    return _silu_llama_rope(hf, common)
 
 
 def _windowed(common: dict, window) -> dict:
@@ -267,11 +274,7 @@ def _windowed(common: dict, window) -> dict:
 
 def _mistral_from_hf(hf: dict, common: dict) -> ModelConfig:
     """Mistral: Llama's layers, a sliding window on every layer where sliding_window is set."""
-    _silu(hf)
-    theta, scaling = _llama_rope(hf)
-    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
-                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
-                       **_windowed(common, hf.get("sliding_window")))
+    return _silu_llama_rope(hf, common, **_windowed(common, hf.get("sliding_window")))
 
 
 def _qwen_windows(hf: dict, common: dict) -> dict:
@@ -290,31 +293,19 @@ def _qwen_windows(hf: dict, common: dict) -> dict:
 
 def _qwen2_from_hf(hf: dict, common: dict) -> ModelConfig:
     """Qwen2 / Qwen2.5: biases on q, k, v."""
-    _silu(hf)
-    theta, scaling = _llama_rope(hf)
-    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
-                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
-                       attn_bias=True, **_qwen_windows(hf, common))
+    return _silu_llama_rope(hf, common, attn_bias=True, **_qwen_windows(hf, common))
 
 
 def _qwen3_from_hf(hf: dict, common: dict) -> ModelConfig:
     """Qwen3 (dense): per-head q/k norms; attention_bias would add an o bias too: refused."""
     _require(hf, "attention_bias", (False,), False)
-    _silu(hf)
-    theta, scaling = _llama_rope(hf)
-    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
-                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
-                       qk_norm="head", **_qwen_windows(hf, common))
+    return _silu_llama_rope(hf, common, qk_norm="head", **_qwen_windows(hf, common))
 
 
 def _phi3_from_hf(hf: dict, common: dict) -> ModelConfig:
     """Phi-3 / Phi-4: fused projections (split by the table), a sliding window where set."""
     _require(hf, "attention_bias", (False,), False)
-    _silu(hf)
-    theta, scaling = _llama_rope(hf)
-    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
-                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
-                       **_windowed(common, hf.get("sliding_window")))
+    return _silu_llama_rope(hf, common, **_windowed(common, hf.get("sliding_window")))
 
 
 def _gelu_tanh(hf: dict) -> None:
@@ -400,11 +391,7 @@ def _gemma3_rope(hf: dict):
 def _olmo2_from_hf(hf: dict, common: dict) -> ModelConfig:
     """OLMo 2: norms after attention and the MLP only, q/k norms over all features."""
     _require(hf, "attention_bias", (False,), False)
-    _silu(hf)
-    theta, scaling = _llama_rope(hf)
-    return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
-                       tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
-                       norm_placement="post", qk_norm="full")
+    return _silu_llama_rope(hf, common, norm_placement="post", qk_norm="full")
 
 
 FAMILIES: dict[str, Family] = {

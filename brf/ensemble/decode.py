@@ -378,6 +378,20 @@ class _Step(NamedTuple):
     events: Any                         # the step's event list (None: the space's own)
 
 
+def _begin(job: _Job, results: list[Generation] | None):
+    """(the generations, their text streams, the members' decoding states) a job
+    starts from; ``results`` (when given) is filled with the generations."""
+    gens = [Generation(prompt=p, members_run=[0] * len(job.members)) for p in job.prompts]
+    if results is not None:
+        results[:] = gens
+    streams = [TextStream(job.stop) for _ in job.prompts]
+    # Room for the prompt bucket plus twice the expected tokens (catch-up padding).
+    states = [catchup.start(m, ids, dtype=job.dtype,
+                            slots=catchup.bucket(max(map(len, ids)), 8) + 2 * job.max_new_tokens)
+              for m, ids in zip(job.members, job.prompt_ids)]
+    return gens, streams, states
+
+
 def _run(job: _Job, results: list[Generation] | None) -> Iterator[Piece]:
     members, B, n = job.members, len(job.prompts), len(job.members)
     gather = _gatherer(members)
@@ -386,14 +400,7 @@ def _run(job: _Job, results: list[Generation] | None) -> Iterator[Piece]:
         # Softmax-bottleneck fusion reads every member's output head where it runs.
         method_params = dict(method_params,
                              unembeddings=[gather(u) for u in method_params["unembeddings"]])
-    gens = [Generation(prompt=p, members_run=[0] * n) for p in job.prompts]
-    if results is not None:
-        results[:] = gens
-    streams = [TextStream(job.stop) for _ in range(B)]
-    # Room for the prompt bucket plus twice the expected tokens (catch-up padding).
-    states = [catchup.start(m, ids, dtype=job.dtype,
-                            slots=catchup.bucket(max(map(len, ids)), 8) + 2 * job.max_new_tokens)
-              for m, ids in zip(members, job.prompt_ids)]
+    gens, streams, states = _begin(job, results)
     done = [False] * B
     w_dev = jnp.asarray(job.weights, jnp.float32)
     base = jax.random.PRNGKey(job.seed)
@@ -477,13 +484,7 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
     from brf.ensemble import step as dstep
     from brf.models import cache as model_cache
     members, B, n = job.members, len(job.prompts), len(job.members)
-    gens = [Generation(prompt=p, members_run=[0] * n) for p in job.prompts]
-    if results is not None:
-        results[:] = gens
-    streams = [TextStream(job.stop) for _ in range(B)]
-    states = [catchup.start(m, ids, dtype=job.dtype,
-                            slots=catchup.bucket(max(map(len, ids)), 8) + 2 * job.max_new_tokens)
-              for m, ids in zip(members, job.prompt_ids)]
+    gens, streams, states = _begin(job, results)
     spec, tables, tokens = _device_plan(job)
     params = tuple(m.params for m in members)
     mixture = job.mode != "fuse"

@@ -1,0 +1,105 @@
+r"""Do the fits repeat? Calibrated rows refitted under perturbations of the last bits.
+
+Each row (a method spec, calibrated variant) is fitted on one table with the study's
+fitter (``brf.eval.fitting.fit_method``) once as is and once under each perturbation
+of ``--perturb`` (positions summed in another order, the table moved by float32 ulps,
+Born's sin and cos from XLA: ``brf.eval.fitting.PERTURBATIONS``), for each number of
+starts in ``--starts``. It prints each fit's calibration NLL, the spread of a row's
+fits (the largest minus the smallest: the goal is at most ``FIT_TOLERANCE``, 1e-4
+nats) and the seconds a fit took, as Markdown.
+
+Tables: ``hamlet_bytes``, the committed real byte-level rows
+(tests/data/byte_table_hamlet.npz: SmolLM2-135M-Instruct and Gemma 3 270M on 1,200
+bytes of Hamlet, 257 events); ``planted``, the tests' two-member table
+(``brf.eval.planted.two_members``: 1,500 positions, 12 events, a sharp and a noisy
+member).
+
+  python experiments/bench_fit_repeat.py
+  python experiments/bench_fit_repeat.py --table=planted --starts=12,40 --rows=born_token_tanh
+"""
+
+import os
+import platform
+import time
+
+from absl import flags
+import numpy as np
+
+from brf import cli
+from brf.benchmark import markdown_table
+from brf.errors import UserError
+from brf.eval.planted import log_softmax, two_members
+from brf.eval.fitting import FIT_TOLERANCE, PERTURBATIONS, FitSettings, MethodSpec, fit_method
+from brf.event_table import EventTable
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("table", "hamlet_bytes", ["hamlet_bytes", "planted"], "the table fitted")
+flags.DEFINE_list("rows", ["born_token_tanh", "born_tanh", "loglinear", "routing"],
+                  "rows to fit (names of ROWS)")
+flags.DEFINE_list("perturb", ["order", "ulp", "sincos", "order+ulp+sincos"],
+                  "perturbations, each refitted beside the unperturbed fit")
+flags.DEFINE_list("starts", ["12"], "numbers of starts per grid point to try")
+
+_BORN = {"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]}
+ROWS = {
+    "born_token_tanh": MethodSpec("born token_tanh", "born", fit=_BORN, phase="token_tanh"),
+    "born_tanh": MethodSpec("born tanh", "born", fit=_BORN, phase="tanh"),
+    "loglinear": MethodSpec("loglinear", "loglinear", fit={"temperature": 1.0}),
+    "routing": MethodSpec("routing", "routing", grid={"criterion": ["max_prob", "gap"]},
+                          fit_weights=False),
+}
+HAMLET = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "byte_table_hamlet.npz")
+
+
+def hamlet_table() -> EventTable:
+    d = np.load(HAMLET)
+    lp = log_softmax(d["logp"].astype(np.float64)).astype(np.float32)
+    return EventTable(lp, d["gold"].astype(np.int64), d["gap"],
+                      d["gold_bytes"].astype(np.int64), d["segment"].astype(np.int64))
+
+
+def main(argv):
+    del argv
+    unknown = [r for r in FLAGS.rows if r not in ROWS]
+    if unknown:
+        raise UserError(f"--rows: unknown row {unknown[0]!r} (known: {', '.join(ROWS)})")
+    for p in FLAGS.perturb:
+        bad = [k for k in p.split("+") if k not in PERTURBATIONS]
+        if bad:
+            raise UserError(f"--perturb: unknown perturbation {bad[0]!r} "
+                            f"(known: {', '.join(PERTURBATIONS)})")
+    try:
+        starts = [int(s) for s in FLAGS.starts]
+    except ValueError:
+        raise UserError(f"--starts: integers, got {','.join(FLAGS.starts)!r}") from None
+    if any(s < 1 for s in starts):
+        raise UserError("--starts: each at least 1")
+    table = two_members() if FLAGS.table == "planted" else hamlet_table()
+    print(f"{FLAGS.table}: {' x '.join(map(str, table.logp.shape))} positions x members x "
+          f"events; {platform.node()}, {os.cpu_count()} CPUs, load "
+          f"{os.getloadavg()[0]:.1f}\n")
+    perturbs = [""] + list(FLAGS.perturb)
+    rows = []
+    for name in FLAGS.rows:
+        spec = ROWS[name].in_variant("calibrated")
+        for n in starts:
+            nlls, secs = [], []
+            for p in perturbs:
+                t0 = time.perf_counter()
+                f = fit_method(spec, table, settings=FitSettings(starts=n, perturb=p))
+                secs.append(time.perf_counter() - t0)
+                nlls.append(f.calib_nll)
+            spread = max(nlls) - min(nlls)
+            rows.append([spec.label, n] + [f"{v:.6f}" for v in nlls]
+                        + [f"{spread:.1e}", "yes" if spread <= FIT_TOLERANCE else "no",
+                           f"{np.median(secs):.1f}"])
+            print(markdown_table(["row", "starts"] + [p or "as is" for p in perturbs]
+                                 + ["spread", "<= 1e-4", "s per fit (median)"], rows[-1:]),
+                  flush=True)
+    print()
+    print(markdown_table(["row", "starts"] + [p or "as is" for p in perturbs]
+                         + ["spread", "<= 1e-4", "s per fit (median)"], rows))
+
+
+if __name__ == "__main__":
+    cli.run(main)
