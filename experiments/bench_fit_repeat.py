@@ -79,6 +79,8 @@ def main(argv):
           f"events; {platform.node()}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}\n")
     perturbs = [""] + list(FLAGS.perturb)
+    header = (["row", "starts"] + [p or "as is" for p in perturbs]
+              + ["spread", "<= 1e-4", "s per fit (median)"])
     rows = []
     for name in FLAGS.rows:
         spec = ROWS[name].in_variant("calibrated")
@@ -93,12 +95,9 @@ def main(argv):
             rows.append([spec.label, n] + [f"{v:.6f}" for v in nlls]
                         + [f"{spread:.1e}", "yes" if spread <= FIT_TOLERANCE else "no",
                            f"{np.median(secs):.1f}"])
-            print(markdown_table(["row", "starts"] + [p or "as is" for p in perturbs]
-                                 + ["spread", "<= 1e-4", "s per fit (median)"], rows[-1:]),
-                  flush=True)
+            print(markdown_table(header, rows[-1:]), flush=True)  # progress, row by row
     print()
-    print(markdown_table(["row", "starts"] + [p or "as is" for p in perturbs]
-                         + ["spread", "<= 1e-4", "s per fit (median)"], rows))
+    print(markdown_table(header, rows))
 
 
 if __name__ == "__main__":

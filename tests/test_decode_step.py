@@ -11,11 +11,9 @@ import pytest
 from brf.ensemble import generate
 from brf.ensemble import step as dstep
 
-from tiny_lm import tiny_member, tiny_pair, tiny_tokenizer
+from tiny_lm import tiny_cross_pair, tiny_pair, tiny_tokenizer
 
 PROMPTS = ["the cat sat", "in a hat"]
-OTHER_MERGES = (("a", "b"), ("Ġ", "c"), ("Ġc", "at"), ("a", "t"), ("t", "h"), ("th", "e"),
-                ("Ġ", "the"), ("Ġ", "th"), ("Ã", "©"), ("c", "a"), ("ca", "f"))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +28,7 @@ def pair(tok):
 
 @pytest.fixture(scope="module")
 def cross_pair(tok):
-    return [tiny_member(0, tok, name="a"), tiny_member(1, tiny_tokenizer(OTHER_MERGES), name="b")]
+    return tiny_cross_pair(tok)
 
 
 def _same(a, b):

@@ -22,7 +22,7 @@ from brf.ensemble import EnsembleInputError, Member, catchup, generate, stream
 from brf.text import TextStream, utf8_prefix
 from brf.models import forward
 
-from tiny_lm import prompt_ensemble, tiny_member, tiny_pair, tiny_tokenizer
+from tiny_lm import prompt_ensemble, tiny_cross_pair, tiny_member, tiny_pair, tiny_tokenizer
 
 PROMPTS = ["the cat sat", "in a hat"]
 
@@ -359,14 +359,11 @@ def test_prompt_ensemble_members_condition_differently(prompt_pair):
 
 # ------------------------------------------------------------ cross-vocabulary
 
-OTHER_MERGES = (("a", "b"), ("Ġ", "c"), ("Ġc", "at"), ("a", "t"), ("t", "h"), ("th", "e"),
-                ("Ġ", "the"), ("Ġ", "th"), ("Ã", "©"), ("c", "a"), ("ca", "f"))
-
 
 @pytest.fixture(scope="module")
 def cross_pair(tok):
     """Two random models with different byte-level BPE vocabularies."""
-    return [tiny_member(0, tok, name="a"), tiny_member(1, tiny_tokenizer(OTHER_MERGES), name="b")]
+    return tiny_cross_pair(tok)
 
 
 def _member_refs(members, g, prompt):

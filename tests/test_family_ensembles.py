@@ -37,11 +37,9 @@ from brf.ensemble.run import load_members  # noqa: E402
 from brf.models import cast_params  # noqa: E402
 from test_ensemble import _check_round_trip, _member_refs, close_logp  # noqa: E402
 from test_family_tokenizers import trained_bpe  # noqa: E402
-from tiny_lm import tiny_tokenizer  # noqa: E402
+from tiny_lm import OTHER_MERGES, tiny_tokenizer  # noqa: E402
 
 PROMPTS = ["the cat sat"]
-OTHER_MERGES = (("a", "b"), ("Ġ", "c"), ("Ġc", "at"), ("a", "t"), ("t", "h"), ("th", "e"),
-                ("Ġ", "the"), ("Ġ", "th"), ("Ã", "©"), ("c", "a"), ("ca", "f"))
 SMALL = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=2, max_position_embeddings=128)
 

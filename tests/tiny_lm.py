@@ -69,6 +69,19 @@ def tiny_pair(tokenizer) -> list[Member]:
     return [tiny_member(0, tokenizer, name="a"), tiny_member(1, tokenizer, name="b")]
 
 
+# Another byte-level BPE vocabulary over the same text ("the cat sat"...): the second
+# member of a cross-vocabulary pair.
+OTHER_MERGES = (("a", "b"), ("Ġ", "c"), ("Ġc", "at"), ("a", "t"), ("t", "h"), ("th", "e"),
+                ("Ġ", "the"), ("Ġ", "th"), ("Ã", "©"), ("c", "a"), ("ca", "f"))
+
+
+def tiny_cross_pair(tokenizer) -> list[Member]:
+    """Two different random models with different byte-level BPE vocabularies ('a' on
+    ``tokenizer``, 'b' on :data:`OTHER_MERGES`)."""
+    return [tiny_member(0, tokenizer, name="a"),
+            tiny_member(1, tiny_tokenizer(OTHER_MERGES), name="b")]
+
+
 def prompt_ensemble(member: Member) -> list[Member]:
     """One model under two conditioning prefixes (a prompt ensemble: one group)."""
     return [dataclasses.replace(member, name="plain", prefix="the "),
