@@ -68,6 +68,36 @@ def extended_only(what: str) -> None:
         pytest.skip(f"extended case ({what}); set BRF_EXTENDED_TESTS=1 to run it")
 
 
+# Tiny random members (tests/tiny_lm.py) that several test modules share, built once
+# per module that asks for them (imported when asked: most modules never do).
+@pytest.fixture(scope="module")
+def tok():
+    """A tiny byte-level BPE tokenizer."""
+    from tiny_lm import tiny_tokenizer
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def pair(tok):
+    """Two different random models sharing one tokenizer."""
+    from tiny_lm import tiny_pair
+    return tiny_pair(tok)
+
+
+@pytest.fixture(scope="module")
+def cross_pair(tok):
+    """Two random models with different byte-level BPE vocabularies."""
+    from tiny_lm import tiny_cross_pair
+    return tiny_cross_pair(tok)
+
+
+@pytest.fixture(scope="module")
+def prompt_pair(pair):
+    """One model under two conditioning prefixes (a prompt ensemble: one group)."""
+    from tiny_lm import prompt_ensemble
+    return prompt_ensemble(pair[0])
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _return_freed_memory():
     """After each test module, hands the memory its tests freed back to the system.

@@ -11,24 +11,7 @@ import pytest
 from brf.ensemble import generate
 from brf.ensemble import step as dstep
 
-from tiny_lm import tiny_cross_pair, tiny_pair, tiny_tokenizer
-
 PROMPTS = ["the cat sat", "in a hat"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pair(tok):
-    return tiny_pair(tok)
-
-
-@pytest.fixture(scope="module")
-def cross_pair(tok):
-    return tiny_cross_pair(tok)
 
 
 def _same(a, b):

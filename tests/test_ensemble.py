@@ -22,26 +22,9 @@ from brf.ensemble import EnsembleInputError, Member, catchup, generate, stream
 from brf.text import TextStream, utf8_prefix
 from brf.models import forward
 
-from tiny_lm import prompt_ensemble, tiny_cross_pair, tiny_member, tiny_pair, tiny_tokenizer
+from tiny_lm import tiny_member, tiny_tokenizer
 
 PROMPTS = ["the cat sat", "in a hat"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pair(tok):
-    """Two different random models sharing one tokenizer."""
-    return tiny_pair(tok)
-
-
-@pytest.fixture(scope="module")
-def prompt_pair(pair):
-    """One model under two conditioning prefixes (a prompt ensemble)."""
-    return prompt_ensemble(pair[0])
 
 
 REF_LEN = 64  # references run at one padded length: one compilation per config
@@ -358,12 +341,6 @@ def test_prompt_ensemble_members_condition_differently(prompt_pair):
 
 
 # ------------------------------------------------------------ cross-vocabulary
-
-
-@pytest.fixture(scope="module")
-def cross_pair(tok):
-    """Two random models with different byte-level BPE vocabularies."""
-    return tiny_cross_pair(tok)
 
 
 def _member_refs(members, g, prompt):

@@ -29,27 +29,10 @@ from brf.ensemble.speculative import generate_speculative, read_all, rollback
 from brf.fusion import speculative as rule
 from brf.models import forward
 
-from tiny_lm import prompt_ensemble, tiny_member, tiny_pair, tiny_tokenizer
+from tiny_lm import tiny_member, tiny_tokenizer
 
 PROMPTS = ["the cat sat", "in a hat"]
 N_DRAWS = 4000
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pair(tok):
-    """Two different random models sharing one tokenizer."""
-    return tiny_pair(tok)
-
-
-@pytest.fixture(scope="module")
-def prompt_pair(pair):
-    """One model under two conditioning prefixes (a prompt ensemble: one group)."""
-    return prompt_ensemble(pair[0])
 
 
 # ----------------------------------------------------------------------------- the rule
