@@ -30,7 +30,7 @@ from brf.fusion import controls as _controls  # noqa: F401  (registers the contr
 from brf.fusion import pools as _pools  # noqa: F401  (registers the baselines)
 from brf.fusion import methods as M
 from brf.fusion.checks import (FusionInputError, check_inputs, check_shapes, is_concrete,
-                               value_status)
+                               uniform_weights, value_status)
 from brf.fusion.born import xla_sincos as born_xla_sincos, xla_sincos_on
 from brf.fusion.phase import check_offset
 
@@ -45,8 +45,7 @@ def _apply(logits, weights, where, dynamic, *, name, static):
     if where is not None:
         logits = jnp.where(where, logits, -jnp.inf)
     if weights is None:
-        n = logits.shape[-2]
-        weights = jnp.full((n,), 1.0 / n, logits.dtype)
+        weights = uniform_weights(logits.shape[-2], logits.dtype)
     return method.fn(logits, weights, **M.join_params(static, dynamic))
 
 
@@ -54,7 +53,7 @@ def _apply(logits, weights, where, dynamic, *, name, static):
 def _uniform(n: int, dtype) -> jax.Array:
     """Uniform weights for n members, made once: calls with and without weights
     then share one compiled program."""
-    return jnp.full((n,), 1.0 / n, dtype)
+    return uniform_weights(n, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("name", "static", "check", "xla_sincos"))

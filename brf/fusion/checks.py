@@ -175,6 +175,6 @@ def value_status(logits, weights=None, where=None):
     return jnp.asarray(status, jnp.int32)
 
 
-def uniform_weights(logits_shape, dtype):
-    n = logits_shape[-2]
+def uniform_weights(n: int, dtype):
+    """Uniform weights for n members, [n]."""
     return jnp.full((n,), 1.0 / n, dtype=dtype)
