@@ -14,8 +14,16 @@ bytes of Hamlet, 257 events); ``planted``, the tests' two-member table
 (``brf.eval.planted.two_members``: 1,500 positions, 12 events, a sharp and a noisy
 member).
 
+With ``--study=CORPUS/ANALYSIS`` (e.g. ``hamlet/swarm``) it refits instead one analysis
+of the study (configs/validate.py, token level) as the study fits it: its calibration
+table from the study's score stores under ``--study_out`` (scored first where README's
+main command has not run), every calibrated row whose label contains one of
+``--study_rows`` (all by default) through both passes of
+``brf.eval.analysis.fit_specs``, as is and under each perturbation.
+
   python experiments/bench_fit_repeat.py
   python experiments/bench_fit_repeat.py --table=planted --starts=12,40 --rows=born_token_tanh
+  python experiments/bench_fit_repeat.py --study=hamlet/swarm --study_rows=born,pool --perturb=order+ulp+sincos
 """
 
 import os
@@ -39,6 +47,12 @@ flags.DEFINE_list("rows", ["born_token_tanh", "born_tanh", "loglinear", "routing
 flags.DEFINE_list("perturb", ["order", "ulp", "sincos", "order+ulp+sincos"],
                   "perturbations, each refitted beside the unperturbed fit")
 flags.DEFINE_list("starts", ["12"], "numbers of starts per grid point to try")
+flags.DEFINE_string("study", None, "CORPUS/ANALYSIS of the study to refit (e.g. hamlet/swarm) "
+                    "instead of --table")
+flags.DEFINE_string("study_out", "runs/validate", "the study's output directory (its score "
+                    "stores)")
+flags.DEFINE_list("study_rows", [], "with --study: fit the calibrated rows whose label "
+                  "contains one of these (default: every row)")
 
 _BORN = {"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]}
 ROWS = {
@@ -58,6 +72,60 @@ def hamlet_table() -> EventTable:
                       d["gold_bytes"].astype(np.int64), d["segment"].astype(np.int64))
 
 
+def study_table(which: str):
+    """(the calibration table of the study's analysis ``which``, 'corpus/kind', and the
+    study's plan)."""
+    import importlib.util
+    from brf.eval import plan as plan_lib, study
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "validate.py")
+    spec = importlib.util.spec_from_file_location("validate_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    cfg.out_dir = FLAGS.study_out
+    plan = plan_lib.from_config(cfg)
+    for _, _, table, nseg in study.study_tables(
+            plan, which=lambda corpus, a: f"{corpus}/{a.kind}" == which):
+        return plan_lib.split(plan.scoring, table, nseg)[0], plan
+    raise UserError(f"--study={which!r}: no such analysis at the token level (corpus/kind, "
+                    f"e.g. hamlet/swarm)")
+
+
+def refit_study(perturbs: list[str]) -> None:
+    """--study: the analysis's calibrated rows fitted as the study fits them."""
+    import dataclasses
+    from brf.eval.analysis import fit_specs
+    table, plan = study_table(FLAGS.study)
+    n = table.logp.shape[1]
+    specs = [s for s in plan.method_specs(n, ("calibrated",) if n > 2 else plan.variants)
+             if s.variant == "calibrated" and s.role != "member"
+             and (not FLAGS.study_rows or any(r in s.label for r in FLAGS.study_rows))]
+    if not specs:
+        raise UserError(f"--study_rows: no calibrated row of {FLAGS.study} contains any of "
+                        f"{FLAGS.study_rows}")
+    print(f"{FLAGS.study}: {' x '.join(map(str, table.logp.shape))} positions x members x "
+          f"events, {len(specs)} rows; {platform.node()}, {os.cpu_count()} CPUs, load "
+          f"{os.getloadavg()[0]:.1f}\n", flush=True)
+    nll, secs = {}, []
+    for p in perturbs:
+        t0 = time.perf_counter()
+        fits = fit_specs(specs, table, dataclasses.replace(plan.fit, perturb=p),
+                         desc=p or "as is")
+        secs.append(time.perf_counter() - t0)
+        for f in fits:
+            nll.setdefault(f.label, []).append(f.calib_nll)
+    header = ["row"] + [p or "as is" for p in perturbs] + ["spread", "<= 1e-4"]
+    rows = []
+    for label, v in sorted(nll.items(), key=lambda kv: kv[1][0]):
+        spread = max(v) - min(v)
+        rows.append([label] + [f"{x:.6f}" for x in v]
+                    + [f"{spread:.1e}", "yes" if spread <= FIT_TOLERANCE else "no"])
+    print()
+    print(markdown_table(header, rows))
+    print("\nseconds, both passes: " + ", ".join(
+        f"{p or 'as is'} {s:.0f}" for p, s in zip(perturbs, secs)))
+
+
 def main(argv):
     del argv
     unknown = [r for r in FLAGS.rows if r not in ROWS]
@@ -74,6 +142,8 @@ def main(argv):
         raise UserError(f"--starts: integers, got {','.join(FLAGS.starts)!r}") from None
     if any(s < 1 for s in starts):
         raise UserError("--starts: each at least 1")
+    if FLAGS.study:
+        return refit_study([""] + list(FLAGS.perturb))
     table = two_members() if FLAGS.table == "planted" else hamlet_table()
     print(f"{FLAGS.table}: {' x '.join(map(str, table.logp.shape))} positions x members x "
           f"events; {platform.node()}, {os.cpu_count()} CPUs, load "

@@ -472,3 +472,29 @@ def test_sincos_is_float32_accurate_and_differentiates_to_itself():
         np.testing.assert_allclose(np.asarray(c64), np.cos(x64), rtol=0, atol=1e-15)
     bad = sincos(jnp.array([np.inf, -np.inf, np.nan], jnp.float32))
     assert np.isnan(np.asarray(bad)).all()
+
+
+@pytest.mark.parametrize("source,params,target,tol", [
+    ("constant", {"offset": [0.1, 0.5, -1.0]}, "tanh", 1e-6),
+    ("constant", {"offset": [0.1, 0.5, -1.0]}, "sigmoid", 1e-6),
+    ("constant", {"offset": [0.1, 0.5, -1.0]}, "token_log1p", 1e-6),
+    ("tanh", {"scale": 0.7, "rate": 1.3, "offset": [0.1, 0.5, -1.0]}, "sigmoid", 1e-5),
+    ("linear", {"scale": 0.3, "offset": [0.1, 0.5, -1.0]}, "tanh", 0.011),
+    ("linear", {"scale": 0.3, "offset": [0.1, 0.5, -1.0]}, "arctan", 0.011),
+    ("linear", {"scale": 0.3, "offset": [0.1, 0.5, -1.0]}, "sigmoid", 0.011),
+    ("token_linear", {"scale": 0.2}, "token_tanh", 0.011),
+])
+def test_a_phase_map_embeds_in_a_family_that_contains_it(source, params, target, tol):
+    """brf.fusion.phase.embed: the target map under the returned parameters gives the
+    source's phases up to one shift shared by every member (which Born fusion cannot
+    see), on gaps 0..10, exactly or within the linear part's error; maps that do not
+    contain the source give None."""
+    from brf.fusion.phase import embed
+    x = jnp.broadcast_to(jnp.linspace(0.0, 10.0, 101), (3, 101))
+    q = embed(source, params, target)
+    a = np.asarray(phase_map(source, **params)(x, member_axis=0), np.float64)
+    b = np.asarray(phase_map(target, **q)(x, member_axis=0), np.float64)
+    d = (a - b) - (a - b)[0, 0]
+    assert np.max(np.abs(d)) <= tol
+    assert embed("tanh", {}, "arctan") is None
+    assert embed("linear", {}, "token_tanh") is None

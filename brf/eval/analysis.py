@@ -29,6 +29,7 @@ from brf.eval.fitting import (FIT_TOLERANCE, NLL_CAP, FitSettings, Fitted, Metho
                               fit_method, precompile)
 from brf.eval.plan import Plan, SweepCurve, split
 from brf.fusion import PHASE_MAPS, phase_map
+from brf.fusion import phase as phase_lib
 
 
 # Rows chosen on calibration NLL (BRF's best row, its rival, the per-token row the
@@ -396,7 +397,7 @@ def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSetti
 # How many of the table's best calibrated first-pass fits start each calibrated row
 # in the second pass; the pass's version (a cached fit of another version is refitted).
 POOL_STARTS = 4
-_POOLED = 1
+_POOLED = 2
 
 
 def first_pass(f: Fitted) -> Fitted:
@@ -424,6 +425,8 @@ def _pooled_pass(specs: Sequence[MethodSpec], fits: list[Fitted], calib: EventTa
                   disable=not todo):
         f = first_pass(fits[i])
         others = [g for g in pool if g.label != f.label][:POOL_STARTS]
+        others += [g for g in (_nested_start(specs[i], h) for h in pool
+                               if h.label != f.label) if g is not None]
         g = fit_spec(specs[i], calib, again, warm=f, starts=others)
         keep = g if g.calib_nll < f.calib_nll else fits[i]
         out[i] = dataclasses.replace(keep, info={
@@ -433,6 +436,25 @@ def _pooled_pass(specs: Sequence[MethodSpec], fits: list[Fitted], calib: EventTa
         if cache is not None:
             cache.put(specs[i], out[i])
     return out
+
+
+def _nested_start(spec: MethodSpec, fit: Fitted) -> Fitted | None:
+    """``fit`` (a born row's) as a start of the born row ``spec`` whose phase map
+    contains its map (:func:`brf.fusion.phase.embed`), its phase parameters
+    transcribed and its temperatures and weights kept; None for other pairs."""
+    source = fit.params.get("phase")
+    if (spec.method != "born" or fit.method != "born" or not spec.phase or not source
+            or source == spec.phase):
+        return None
+    given = {k[6:]: v for k, v in fit.params.items() if k.startswith("phase.")}
+    params = phase_lib.embed(source, given, spec.phase)
+    if params is None:
+        return None
+    shape = np.shape(spec.fit.get("phase.offset", spec.fixed.get("phase.offset", 0.0)))
+    params["offset"] = np.broadcast_to(np.asarray(params["offset"], np.float64), shape)
+    kept = {k: v for k, v in fit.params.items() if not k.startswith("phase")}
+    return dataclasses.replace(fit, params={**kept, "phase": spec.phase,
+                                            **{f"phase.{k}": v for k, v in params.items()}})
 
 
 def _schedule(specs: Sequence[MethodSpec]) -> tuple[list[int], list[int | None]]:

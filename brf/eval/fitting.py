@@ -325,13 +325,18 @@ FISHER_RIDGE = 1e-3
 class FitSettings:
     """How :func:`fit_method` optimises (multi-start L-BFGS on the mean calibration NLL).
 
-    A fit runs in three stages, each on more positions than the one before, each keeping
-    fewer candidates: every start (the spec's initial values, the warm fit's, and
-    ``starts`` random ones) is *screened* by ``screen_iter`` L-BFGS iterations on
-    ``screen_positions`` positions; the ``keep`` lowest distinct ends are fitted to
-    convergence on ``subsample`` positions; the ``polish`` lowest distinct ends of those
-    are fitted to convergence on every position, and the lowest is the fit. A stage
-    whose positions would be more than half the table's runs on all of them.
+    A fit runs in up to three stages, each keeping fewer candidates: every start (the
+    spec's initial values, the warm fit's, and ``starts`` random ones) is *screened* by
+    ``screen_iter`` L-BFGS iterations on ``screen_positions`` positions; the ``keep``
+    lowest distinct ends are fitted to convergence on ``subsample`` positions; the
+    ``polish`` lowest distinct ends of those are fitted to convergence on every
+    position, and the lowest is the fit. A stage whose positions would be more than
+    half the table's (or 0) runs on all of them, and the middle stage is then skipped:
+    the default. Stages on sampled positions are cheaper but rank basins a few
+    thousandths of a nat apart by the sample's landscape, not the table's, and a refit
+    under other last bits then ends in another basin (on the study's four-member swarm,
+    a calibrated Born row spread by 0.003 nats with 512/1024 sampled positions, 6e-6
+    with every position; BENCHMARKS.md, "Do the fits repeat?").
 
     Attributes:
       max_iter: L-BFGS iterations per run (of the second and third stages).
@@ -343,8 +348,8 @@ class FitSettings:
       starts: random starts per grid point (besides the structured ones), drawn from a
         generator seeded by the spec alone, so a refit starts from the same points.
       screen_positions, screen_iter: the first stage's positions and iterations.
-      keep: candidates fitted to convergence on ``subsample`` positions.
-      subsample: the second stage's positions (0: every position).
+      keep: candidates fitted to convergence after the screen.
+      subsample: the middle stage's positions (0: no middle stage).
       polish: candidates polished on every position.
       calib_range: the calibrated variant's temperatures lie in
         [1/calib_range, calib_range] (0: unbounded; the calibrated objectives then
@@ -369,10 +374,10 @@ class FitSettings:
     history: int = 10
     max_step: float = 1.0
     starts: int = 12
-    screen_positions: int = 512
+    screen_positions: int = 0
     screen_iter: int = 25
-    keep: int = 4
-    subsample: int = 1024
+    keep: int = 3
+    subsample: int = 0
     polish: int = 2
     calib_range: float = 1000.0
     param_range: float = 1000.0
@@ -448,9 +453,9 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     local optima (the calibrated variant's temperatures and weights interact; phase
     offsets are periodic), minimised by L-BFGS (:mod:`brf.eval.lbfgs`; compass search,
     :mod:`brf.eval.compass`, for the :data:`PIECEWISE` methods) on a compiled float32
-    value and gradient, from many starts in three stages (:class:`FitSettings`): every
-    start at every grid point screened briefly on a few positions, the lowest distinct
-    ends fitted to convergence on more, the lowest of those polished on all positions.
+    value and gradient, from many starts in stages (:class:`FitSettings`): every start
+    at every grid point screened briefly, the lowest distinct ends fitted to
+    convergence, by default all on every position (sampled stages are an option).
     The starts are the spec's initial values, ``warm``'s and ``starts``' values of its
     parameters, and random points drawn by a generator seeded by the spec alone: a fit
     depends on its spec, its table and its warm start, never on the order of other fits,
@@ -499,6 +504,13 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
         info["starts"] = len(cands)
         stages = problem.stages(settings)
         runs = [_Run(j, x, math.nan, [], False, i) for i, (j, x) in enumerate(cands)]
+        if stages[0][0] is not full:
+            # every start's value on every position, so that a stage on a subsample never
+            # hands on a point worse than where its run began: a start in a basin of the
+            # whole table that the subsample does not share (a fit of a nested row, say)
+            # would otherwise be lost on the way
+            runs = [r._replace(value=problem.value(points[r.point], r.x, full)) for r in runs]
+            info["evaluations"] += len(runs)
         for s_i, (data, budget, keep) in enumerate(stages):
             last = s_i == len(stages) - 1
             out = []
@@ -513,6 +525,10 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
                     # few thousandths of a nat apart change places with the sample
                     value = problem.value(points[r.point], res.x, full)
                     info["evaluations"] += 1
+                    if math.isfinite(r.value) and not value <= r.value:
+                        # worse on every position than where it began: kept there
+                        out.append(r._replace(pairs=[]))
+                        continue
                 out.append(_Run(r.point, res.x, value, list(res.pairs), res.converged,
                                 r.order))
             runs = _lowest_distinct(out, keep)

@@ -242,6 +242,58 @@ def phase_map(spec: str | Mapping[str, Any] | PhaseMap, **overrides) -> PhaseMap
     return PhaseMap(name, out)
 
 
+# Where an embedded linear map sits on a saturating curve: rate * x stays below about
+# 0.1 for gaps up to 10 (tanh's cubic term is then 0.3% of its linear one), and the
+# scale that restores the slope (about 100x the linear map's) stays inside a fit's box.
+EMBED_RATE = 0.01
+
+
+def embed(source: str, params: Mapping[str, Any], target: str) -> dict[str, Any] | None:
+    """The parameters under which the map ``target`` gives the phases that ``source``
+    gives under ``params`` (exactly, or nearly where noted), or None where ``target``
+    does not contain ``source``.
+
+    The families nest: ``constant`` is every curve at scale 0 (of either kind); the
+    ``linear`` curve is a saturating one (``tanh``, ``arctan``, ``log1p``,
+    ``sigmoid``) in its linear part, at rate :data:`EMBED_RATE` (nearly: a relative
+    error of rate^2 x^2 / 3 for tanh); ``tanh`` is ``sigmoid`` exactly
+    (``s tanh(r x) = 2 s sigmoid(2 r x) - s``, the constant going to the offset).
+    Fits use it to start a map from the fit of a map it contains, so a larger family
+    never fits worse than one it contains.
+
+    Args:
+      source, target: phase-map names.
+      params: ``source``'s parameters (``offset`` and its curve's; missing ones take
+        their defaults).
+
+    Returns:
+      ``target``'s parameters (``offset`` and every curve parameter), or None.
+    """
+    src, dst = PHASE_MAPS.get(source), PHASE_MAPS.get(target)
+    given = {**src.defaults, "offset": 0.0, **params}
+    offset = given["offset"]
+    if source == target:
+        return {k: given[k] for k in (*dst.defaults, "offset")}
+    out = {**dst.defaults, "offset": offset}
+    if source == "constant":
+        return {**out, "scale": 0.0} if "scale" in dst.defaults else None
+    if src.kind != dst.kind:
+        return None
+    s_curve, d_curve = source.removeprefix("token_"), target.removeprefix("token_")
+    if s_curve == "linear" and d_curve in ("tanh", "arctan", "log1p", "sigmoid"):
+        slope, r = float(given["scale"]), EMBED_RATE
+        gain = {"tanh": 1.0, "log1p": 1.0, "arctan": math.pi / 2.0, "sigmoid": 4.0}[d_curve]
+        out.update(rate=r, scale=gain * slope / r)
+        if d_curve == "sigmoid":
+            out.update(center=0.0, offset=np.asarray(offset) - 0.5 * out["scale"])
+        return out
+    if s_curve == "tanh" and d_curve == "sigmoid":
+        scale, rate = float(given["scale"]), float(given["rate"])
+        return {**out, "scale": 2.0 * scale, "rate": 2.0 * rate, "center": 0.0,
+                "offset": np.asarray(offset) - scale}
+    return None
+
+
 def check_offset(pm: PhaseMap, n_members: int) -> None:
     shape = jnp.shape(pm.params["offset"])
     if shape not in ((), (n_members,)):
