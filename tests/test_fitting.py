@@ -311,14 +311,17 @@ def test_a_calibrated_born_row_repeats_under_a_perturbation_of_the_last_bits():
     member x fused temperature and along tanh's scale x rate, and several basins) ends
     within FIT_TOLERANCE of its unperturbed fit. With its starts screened on 512 sampled
     positions it did not (1.714944, and 1.714119 under the perturbation): the sample
-    ranked the basins its own way."""
+    ranked the basins its own way. Screened on every position (not the default yet:
+    on the tests' short study it moved its cross-term verdict under the stability
+    check), it does."""
     from brf.eval.fitting import FIT_TOLERANCE
     t = _table()
     spec = MethodSpec("b", "born", fit={"phase.scale": 1.5, "phase.rate": 0.5,
                                         "phase.offset": [0.0, 0.5]},
                       phase="token_tanh", variant="calibrated")
-    a = fit_method(spec, t)
-    b = fit_method(spec, t, settings=FitSettings(perturb=_PERTURBED))
+    every = FitSettings(screen_positions=0, subsample=0)
+    a = fit_method(spec, t, settings=every)
+    b = fit_method(spec, t, settings=dataclasses.replace(every, perturb=_PERTURBED))
     assert abs(a.calib_nll - b.calib_nll) <= FIT_TOLERANCE
 
 
@@ -338,7 +341,10 @@ def test_a_born_row_starts_where_the_fit_of_a_map_it_contains_ended(source, targ
               "token_log1p": {"phase.scale": 1.0, "phase.rate": 1.0}}
     spec = lambda m: MethodSpec(f"born {m}", "born", phase=m, variant="calibrated",  # noqa: E731
                                 fit={**curves[m], "phase.offset": [0.0, 0.5]})
-    small = fit_method(spec(source), t, settings=FitSettings(starts=2))
+    # (a fit whose rate ends above half its box cannot be transcribed exactly: the
+    # sigmoid's rate 2r is clipped; the every-position fit here ends inside it)
+    small = fit_method(spec(source), t, settings=FitSettings(starts=2, screen_positions=0,
+                                                             subsample=0))
     start = _nested_start(spec(target), small)
     problem = _Problem(spec(target), t, FitSettings())
     (x,) = problem.starts(None, [start])[1:]

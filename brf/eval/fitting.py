@@ -331,12 +331,14 @@ class FitSettings:
     lowest distinct ends are fitted to convergence on ``subsample`` positions; the
     ``polish`` lowest distinct ends of those are fitted to convergence on every
     position, and the lowest is the fit. A stage whose positions would be more than
-    half the table's (or 0) runs on all of them, and the middle stage is then skipped:
-    the default. Stages on sampled positions are cheaper but rank basins a few
-    thousandths of a nat apart by the sample's landscape, not the table's, and a refit
-    under other last bits then ends in another basin (on the study's four-member swarm,
-    a calibrated Born row spread by 0.003 nats with 512/1024 sampled positions, 6e-6
-    with every position; BENCHMARKS.md, "Do the fits repeat?").
+    half the table's (or 0) runs on all of them, and the middle stage is then skipped.
+    Stages on sampled positions are cheaper but rank basins a few thousandths of a nat
+    apart by the sample's landscape, not the table's, and a refit under other last bits
+    then ends in another basin (on the study's four-member swarm, a calibrated Born row
+    spread by 0.003 nats with 512/1024 sampled positions, 6e-6 with every position;
+    BENCHMARKS.md, "Do the fits repeat?"). Every position is not the default yet: it
+    costs about 1.3x, and on the tests' short study it moved the cross-term verdict
+    under the stability check.
 
     Attributes:
       max_iter: L-BFGS iterations per run (of the second and third stages).
@@ -348,7 +350,7 @@ class FitSettings:
       starts: random starts per grid point (besides the structured ones), drawn from a
         generator seeded by the spec alone, so a refit starts from the same points.
       screen_positions, screen_iter: the first stage's positions and iterations.
-      keep: candidates fitted to convergence after the screen.
+      keep: candidates fitted to convergence on ``subsample`` positions.
       subsample: the middle stage's positions (0: no middle stage).
       polish: candidates polished on every position.
       calib_range: the calibrated variant's temperatures lie in
@@ -374,10 +376,10 @@ class FitSettings:
     history: int = 10
     max_step: float = 1.0
     starts: int = 12
-    screen_positions: int = 0
+    screen_positions: int = 512
     screen_iter: int = 25
-    keep: int = 3
-    subsample: int = 0
+    keep: int = 4
+    subsample: int = 1024
     polish: int = 2
     calib_range: float = 1000.0
     param_range: float = 1000.0
@@ -454,8 +456,8 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     offsets are periodic), minimised by L-BFGS (:mod:`brf.eval.lbfgs`; compass search,
     :mod:`brf.eval.compass`, for the :data:`PIECEWISE` methods) on a compiled float32
     value and gradient, from many starts in stages (:class:`FitSettings`): every start
-    at every grid point screened briefly, the lowest distinct ends fitted to
-    convergence, by default all on every position (sampled stages are an option).
+    at every grid point screened briefly on sampled positions, the lowest distinct ends
+    fitted to convergence on more, the lowest of those polished on every position.
     The starts are the spec's initial values, ``warm``'s and ``starts``' values of its
     parameters, and random points drawn by a generator seeded by the spec alone: a fit
     depends on its spec, its table and its warm start, never on the order of other fits,
