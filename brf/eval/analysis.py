@@ -26,7 +26,7 @@ from brf.eval import forking, hypotheses, stats
 from brf.eval.caches import FitCache
 from brf.event_table import EventTable
 from brf.eval.fitting import (FIT_TOLERANCE, NLL_CAP, FitSettings, Fitted, MethodSpec, evaluate,
-                              fit_method, precompile)
+                              fit_method, precompile, split_phase)
 from brf.eval.plan import Plan, SweepCurve, split
 from brf.fusion import PHASE_MAPS, phase_map
 from brf.fusion import phase as phase_lib
@@ -446,13 +446,12 @@ def _nested_start(spec: MethodSpec, fit: Fitted) -> Fitted | None:
     if (spec.method != "born" or fit.method != "born" or not spec.phase or not source
             or source == spec.phase):
         return None
-    given = {k[6:]: v for k, v in fit.params.items() if k.startswith("phase.")}
+    kept, given = split_phase(fit.params)
     params = phase_lib.embed(source, given, spec.phase)
     if params is None:
         return None
     shape = np.shape(spec.fit.get("phase.offset", spec.fixed.get("phase.offset", 0.0)))
     params["offset"] = np.broadcast_to(np.asarray(params["offset"], np.float64), shape)
-    kept = {k: v for k, v in fit.params.items() if not k.startswith("phase")}
     return dataclasses.replace(fit, params={**kept, "phase": spec.phase,
                                             **{f"phase.{k}": v for k, v in params.items()}})
 
