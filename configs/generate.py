@@ -115,7 +115,10 @@ def get_config(arg=None):
     # parameters drafts k tokens, or bytes on level='bytes'; index=i picks member i),
     # 'ngram(n=3, k=6)' (no model: copy what followed the latest earlier occurrence
     # of the last n tokens or bytes); adaptive=True moves k between rounds, up to the
-    # given one. The text follows exactly the law of plain fused decoding; the
+    # given one. Drafting pauses (plain compiled steps) while the drafts' acceptance
+    # is below what a drafted token costs (cost=c, a share of a plain step; measured
+    # defaults in brf/drafting.py; cost=0: never pause; on bytes no draft pays at the
+    # default). The text follows exactly the law of plain fused decoding; the
     # acceptance statistics come with the output. Tokens: the members must share one
     # vocabulary.
     c.speculative = ""

@@ -12,7 +12,12 @@ Tables: ``hamlet_bytes``, the committed real byte-level rows
 (tests/data/byte_table_hamlet.npz: SmolLM2-135M-Instruct and Gemma 3 270M on 1,200
 bytes of Hamlet, 257 events); ``planted``, the tests' two-member table
 (``brf.eval.planted.two_members``: 1,500 positions, 12 events, a sharp and a noisy
-member).
+member); ``tiny_study``, the calibration table of the tests' short study
+(tests/data/tiny_study_table.npz: tests/test_validate.py's ``test_one_corpus_end_to_end``,
+its two random 2-layer members on 5,000 characters of the default corpus, token
+level: 1,088 positions, 33 events). ``--screen_positions``, ``--subsample``,
+``--keep``, ``--polish`` and ``--screen_iter`` set the fitter's stages
+(``FitSettings``; 0 positions: every position).
 
 With ``--study=CORPUS/ANALYSIS`` (e.g. ``hamlet/swarm``) it refits instead one analysis
 of the study (configs/validate.py, token level) as the study fits it: its calibration
@@ -23,6 +28,8 @@ main command has not run), every calibrated row whose label contains one of
 
   python experiments/bench_fit_repeat.py
   python experiments/bench_fit_repeat.py --table=planted --starts=12,40 --rows=born_token_tanh
+  python experiments/bench_fit_repeat.py --table=tiny_study --rows=born_token_tanh,born_tanh \
+      --starts=8,24,64 --screen_positions=0 --subsample=0
   python experiments/bench_fit_repeat.py --study=hamlet/swarm --study_rows=born,pool --perturb=order+ulp+sincos
 """
 
@@ -41,7 +48,16 @@ from brf.eval.fitting import FIT_TOLERANCE, PERTURBATIONS, FitSettings, MethodSp
 from brf.event_table import EventTable
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("table", "hamlet_bytes", ["hamlet_bytes", "planted"], "the table fitted")
+flags.DEFINE_enum("table", "hamlet_bytes", ["hamlet_bytes", "planted", "tiny_study"],
+                  "the table fitted")
+_DEFAULT = FitSettings()
+flags.DEFINE_integer("screen_positions", _DEFAULT.screen_positions,
+                     "the screen's positions (0: every position)")
+flags.DEFINE_integer("subsample", _DEFAULT.subsample,
+                     "the middle stage's positions (0: none, every stage on every position)")
+flags.DEFINE_integer("keep", _DEFAULT.keep, "screened candidates fitted to convergence")
+flags.DEFINE_integer("polish", _DEFAULT.polish, "candidates polished on every position")
+flags.DEFINE_integer("screen_iter", _DEFAULT.screen_iter, "the screen's iterations")
 flags.DEFINE_list("rows", ["born_token_tanh", "born_tanh", "loglinear", "routing"],
                   "rows to fit (names of ROWS)")
 flags.DEFINE_list("perturb", ["order", "ulp", "sincos", "order+ulp+sincos"],
@@ -63,6 +79,13 @@ ROWS = {
                           fit_weights=False),
 }
 HAMLET = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "byte_table_hamlet.npz")
+TINY_STUDY = os.path.join(os.path.dirname(__file__), "..", "tests", "data",
+                          "tiny_study_table.npz")
+
+
+def tiny_study_table() -> EventTable:
+    d = np.load(TINY_STUDY)
+    return EventTable(*(d[f] if f in d else None for f in EventTable._fields))
 
 
 def hamlet_table() -> EventTable:
@@ -144,9 +167,15 @@ def main(argv):
         raise UserError("--starts: each at least 1")
     if FLAGS.study:
         return refit_study([""] + list(FLAGS.perturb))
-    table = two_members() if FLAGS.table == "planted" else hamlet_table()
+    table = {"planted": two_members, "hamlet_bytes": hamlet_table,
+             "tiny_study": tiny_study_table}[FLAGS.table]()
+    stages = dict(screen_positions=FLAGS.screen_positions, subsample=FLAGS.subsample,
+                  keep=FLAGS.keep, polish=FLAGS.polish, screen_iter=FLAGS.screen_iter)
+    if min(stages.values()) < 0 or min(FLAGS.keep, FLAGS.polish, FLAGS.screen_iter) < 1:
+        raise UserError(f"the fitter's stages: positions >= 0, keep, polish and "
+                        f"screen_iter >= 1; got {stages}")
     print(f"{FLAGS.table}: {' x '.join(map(str, table.logp.shape))} positions x members x "
-          f"events; {platform.node()}, {os.cpu_count()} CPUs, load "
+          f"events; stages {stages}; {platform.node()}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}\n")
     perturbs = [""] + list(FLAGS.perturb)
     header = (["row", "starts"] + [p or "as is" for p in perturbs]
@@ -158,7 +187,8 @@ def main(argv):
             nlls, secs = [], []
             for p in perturbs:
                 t0 = time.perf_counter()
-                f = fit_method(spec, table, settings=FitSettings(starts=n, perturb=p))
+                f = fit_method(spec, table,
+                               settings=FitSettings(starts=n, perturb=p, **stages))
                 secs.append(time.perf_counter() - t0)
                 nlls.append(f.calib_nll)
             spread = max(nlls) - min(nlls)

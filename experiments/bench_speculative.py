@@ -88,10 +88,12 @@ def _table(unit, rows, timed, plain_label, count, text, spec_of):
         same = "" if st is None else ("yes" if text(res) == text(plain_res) else "NO")
         out.append([label, n, round(s, 2), round(n / s, 2), f"{n / s / plain_rate:.2f}x",
                     "" if st is None or st["acceptance"] is None else f"{st['acceptance']:.2f}",
-                    "" if st is None else st["per_round"], same])
+                    "" if st is None else st["per_round"],
+                    "" if st is None else st["paused"], same])
         numbers[label] = n / s / plain_rate
     return markdown_table(["run", unit, "seconds", f"{unit}/s", "vs plain fused",
-                           "acceptance", f"{unit} per round", "same text"], out), numbers
+                           "acceptance", f"{unit} per round", "paused steps", "same text"],
+                          out), numbers
 
 
 def prompts_case(drafters):

@@ -125,6 +125,8 @@ CASES = [
      "cannot read the study's report '{d}/report.json'"),
     # benchmarks and the demo
     (["experiments/bench_fusion.py", "--methods=nope"], "nope"),
+    (["experiments/bench_fit_repeat.py", "--table=tiny_study", "--keep=0"],
+     "the fitter's stages: positions >= 0, keep, polish and screen_iter >= 1"),
     (["experiments/demo.py", "--config=configs/demo.py", "--config.weights=abc"], "weights"),
     # issue 54: tracebacks, hangs and wrong results, now one line naming the key
     (G + ["--config.seed=1180591620717411303424"], "config.seed must be an integer <= "
@@ -140,6 +142,7 @@ CASES = [
           "random:smollm2-135m-instruct:1"], "has no {{prompt}} field"),
     (G + ['--config.prompts=("", "hi")'], "config.prompts: prompt 1 of 2 is empty"),
     (G + ["--config.speculative=ngram(n=2, k=9**9**9)"], "'9**9**9' is too large a number"),
+    (G + ["--config.speculative=ngram(n=2, cost=1)"], "cost must be a number in [0, 1)"),
     (G + ["--config.method=loglinear(temperature=1e999)"], "'1e999' is not a finite number"),
     (G + ["--config.weighting=perplexity(temperature=1e999)"], "'1e999' is not a finite"),
     (G + ["--config.members=random:smollm2-135m-instruct:0"],

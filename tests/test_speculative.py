@@ -137,11 +137,11 @@ def test_parse_drafter_defaults():
 # ----------------------------------------------------------------------------- tokens: greedy
 
 @pytest.mark.parametrize("ensemble,drafter,method,params", [
-    ("pair", "member(k=3)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
-    ("pair", "ngram(n=2, k=4)", "linear", {}),
-    ("prompt_pair", "member(index=1, k=4, adaptive=True)", "born",
+    ("pair", "member(k=3, cost=0)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
+    ("pair", "ngram(n=2, k=4, cost=0)", "linear", {}),
+    ("prompt_pair", "member(index=1, k=4, adaptive=True, cost=0)", "born",
      {"phase": "token_tanh(rate=0.8)"}),
-    ("prompt_pair", "ngram(n=3, k=5)", "loglinear", {}),
+    ("prompt_pair", "ngram(n=3, k=5, cost=0)", "loglinear", {}),
 ])
 def test_greedy_speculative_equals_greedy_fused(request, ensemble, drafter, method, params):
     members = request.getfixturevalue(ensemble)
@@ -161,11 +161,116 @@ def test_greedy_speculative_equals_greedy_fused(request, ensemble, drafter, meth
 
 
 def test_greedy_ungrouped_equals_grouped(prompt_pair):
-    kw = dict(method="linear", sampler="greedy", max_new_tokens=16, drafter="member(k=3)")
+    kw = dict(method="linear", sampler="greedy", max_new_tokens=16, drafter="member(k=3, cost=0)")
     a = generate_speculative(prompt_pair, PROMPTS, group=True, **kw)
     b = generate_speculative(prompt_pair, PROMPTS, group=False, **kw)
     assert [g.text for g in a] == [g.text for g in b]
 
+
+
+# ----------------------------------------------------------------------------- break-even
+
+def test_the_schedule_pauses_below_break_even_and_drafts_again_above_it():
+    """KSchedule: the gain of a round (emitted per cost, against the float64 sum), a
+    pause while no k beats a plain step, drafting again after accepted would-be
+    drafts; the member drafter probes while paused; cost=0 never pauses."""
+    from brf.drafting import DRAFT_COST, PROBE_EVERY, KSchedule
+    s = KSchedule(parse_drafter("ngram(n=3, k=6)"), unit="tokens")
+    o, c = DRAFT_COST["tokens"]
+    for a in (0.0, 0.3, 0.9):
+        for k in (1, 3, 6):
+            want = sum(a ** j for j in range(k + 1)) / (1 + o + k * c)
+            np.testing.assert_allclose(s.gain(k, a), want, rtol=1e-12)
+    assert s.k >= 1                         # it starts drafting
+    for _ in range(6):                      # every draft rejected at once
+        s.update(drafted=s.k, accepted=0)
+    assert s.k == 0 and max(s.gain(k) for k in range(1, 7)) <= 1
+    s.update(0, 0, steps=64)                # paused: n-gram drafts are checked for free
+    assert s.k == 0
+    for _ in range(6):                      # the would-be drafts come right
+        s.observe(1, 1)
+        s.update(0, 0, steps=8)
+    assert s.k >= 2 and s.gain(s.k) > 1     # drafting again, more than one token
+    m = KSchedule(parse_drafter("member(k=4)"), unit="tokens", drafter_share=0.5)
+    while m.k:
+        m.update(drafted=m.k, accepted=0)
+    gaps = []
+    for _ in range(3):
+        n = 0
+        while m.k == 0:                     # plain steps until a probe
+            m.update(0, 0)
+            n += 1
+        assert m.k == 1                     # a probe: one drafted token
+        gaps.append(n)
+        m.update(drafted=1, accepted=0)     # rejected: paused again (that round a step)
+    # probes that leave it paused come half as often each time
+    assert PROBE_EVERY <= gaps[0] + 1 and gaps[2] + 1 == 2 * (gaps[1] + 1), gaps
+    never = KSchedule(parse_drafter("ngram(n=3, k=5, cost=0)"), unit="bytes")
+    for _ in range(20):
+        never.update(drafted=5, accepted=0)
+    assert never.k == 5
+
+
+def test_a_bad_cost_is_a_user_error():
+    for bad in ("ngram(cost=1)", "ngram(cost=-0.1)", "member(cost=True)", "member(cost='a')"):
+        with pytest.raises(DrafterError, match="cost must be a number in"):
+            parse_drafter(bad)
+    assert parse_drafter("member(k=2, cost=0.3)").cost == 0.3
+
+
+@pytest.mark.parametrize("ensemble,drafter", [("pair", "ngram(n=2, k=4)"),
+                                              ("prompt_pair", "member(k=3)")])
+def test_a_paused_generation_runs_plain_blocks_with_the_same_text(request, ensemble, drafter):
+    """Random members reject the drafts: the schedule pauses and the loop runs plain
+    fused steps as compiled blocks (members that share weights split out of their
+    group and back), with greedy text, tokens and pieces those of plain decoding."""
+    members = request.getfixturevalue(ensemble)
+    kw = dict(weights=[0.4, 0.6], method="born", method_params={"phase": "tanh(rate=0.5)"},
+              sampler="greedy", max_new_tokens=40)
+    plain = generate(members, PROMPTS, **kw)
+    pieces = []
+    got = generate_speculative(members, PROMPTS, drafter=drafter, on_piece=pieces.append, **kw)
+    for b, (p, s) in enumerate(zip(plain, got)):
+        assert (s.text, s.n_events, s.finish_reason) == (p.text, p.n_events, p.finish_reason)
+        assert s.member_ids == p.member_ids
+        assert "".join(x.text for x in pieces if x.index == b) == s.text
+        assert s.spec.emitted == s.n_events
+    total = got[0].spec.merge(got[1].spec)
+    assert total.by_k.get(0, [0])[0] > 0, total   # it paused
+
+
+@pytest.mark.parametrize("ensemble", ["pair", "prompt_pair"])
+def test_drafting_and_paused_blocks_alternate_with_the_same_text(request, ensemble,
+                                                                 monkeypatch):
+    """The schedule forced to alternate (two drafting rounds, a paused block): every
+    hand-over between a round's state (the last token pending, a drafter behind) and a
+    block's (everything read) keeps the text plain decoding gives."""
+    from brf.drafting import KSchedule
+    members = request.getfixturevalue(ensemble)
+    calls = {"n": 0}
+
+    def alternate(self, steps):
+        calls["n"] += 1
+        self.k = 0 if calls["n"] % 3 == 0 else 2
+    monkeypatch.setattr(KSchedule, "_decide", alternate)
+    kw = dict(weights=[0.5, 0.5], method="linear", sampler="greedy", max_new_tokens=40)
+    plain = generate(members, PROMPTS, **kw)
+    for drafter in ("member(k=2)", "ngram(n=1, k=2)"):
+        got = generate_speculative(members, PROMPTS, drafter=drafter, **kw)
+        assert [g.text for g in got] == [g.text for g in plain], drafter
+        total = got[0].spec.merge(got[1].spec)
+        assert total.by_k.get(0) and total.by_k.get(2), total.by_k
+
+
+def test_a_paused_sampled_generation_repeats_with_its_seed(pair):
+    kw = dict(weights=[0.5, 0.5], method="linear", sampler="temperature=1.0",
+              max_new_tokens=30, drafter="ngram(n=2, k=3)")
+    a = generate_speculative(pair, PROMPTS, seed=3, **kw)
+    b = generate_speculative(pair, PROMPTS, seed=3, **kw)
+    c = generate_speculative(pair, PROMPTS, seed=4, **kw)
+    assert [g.text for g in a] == [g.text for g in b]
+    assert [g.text for g in a] != [g.text for g in c]
+    assert a[0].spec.merge(a[1].spec).by_k.get(0)
 
 # ----------------------------------------------------------------------------- tokens: sampling
 
@@ -251,9 +356,9 @@ class SpecSummary:
 
 SAMPLER = "temperature=0.9,top_p=0.95"
 SAMPLED_CASES = [
-    ("pair", "member(k=2)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
-    ("pair", "ngram(n=2, k=2)", "linear", {}),
-    ("prompt_pair", "member(k=2)", "linear", {}),
+    ("pair", "member(k=2, cost=0)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
+    ("pair", "ngram(n=2, k=2, cost=0)", "linear", {}),
+    ("prompt_pair", "member(k=2, cost=0)", "linear", {}),
 ]
 
 
@@ -394,7 +499,7 @@ def test_statistics_count_only_the_emitted_tokens(pair):
     j = next(j for j in range(1, 4) if texts[j] != texts[j - 1]
              and texts[j][len(texts[j - 1]):] not in texts[j - 1])
     stop = texts[j][len(texts[j - 1]):]
-    got = generate_speculative(members, [PROMPTS[0]], drafter="member(k=4)", stop=[stop],
+    got = generate_speculative(members, [PROMPTS[0]], drafter="member(k=4, cost=0)", stop=[stop],
                                **kw)[0]
     assert got.finish_reason in ("stop", "eos") and got.n_events <= j + 1 < 5
     assert got.spec.rounds == 1 and got.spec.accepted == 4  # the round went on past the end
@@ -417,6 +522,6 @@ def test_ngram_drafts_no_chat_template_markup():
     control = {i for i, t in members[0].tokenizer.added_tokens_decoder.items() if t.special}
     old = ngram_draft(members[0].prompt_ids(prompt), 3, 1, 6)
     assert old and old[0] in control  # what the first round drafted before
-    got = generate_speculative(members, [prompt], drafter="ngram(n=3, k=6)", method="linear",
+    got = generate_speculative(members, [prompt], drafter="ngram(n=3, k=6, cost=0)", method="linear",
                                sampler="greedy", max_new_tokens=2)[0]
     assert got.spec.drafted == 0  # round 1 may draft 1 token (round 2: none): it drafts none

@@ -55,7 +55,7 @@ def greedy_plain(members):
                           max_bytes=10, **_kw())
 
 
-@pytest.mark.parametrize("drafter", ["member(k=3)", "ngram(n=2, k=4)"])
+@pytest.mark.parametrize("drafter", ["member(k=3, cost=0)", "ngram(n=2, k=4, cost=0)"])
 def test_greedy_speculative_bytes_equal_greedy_plain(members, greedy_plain, drafter):
     """Across tokenizers, greedy: the same bytes as plain fused generation. The n-gram
     drafter looks the plain text up (its drafts are then right) after a wrong copy of
@@ -73,6 +73,18 @@ def test_greedy_speculative_bytes_equal_greedy_plain(members, greedy_plain, draf
     if drafter.startswith("ngram"):
         assert s["accepted"] > 0
 
+
+def test_paused_speculation_on_bytes_gives_the_plain_bytes(members, greedy_plain):
+    """At the measured cost of a drafted byte (brf.drafting.DRAFT_COST) drafts that are
+    mostly wrong do not pay: the schedule pauses (rounds that draft nothing) and the
+    bytes are plain decoding's."""
+    lookup = b"#" * 4 + PROMPT + b"zzzz"
+    g = generate_bytes_speculative(members, [m.context() for m in members],
+                                   drafter="ngram(n=2, k=4)", lookup=lookup,
+                                   sampler="greedy", max_bytes=10, **_kw())
+    assert g.data == greedy_plain.data and g.finish_reason == greedy_plain.finish_reason
+    paused = g.spec.by_k.get(0, [0])[0]
+    assert paused > 0 and paused >= g.spec.rounds - 2, g.spec
 
 def _plain_step(members, text: bytes, **over) -> dict:
     """The plain generator's first step after ``text``: its trace row ('logq', the fused
@@ -102,7 +114,7 @@ def test_every_emitted_bytes_distribution_is_the_plain_generators(members):
     for method, params in (("linear", {}), (BORN["method"], BORN["method_params"])):
         for seed in range(3):
             g = generate_bytes_speculative(
-                members, [m.context() for m in members], drafter="member(k=2)",
+                members, [m.context() for m in members], drafter="member(k=2, cost=0)",
                 sampler="temperature=1.5", seed=seed, max_bytes=4, trace=True,
                 **_kw(method=method, method_params=params))
             assert len(g.trace) >= len(g.data) >= 1
@@ -136,7 +148,7 @@ def test_first_two_bytes_follow_the_fused_law(members):
     counts, accepted, drafted = {}, 0, 0
     ctx = [m.context() for m in members]
     for seed in range(N_DRAWS):
-        g = generate_bytes_speculative(members, ctx, drafter="member(k=2)",
+        g = generate_bytes_speculative(members, ctx, drafter="member(k=2, cost=0)",
                                        sampler=f"temperature={T}", seed=seed, max_bytes=2,
                                        **_kw(**lin))
         ev = list(g.data) + ([EOT] if g.finish_reason == "eot" else [])
@@ -181,7 +193,7 @@ def test_greedy_speculative_equals_greedy_fused_on_the_real_pair():
         kw = dict(prompt=b"The days of the week are Monday, Tuesday,", weights=[0.5, 0.5],
                   sampler="greedy", max_bytes=24, **BORN)
         plain = generate_bytes(lms, ctx, **kw)
-        for drafter in ("member(k=4)",) + (("ngram(n=4, k=8)",) if EXTENDED else ()):
+        for drafter in ("member(k=4, cost=0)",) + (("ngram(n=4, k=8, cost=0)",) if EXTENDED else ()):
             g = generate_bytes_speculative(lms, ctx, drafter=drafter, lookup=kw["prompt"], **kw)
             assert g.data == plain.data, (drafter, g.data, plain.data)
             assert g.spec.drafted > 0, drafter

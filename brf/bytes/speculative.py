@@ -33,7 +33,11 @@ still lacks the same way. Sequences of rejected bytes keep their cache slots
   (trying n down to min_n); no model.
 
 A round drafts at most as many bytes as ``max_bytes`` leaves; the UTF-8 tail
-bytes past it come from plain rounds. Randomness: ``numpy.random.Generator(PCG64(seed))``.
+bytes past it come from plain rounds. How many a round drafts, and whether it
+drafts at all, is `brf.drafting.KSchedule`'s: on this level a drafted byte costs
+about a plain byte step (the tree calls of its look-ahead; BENCHMARKS.md), so with
+the measured default cost no draft can pay and every round is plain; a spec's
+``cost=`` (e.g. ``member(k=4, cost=0)``: never pause) makes it draft. Randomness: ``numpy.random.Generator(PCG64(seed))``.
 """
 
 from __future__ import annotations
@@ -312,7 +316,9 @@ class _ByteLoop:
         self.method, self.method_params, self.sampler = method, method_params, sampler
         self.max_bytes, self.utf8, self.trace = max_bytes, utf8, trace
         self.rng = np.random.default_rng(seed)
-        self.sched = KSchedule(spec)
+        # the member drafter's byte states are its verification states: its drafting
+        # adds nothing to a round's cost
+        self.sched = KSchedule(spec, unit="bytes")
         self.text = TextStream(stop)
         self.data = bytearray()
         n = len(mems)
@@ -380,6 +386,11 @@ class _ByteLoop:
             except _Stop as e:
                 return [], e.reason
         draft, p_rows = self._draft(k, states)
+        # paused (k = 0): the n-gram drafter's would-be first byte, checked for free
+        # against the emitted one (brf.drafting.KSchedule)
+        shadow = (ngram_draft(self.lookup + self.prompt + bytes(self.data), self.spec.n,
+                              self.spec.min_n, 1)
+                  if k_round == 0 and self.sched.free_checks else [])
         base = self.prompt + bytes(self.data)
         text = base + bytes(draft)
         o0 = len(base)
@@ -442,7 +453,10 @@ class _ByteLoop:
         self.out.spec.add(k_round, len(draft), acc)
         if reason is not None:  # the round stopped: no byte of its own after the drafts
             self.out.spec.discard(1)
-        self.sched.update(len(draft), acc)
+        if shadow and emitted:
+            self.sched.observe(1, int(shadow[0] == emitted[0]))
+        self.sched.update(len(draft), acc,
+                          int(acc < len(draft) or (k_round > 0 and not draft and not reason)))
         if self.trace:
             for i, e in enumerate(emitted):
                 if i in fused_rows:

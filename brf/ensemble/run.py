@@ -702,7 +702,9 @@ def speculative_line(summary: Mapping[str, Any], index: int | None = None) -> st
     return (f"{tag}speculative {summary['drafter']}: {summary['rounds']} rounds, "
             f"{summary['drafted']} {unit} drafted, {summary['accepted']} accepted "
             f"(acceptance {'-' if acc is None else f'{acc:.2f}'}), "
-            f"{summary['per_round'] or 0:.2f} {unit} per round")
+            f"{summary['per_round'] or 0:.2f} {unit} per round"
+            + (f", {summary['paused']} paused (drafting did not pay)"
+               if summary.get("paused") else ""))
 
 
 def print_texts(rows: Sequence[Mapping[str, Any]], out=None) -> None:

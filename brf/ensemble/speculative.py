@@ -25,6 +25,20 @@ A round emits between 1 and k + 1 tokens.
 * ``adaptive=True`` (either drafter): k is the most a round drafts; a round whose
   drafts were all accepted drafts two more next time, one with a rejection one
   fewer (at least 1).
+* ``cost=c``: what a drafted token costs as a share of a plain step (below).
+
+**Drafting only where it pays** (`brf.drafting.KSchedule`). A round costs more
+than a plain step (it runs on the host, verifies its draft, and a member drafter
+runs its own steps), so drafts must be accepted often enough to pay for it. The
+schedule follows the acceptance and drafts the k with the most tokens per unit of
+cost, or nothing when no k beats a plain step. While drafting is paused the loop
+runs plain fused steps as compiled blocks of :data:`PAUSED_BLOCK` (the program
+:func:`brf.ensemble.decode.generate` runs; members that share weights are split
+out of their batch for it and joined again after), so text that defeats the
+drafter decodes at plain decoding's speed; the n-gram drafter's would-be drafts
+are checked against each emitted token for free, and drafting resumes once they
+would be accepted often enough. A member drafter that costs a whole step (as
+large as the models it drafts for) never drafts.
 
 **Rolling back.** A member's cache slots hold token positions (``brf.models.cache``):
 after a round every slot whose position is at or past the accepted length is
@@ -47,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -67,6 +82,10 @@ from brf.fusion.speculative import draw, verify, verify_greedy
 from brf.models import cache as model_cache
 from brf.models.transformer import prefill_donated
 from brf.text import TextStream
+
+# Plain steps a paused generation runs per compiled block (brf.drafting.KSchedule): the
+# schedule looks at what the block emitted before the next one.
+PAUSED_BLOCK = 16
 
 # ----------------------------------------------------------------------------- device pieces
 
@@ -295,12 +314,22 @@ class _Loop:
             rows = [ids for i in idx for ids in prompt_ids[i]]
             self.states.append(catchup.start(members[idx[0]], rows, dtype=dtype, slots=slots))
         self.pending: list[tuple[int, ...]] = [()] * self.B
-        self.dstate = None
+        share = 0.0
         if d_index is not None:
-            self.dstate = catchup.start(members[d_index], prompt_ids[d_index], dtype=dtype,
-                                        slots=slots)
-        self.sched = KSchedule(spec)
+            sizes = [param_count(m.params) for m in members]
+            # its step's share of a fused step: one forward pass per model (members that
+            # share weights are read as one batch, which costs about one pass here)
+            share = sizes[d_index] / sum(sizes[g[0]] for g in self.groups)
+        self.sched = KSchedule(spec, unit="tokens", drafter_share=share)
+        # the member drafter's state, started when it first drafts (_ensure_drafter)
+        self.dstate = None
+        self._slots, self._prompt_ids = slots, prompt_ids
         self.round = 0
+        self.seed = seed
+        self.blocks = self._device_ready()
+        self._plan = None
+        self._dev = None  # the members in a paused block's form (_split)
+        self.device_steps = 0
 
     # -- drafting
     def _draft(self, caps: list[int]) -> tuple[list[list[int]], list[np.ndarray | None]]:
@@ -354,6 +383,11 @@ class _Loop:
         k_round = self.sched.k
         drafts, p_rows = self._draft(caps)
         live = [b for b in range(B) if not self.done[b]]
+        # paused (k = 0): the n-gram drafter's would-be first token, checked for free
+        # against the emitted one (brf.drafting.KSchedule)
+        shadow = ({b: _before_control(ngram_draft(self.history[b], self.spec.n,
+                                                  self.spec.min_n, 1), self.control)
+                   for b in live} if k_round == 0 and self.sched.free_checks else {})
         tokens = [list(self.pending[b]) + drafts[b] if b in live else [] for b in range(B)]
         K = max(len(drafts[b]) for b in live)
         # every member's logits at the K + 1 positions of every row
@@ -387,7 +421,7 @@ class _Loop:
             q /= q.sum(axis=-1, keepdims=True)
         out = []
         keep = [0] * B
-        drafted = accepted = 0
+        drafted = accepted = rejected = checked = hits = 0
         for b in live:
             d = drafts[b]
             v = (verify_greedy(top[b], d) if q is None
@@ -396,12 +430,16 @@ class _Loop:
             keep[b] = len(self.pending[b]) + v.accepted
             self.gens[b].spec.add(k_round, len(d), v.accepted)
             drafted, accepted = drafted + len(d), accepted + v.accepted
+            rejected += v.accepted < len(d) or (k_round > 0 and not d)
+            if shadow.get(b):
+                checked, hits = checked + 1, hits + (shadow[b][0] == v.event)
             if self.trace:
                 for j, e in enumerate(emitted):
                     self.gens[b].trace.append(dict(logq=fused_np[b, j], event=int(e),
                                                    round=self.round, drafted=j < v.accepted))
             out.append((b, emitted, v.accepted))
-        self.sched.update(drafted, accepted)  # once a round: all rows share k
+        self.sched.observe(checked, hits)
+        self.sched.update(drafted, accepted, rejected)  # once a round: all rows share k
         # roll every state back to the accepted text; the emitted token is pending
         new_pending = [() for _ in range(B)]
         for b, emitted, _ in out:
@@ -410,8 +448,11 @@ class _Loop:
             st = self.states[g]
             n_read = [st.n_read[r * B + b] - len(tokens[b]) + keep[b]
                       for r in range(len(idx)) for b in range(B)]
-            self.states[g] = rollback(st, n_read, [new_pending[b] for _ in idx
-                                                   for b in range(B)])
+            rows_pending = [new_pending[b] for _ in idx for b in range(B)]
+            if tuple(n_read) == st.n_read:  # nothing drafted was read: nothing to empty
+                self.states[g] = st._replace(pending=tuple(rows_pending))
+            else:
+                self.states[g] = rollback(st, n_read, rows_pending)
         if self.dstate is not None:
             self._rollback_drafter(out)
         self.pending = new_pending
@@ -437,8 +478,156 @@ class _Loop:
             pending[b] = tuple(text[keep:])
         self.dstate = rollback(st, n_read, pending)
 
+    # -- paused: plain steps on the device
+    def _device_ready(self) -> bool:
+        """Paused rounds can run as compiled blocks: no trace asked for (a block keeps
+        no distributions), every member on one device (no data mesh to slice)."""
+        return not self.trace and all(
+            catchup._data_mesh(self.members[idx[0]].params, len(idx) * self.B) is None
+            for idx in self.groups)
+
+    def _plain_block(self, on_piece) -> None:
+        """While drafting is paused: up to :data:`PAUSED_BLOCK` plain fused steps as one
+        compiled block (:mod:`brf.ensemble.step`, the program plain decoding runs), so a
+        paused generation decodes at plain decoding's speed. Each emitted token is
+        replayed on the host as a round's (text, stop strings, the finish rules), the
+        n-gram drafter's would-be draft checked against it (``KSchedule.observe``), and
+        the member drafter given it to read. The members stay in the block's form (one
+        cache per member) from block to block; :meth:`_merge` returns them to the
+        rounds' (every emitted token read, nothing pending: a round reads that as a
+        start with no pending token)."""
+        from brf.ensemble import step as dstep
+        from brf.ensemble.decode import _device_plan
+        B, n = self.B, self.n
+        if self._plan is None:
+            job = types.SimpleNamespace(
+                space=self.space, members=self.members, method=self.method,
+                method_params=self.method_params, weights=np.asarray(self.w_dev),
+                sampler=self.sampler, max_new_tokens=self.max_new, dtype=self.dtype,
+                mode="fuse", choice="per_sequence")
+            self._plan = _device_plan(job)[:2]
+        spec, tables = self._plan
+        if self._dev is None:
+            self._dev = self._split()
+        dev = self._dev
+        live = [b for b in range(B) if not self.done[b]]
+        horizon = PAUSED_BLOCK + 1
+        caches, reads, spans = [], [], []
+        for i in range(n):
+            c = dev["caches"][i]
+            if dev["ends"][i] + horizon > c["pos"].shape[1]:
+                c = model_cache.grow(c, catchup.bucket(dev["ends"][i] + horizon))
+            rd, span = dstep.block_reads(self.members[i].cfg, dev["ends"][i],
+                                         c["pos"].shape[1],
+                                         [dev["n_read"][i][b] for b in live], horizon)
+            caches.append(c)
+            reads.append(rd)
+            spans.append(span)
+        state = dstep.DecodeState(
+            tuple(caches), tuple(dev["logits"]), jnp.int32(self.device_steps),
+            jnp.asarray(np.asarray(self.done, bool)),
+            jnp.asarray(np.asarray([g.n_events for g in self.gens], np.int32)),
+            jax.random.PRNGKey(self.seed))
+        state, events_KxB, _, k, fill = dstep.run_block(
+            spec, tuple(m.params for m in self.members), tables, state, steps=PAUSED_BLOCK,
+            reads=tuple(reads), spans=tuple(spans))
+        events_KxB, k, fill = np.asarray(events_KxB), int(k), np.asarray(fill)
+        self.device_steps += k
+        dev["caches"], dev["logits"] = list(state.caches), list(state.logits)
+        dev["ends"] = [int(x) for x in fill]
+        if k == 0:
+            raise RuntimeError("a paused block made no progress")
+        emitted = [[] for _ in range(B)]
+        checked = hits = 0
+        for t in range(k):
+            for b in live:
+                e = int(events_KxB[t, b])
+                if e < 0 or self.done[b]:
+                    continue
+                if self.sched.free_checks:
+                    d = _before_control(ngram_draft(self.history[b], self.spec.n,
+                                                    self.spec.min_n, 1), self.control)
+                    if d:
+                        checked, hits = checked + 1, hits + (d[0] == e)
+                self.gens[b].spec.add(0, 0, 0)
+                for i in range(n):
+                    self.gens[b].members_run[i] += 1
+                emitted[b].append(e)
+                piece, reason = self._advance(b, e)
+                if (piece or reason) and on_piece is not None:
+                    on_piece(Piece(b, piece, reason))
+                if reason is not None:
+                    self.done[b] = True
+                else:  # every member read it (a finishing event is not read)
+                    for i in range(n):
+                        dev["n_read"][i][b] += 1
+        if self.dstate is not None:
+            self.dstate = catchup.add_pending(self.dstate, emitted)
+        self.sched.observe(checked, hits)
+        self.sched.update(0, 0, steps=k)
+
+    def _ensure_drafter(self) -> None:
+        """Starts the member drafter's state on its prompts, with what has been emitted
+        so far pending (a drafter that never drafts costs nothing)."""
+        if self.dstate is not None:
+            return
+        st = catchup.start(self.members[self.d_index], self._prompt_ids[self.d_index],
+                           dtype=self.dtype, slots=self._slots)
+        self.dstate = catchup.add_pending(st, [
+            self.history[b][len(self._prompt_ids[0][b]):] for b in range(self.B)])
+
+    def _split(self) -> dict:
+        """The members in a block's form: every group's last emitted token read (logits
+        ready), then one cache, logits and fill per member (rows of a group that shares
+        weights are member-major)."""
+        B = self.B
+        for g, idx in enumerate(self.groups):
+            self.states[g] = catchup.catch_up(self.members[idx[0]], self.states[g],
+                                              dtype=self.dtype)
+        self.pending = [()] * B
+        dev = {"caches": [], "logits": [], "ends": [], "n_read": []}
+        for i in range(self.n):
+            g, r = self.where[i]
+            st = self.states[g]
+            if len(self.groups[g]) == 1:
+                c, lg = st.cache, st.logits_BxV
+            else:
+                c = jax.tree_util.tree_map(  # (a copy of 'end' each: both are donated)
+                    lambda a: jnp.array(a) if a.ndim == 0 else a[r * B:(r + 1) * B],
+                    st.cache)
+                lg = st.logits_BxV[r * B:(r + 1) * B]
+            dev["caches"].append(c)
+            dev["logits"].append(lg)
+            dev["ends"].append(st.end)
+            dev["n_read"].append(list(st.n_read[r * B:(r + 1) * B]))
+        self.states = [None] * len(self.groups)  # their caches now live in the block form
+        return dev
+
+    def _merge(self) -> None:
+        """The block form back into the rounds' group states (after :meth:`_split`)."""
+        dev, self._dev = self._dev, None
+        if dev is None:
+            return
+        B = self.B
+        for g, idx in enumerate(self.groups):
+            parts = [dev["caches"][i] for i in idx]
+            cache = parts[0] if len(parts) == 1 else jax.tree_util.tree_map(
+                lambda *a: a[0] if a[0].ndim == 0 else jnp.concatenate(a), *parts)
+            end = max(dev["ends"][i] for i in idx)
+            cache = dict(cache, end=jnp.asarray(end, jnp.int32))
+            lg = jnp.concatenate([dev["logits"][i] for i in idx])
+            n_read = tuple(x for i in idx for x in dev["n_read"][i])
+            self.states[g] = catchup.MemberState(cache, lg, ((),) * (len(idx) * B), end,
+                                                 n_read)
+
     def run(self, on_piece) -> list[SpecGeneration]:
         while not all(self.done):
+            if self.sched.k == 0 and self.blocks:
+                self._plain_block(on_piece)
+                continue
+            self._merge()
+            if self.d_index is not None and self.sched.k > 0:
+                self._ensure_drafter()
             if self.dstate is not None:
                 self._d_start = (self.dstate.n_read, self.dstate.pending)
             for b, emitted, _ in self._round():
