@@ -248,13 +248,13 @@ class KSchedule:
                              else max(1, self.size - 1))
         self._decide(steps)
 
-    def observe(self, checked: int, accepted: int) -> None:
-        """While paused, before the round's :meth:`update`: ``checked`` would-be drafts
-        (one token per sequence) checked against the tokens the round emitted,
-        ``accepted`` of them equal."""
-        if checked:
+    def observe(self, accepted: int, rejected: int) -> None:
+        """While paused, before the round's :meth:`update`: would-be drafts checked
+        against the tokens emitted after them, ``accepted`` of their tokens equal
+        and ``rejected`` of them cut short (counted as a round's are)."""
+        if accepted or rejected:
             self.hits = DECAY * self.hits + accepted
-            self.misses = DECAY * self.misses + (checked - accepted)
+            self.misses = DECAY * self.misses + rejected
 
     def _decide(self, steps: int) -> None:
         k = self.best_k()

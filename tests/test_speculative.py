@@ -188,7 +188,7 @@ def test_the_schedule_pauses_below_break_even_and_drafts_again_above_it():
     s.update(0, 0, steps=64)                # paused: n-gram drafts are checked for free
     assert s.k == 0
     for _ in range(6):                      # the would-be drafts come right
-        s.observe(1, 1)
+        s.observe(1, 0)
         s.update(0, 0, steps=8)
     assert s.k >= 2 and s.gain(s.k) > 1     # drafting again, more than one token
     m = KSchedule(parse_drafter("member(k=4)"), unit="tokens", drafter_share=0.5)

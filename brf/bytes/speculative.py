@@ -454,7 +454,8 @@ class _ByteLoop:
         if reason is not None:  # the round stopped: no byte of its own after the drafts
             self.out.spec.discard(1)
         if shadow and emitted:
-            self.sched.observe(1, int(shadow[0] == emitted[0]))
+            hit = int(shadow[0] == emitted[0])
+            self.sched.observe(hit, 1 - hit)
         self.sched.update(len(draft), acc,
                           int(acc < len(draft) or (k_round > 0 and not draft and not reason)))
         if self.trace:

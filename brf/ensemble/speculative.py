@@ -438,7 +438,7 @@ class _Loop:
                     self.gens[b].trace.append(dict(logq=fused_np[b, j], event=int(e),
                                                    round=self.round, drafted=j < v.accepted))
             out.append((b, emitted, v.accepted))
-        self.sched.observe(checked, hits)
+        self.sched.observe(hits, checked - hits)
         self.sched.update(drafted, accepted, rejected)  # once a round: all rows share k
         # roll every state back to the accepted text; the emitted token is pending
         new_pending = [() for _ in range(B)]
@@ -491,8 +491,8 @@ class _Loop:
         compiled block (:mod:`brf.ensemble.step`, the program plain decoding runs), so a
         paused generation decodes at plain decoding's speed. Each emitted token is
         replayed on the host as a round's (text, stop strings, the finish rules), the
-        n-gram drafter's would-be draft checked against it (``KSchedule.observe``), and
-        the member drafter given it to read. The members stay in the block's form (one
+        n-gram drafter's would-be draft before it checked against the tokens from it on
+        (``KSchedule.observe``), and the member drafter given it to read. The members stay in the block's form (one
         cache per member) from block to block; :meth:`_merge` returns them to the
         rounds' (every emitted token read, nothing pending: a round reads that as a
         start with no pending token)."""
@@ -538,7 +538,7 @@ class _Loop:
         if k == 0:
             raise RuntimeError("a paused block made no progress")
         emitted = [[] for _ in range(B)]
-        checked = hits = 0
+        would = []  # (row, where in its emitted tokens, the n-gram drafter's draft there)
         for t in range(k):
             for b in live:
                 e = int(events_KxB[t, b])
@@ -546,9 +546,10 @@ class _Loop:
                     continue
                 if self.sched.free_checks:
                     d = _before_control(ngram_draft(self.history[b], self.spec.n,
-                                                    self.spec.min_n, 1), self.control)
+                                                    self.spec.min_n, self.sched.size),
+                                        self.control)
                     if d:
-                        checked, hits = checked + 1, hits + (d[0] == e)
+                        would.append((b, len(emitted[b]), d))
                 self.gens[b].spec.add(0, 0, 0)
                 for i in range(n):
                     self.gens[b].members_run[i] += 1
@@ -563,7 +564,16 @@ class _Loop:
                         dev["n_read"][i][b] += 1
         if self.dstate is not None:
             self.dstate = catchup.add_pending(self.dstate, emitted)
-        self.sched.observe(checked, hits)
+        # each would-be draft against the tokens emitted after it, as far as the block
+        # went: its agreeing prefix accepted, a disagreement a rejection
+        ok = rejected = 0
+        for b, at, d in would:
+            after = emitted[b][at:]
+            m = next((j for j, (x, y) in enumerate(zip(d, after)) if x != y),
+                     min(len(d), len(after)))
+            ok += m
+            rejected += m < min(len(d), len(after))
+        self.sched.observe(ok, rejected)
         self.sched.update(0, 0, steps=k)
 
     def _ensure_drafter(self) -> None:
