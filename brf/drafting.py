@@ -153,8 +153,8 @@ def param_count(params) -> int:
 # A round of k drafted tokens costs about 1 + overhead + k * per token. Measured on the
 # 2-core CPU with experiments/bench_speculative.py against plain decoding (BENCHMARKS.md,
 # "Speculative decoding that pauses"): on tokens a round runs on the host (about 0.2 of a
-# compiled plain step more) and verifying a drafted token costs 0.2-0.3 of a step; on
-# bytes a drafted byte costs 1.0-1.4 plain byte steps (the tree calls of its look-ahead),
+# compiled plain step more) and verifying a drafted token costs 0.16-0.26 of a step; on
+# bytes a drafted byte costs 0.97-1.23 plain byte steps (the tree calls of its look-ahead),
 # so there no draft can pay and the default never drafts (a spec's cost= overrides).
 # A member drafter adds its own step's share (its parameters over the models').
 DRAFT_COST = {"tokens": (0.2, 0.25), "bytes": (0.1, 1.0)}
