@@ -83,6 +83,13 @@ TINY_STUDY = os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                           "tiny_study_table.npz")
 
 
+def _spread_cells(nlls) -> list[str]:
+    """A row's spread (the largest fit minus the smallest) and whether it is within
+    FIT_TOLERANCE."""
+    spread = max(nlls) - min(nlls)
+    return [f"{spread:.1e}", "yes" if spread <= FIT_TOLERANCE else "no"]
+
+
 def tiny_study_table() -> EventTable:
     d = np.load(TINY_STUDY)
     return EventTable(*(d[f] if f in d else None for f in EventTable._fields))
@@ -140,9 +147,7 @@ def refit_study(perturbs: list[str]) -> None:
     header = ["row"] + [p or "as is" for p in perturbs] + ["spread", "<= 1e-4"]
     rows = []
     for label, v in sorted(nll.items(), key=lambda kv: kv[1][0]):
-        spread = max(v) - min(v)
-        rows.append([label] + [f"{x:.6f}" for x in v]
-                    + [f"{spread:.1e}", "yes" if spread <= FIT_TOLERANCE else "no"])
+        rows.append([label] + [f"{x:.6f}" for x in v] + _spread_cells(v))
     print()
     print(markdown_table(header, rows))
     print("\nseconds, both passes: " + ", ".join(
@@ -191,10 +196,8 @@ def main(argv):
                                settings=FitSettings(starts=n, perturb=p, **stages))
                 secs.append(time.perf_counter() - t0)
                 nlls.append(f.calib_nll)
-            spread = max(nlls) - min(nlls)
-            rows.append([spec.label, n] + [f"{v:.6f}" for v in nlls]
-                        + [f"{spread:.1e}", "yes" if spread <= FIT_TOLERANCE else "no",
-                           f"{np.median(secs):.1f}"])
+            rows.append([spec.label, n] + [f"{v:.6f}" for v in nlls] + _spread_cells(nlls)
+                        + [f"{np.median(secs):.1f}"])
             print(markdown_table(header, rows[-1:]), flush=True)  # progress, row by row
     print()
     print(markdown_table(header, rows))

@@ -522,6 +522,6 @@ def test_ngram_drafts_no_chat_template_markup():
     control = {i for i, t in members[0].tokenizer.added_tokens_decoder.items() if t.special}
     old = ngram_draft(members[0].prompt_ids(prompt), 3, 1, 6)
     assert old and old[0] in control  # what the first round drafted before
-    got = generate_speculative(members, [prompt], drafter="ngram(n=3, k=6, cost=0)", method="linear",
-                               sampler="greedy", max_new_tokens=2)[0]
+    got = generate_speculative(members, [prompt], drafter="ngram(n=3, k=6, cost=0)",
+                               method="linear", sampler="greedy", max_new_tokens=2)[0]
     assert got.spec.drafted == 0  # round 1 may draft 1 token (round 2: none): it drafts none

@@ -193,7 +193,8 @@ def test_greedy_speculative_equals_greedy_fused_on_the_real_pair():
         kw = dict(prompt=b"The days of the week are Monday, Tuesday,", weights=[0.5, 0.5],
                   sampler="greedy", max_bytes=24, **BORN)
         plain = generate_bytes(lms, ctx, **kw)
-        for drafter in ("member(k=4, cost=0)",) + (("ngram(n=4, k=8, cost=0)",) if EXTENDED else ()):
+        for drafter in (("member(k=4, cost=0)",)
+                        + (("ngram(n=4, k=8, cost=0)",) if EXTENDED else ())):
             g = generate_bytes_speculative(lms, ctx, drafter=drafter, lookup=kw["prompt"], **kw)
             assert g.data == plain.data, (drafter, g.data, plain.data)
             assert g.spec.drafted > 0, drafter

@@ -37,7 +37,8 @@ bytes past it come from plain rounds. How many a round drafts, and whether it
 drafts at all, is `brf.drafting.KSchedule`'s: on this level a drafted byte costs
 about a plain byte step (the tree calls of its look-ahead; BENCHMARKS.md), so with
 the measured default cost no draft can pay and every round is plain; a spec's
-``cost=`` (e.g. ``member(k=4, cost=0)``: never pause) makes it draft. Randomness: ``numpy.random.Generator(PCG64(seed))``.
+``cost=`` (e.g. ``member(k=4, cost=0)``: never pause) makes it draft.
+Randomness: ``numpy.random.Generator(PCG64(seed))``.
 """
 
 from __future__ import annotations

@@ -492,10 +492,10 @@ class _Loop:
         paused generation decodes at plain decoding's speed. Each emitted token is
         replayed on the host as a round's (text, stop strings, the finish rules), the
         n-gram drafter's would-be draft before it checked against the tokens from it on
-        (``KSchedule.observe``), and the member drafter given it to read. The members stay in the block's form (one
-        cache per member) from block to block; :meth:`_merge` returns them to the
-        rounds' (every emitted token read, nothing pending: a round reads that as a
-        start with no pending token)."""
+        (``KSchedule.observe``), and the member drafter given it to read. The members
+        stay in the block's form (one cache per member) from block to block;
+        :meth:`_merge` returns them to the rounds' (every emitted token read, nothing
+        pending: a round reads that as a start with no pending token)."""
         from brf.ensemble import step as dstep
         from brf.ensemble.decode import _device_plan
         B, n = self.B, self.n
