@@ -239,19 +239,16 @@ class KSchedule:
         paused round ran (a block of them)."""
         if rejected is None:
             rejected = int(accepted < drafted)
-        if drafted or rejected:
-            self.hits = DECAY * self.hits + accepted
-            self.misses = DECAY * self.misses + rejected
-        if drafted:
-            if self.adaptive:
-                self.size = (min(self.k_max, self.size + 2) if accepted == drafted
-                             else max(1, self.size - 1))
+        self.observe(accepted, rejected)
+        if drafted and self.adaptive:
+            self.size = (min(self.k_max, self.size + 2) if accepted == drafted
+                         else max(1, self.size - 1))
         self._decide(steps)
 
     def observe(self, accepted: int, rejected: int) -> None:
-        """While paused, before the round's :meth:`update`: would-be drafts checked
-        against the tokens emitted after them, ``accepted`` of their tokens equal
-        and ``rejected`` of them cut short (counted as a round's are)."""
+        """Counts ``accepted`` draft tokens and ``rejected`` drafts cut short; the loop
+        calls it itself, before the round's :meth:`update`, for would-be drafts checked
+        while paused against the tokens emitted after them."""
         if accepted or rejected:
             self.hits = DECAY * self.hits + accepted
             self.misses = DECAY * self.misses + rejected

@@ -136,6 +136,19 @@ def test_parse_drafter_defaults():
 
 # ----------------------------------------------------------------------------- tokens: greedy
 
+def _speculative_as_plain(members, drafter, kw):
+    """Greedy speculative generations of PROMPTS, each checked against plain fused
+    decoding's: text, events, finish reason, member tokens, and the streamed pieces."""
+    plain = generate(members, PROMPTS, **kw)
+    pieces = []
+    got = generate_speculative(members, PROMPTS, drafter=drafter, on_piece=pieces.append, **kw)
+    for b, (p, s) in enumerate(zip(plain, got)):
+        assert (s.text, s.n_events, s.finish_reason) == (p.text, p.n_events, p.finish_reason)
+        assert s.member_ids == p.member_ids
+        assert "".join(x.text for x in pieces if x.index == b) == s.text
+    return got
+
+
 @pytest.mark.parametrize("ensemble,drafter,method,params", [
     ("pair", "member(k=3, cost=0)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
     ("pair", "ngram(n=2, k=4, cost=0)", "linear", {}),
@@ -147,13 +160,8 @@ def test_greedy_speculative_equals_greedy_fused(request, ensemble, drafter, meth
     members = request.getfixturevalue(ensemble)
     kw = dict(weights=[0.4, 0.6], method=method, method_params=params, sampler="greedy",
               max_new_tokens=24)
-    plain = generate(members, PROMPTS, **kw)
-    pieces = []
-    got = generate_speculative(members, PROMPTS, drafter=drafter, on_piece=pieces.append, **kw)
-    for b, (p, s) in enumerate(zip(plain, got)):
-        assert (s.text, s.n_events, s.finish_reason) == (p.text, p.n_events, p.finish_reason)
-        assert s.member_ids == p.member_ids
-        assert "".join(x.text for x in pieces if x.index == b) == s.text
+    got = _speculative_as_plain(members, drafter, kw)
+    for s in got:
         st = s.spec
         assert st.rounds >= 1 and st.emitted == s.n_events and st.accepted <= st.drafted
     total = got[0].spec.merge(got[1].spec)
@@ -227,13 +235,8 @@ def test_a_paused_generation_runs_plain_blocks_with_the_same_text(request, ensem
     members = request.getfixturevalue(ensemble)
     kw = dict(weights=[0.4, 0.6], method="born", method_params={"phase": "tanh(rate=0.5)"},
               sampler="greedy", max_new_tokens=40)
-    plain = generate(members, PROMPTS, **kw)
-    pieces = []
-    got = generate_speculative(members, PROMPTS, drafter=drafter, on_piece=pieces.append, **kw)
-    for b, (p, s) in enumerate(zip(plain, got)):
-        assert (s.text, s.n_events, s.finish_reason) == (p.text, p.n_events, p.finish_reason)
-        assert s.member_ids == p.member_ids
-        assert "".join(x.text for x in pieces if x.index == b) == s.text
+    got = _speculative_as_plain(members, drafter, kw)
+    for s in got:
         assert s.spec.emitted == s.n_events
     total = got[0].spec.merge(got[1].spec)
     assert total.by_k.get(0, [0])[0] > 0, total   # it paused

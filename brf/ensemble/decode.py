@@ -482,7 +482,6 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
     next block; a cache is grown when the next block might not fit in it.
     """
     from brf.ensemble import step as dstep
-    from brf.models import cache as model_cache
     members, B, n = job.members, len(job.prompts), len(job.members)
     gens, streams, states = _begin(job, results)
     spec, tables, tokens = _device_plan(job)
@@ -509,10 +508,8 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
             else:
                 per_step = spec.slots_per_step(i)
                 horizon = block_steps * min(per_step, 2) + per_step
-            if ends[i] + horizon > caches[i]["pos"].shape[1]:
-                caches[i] = model_cache.grow(caches[i], catchup.bucket(ends[i] + horizon))
-            r, span = dstep.block_reads(m.cfg, ends[i], caches[i]["pos"].shape[1],
-                                        [n_read[i][b] for b in live], horizon)
+            caches[i], r, span = dstep.block_room(m.cfg, caches[i], ends[i],
+                                                  [n_read[i][b] for b in live], horizon)
             reads.append(r)
             spans.append(span)
         state = state._replace(caches=tuple(caches))

@@ -125,7 +125,10 @@ def _rollback_meta(pos_BxS, next_pos_B):
 def rollback(state: catchup.MemberState, n_read: Sequence[int],
              pending: Sequence[Sequence[int]]) -> catchup.MemberState:
     """The state with each row cut back to its first ``n_read[b]`` tokens (slots of
-    later positions emptied, never attended to again) and ``pending`` to read next."""
+    later positions emptied, never attended to again) and ``pending`` to read next.
+    When no row is cut back (a round that read no draft) the cache is left as it is."""
+    if tuple(int(n) for n in n_read) == tuple(state.n_read):
+        return state._replace(pending=tuple(tuple(p) for p in pending))
     c = state.cache
     next_pos = jnp.asarray(np.asarray(n_read, np.int32))
     pos, end = _rollback_meta(c["pos"], next_pos)
@@ -332,6 +335,12 @@ class _Loop:
         self.device_steps = 0
 
     # -- drafting
+    def _ngram(self, b: int, k: int) -> list[int]:
+        """The n-gram drafter's draft of up to k tokens for row b, cut before a control
+        token."""
+        return _before_control(ngram_draft(self.history[b], self.spec.n, self.spec.min_n,
+                                           k), self.control)
+
     def _draft(self, caps: list[int]) -> tuple[list[list[int]], list[np.ndarray | None]]:
         """Per row, its draft (at most caps[b] tokens) and its draft distributions."""
         k = self.sched.k
@@ -342,9 +351,7 @@ class _Loop:
             return drafts, p_rows
         if self.spec.kind == "ngram":
             for b in live:
-                drafts[b] = _before_control(ngram_draft(
-                    self.history[b], self.spec.n, self.spec.min_n, min(k, caps[b])),
-                    self.control)
+                drafts[b] = self._ngram(b, min(k, caps[b]))
             return drafts, p_rows
         steps = min(k, max(caps[b] for b in live))
         m = self.members[self.d_index]
@@ -385,9 +392,8 @@ class _Loop:
         live = [b for b in range(B) if not self.done[b]]
         # paused (k = 0): the n-gram drafter's would-be first token, checked for free
         # against the emitted one (brf.drafting.KSchedule)
-        shadow = ({b: _before_control(ngram_draft(self.history[b], self.spec.n,
-                                                  self.spec.min_n, 1), self.control)
-                   for b in live} if k_round == 0 and self.sched.free_checks else {})
+        shadow = ({b: self._ngram(b, 1) for b in live}
+                  if k_round == 0 and self.sched.free_checks else {})
         tokens = [list(self.pending[b]) + drafts[b] if b in live else [] for b in range(B)]
         K = max(len(drafts[b]) for b in live)
         # every member's logits at the K + 1 positions of every row
@@ -448,11 +454,8 @@ class _Loop:
             st = self.states[g]
             n_read = [st.n_read[r * B + b] - len(tokens[b]) + keep[b]
                       for r in range(len(idx)) for b in range(B)]
-            rows_pending = [new_pending[b] for _ in idx for b in range(B)]
-            if tuple(n_read) == st.n_read:  # nothing drafted was read: nothing to empty
-                self.states[g] = st._replace(pending=tuple(rows_pending))
-            else:
-                self.states[g] = rollback(st, n_read, rows_pending)
+            self.states[g] = rollback(st, n_read, [new_pending[b] for _ in idx
+                                                   for b in range(B)])
         if self.dstate is not None:
             self._rollback_drafter(out)
         self.pending = new_pending
@@ -514,12 +517,9 @@ class _Loop:
         horizon = PAUSED_BLOCK + 1
         caches, reads, spans = [], [], []
         for i in range(n):
-            c = dev["caches"][i]
-            if dev["ends"][i] + horizon > c["pos"].shape[1]:
-                c = model_cache.grow(c, catchup.bucket(dev["ends"][i] + horizon))
-            rd, span = dstep.block_reads(self.members[i].cfg, dev["ends"][i],
-                                         c["pos"].shape[1],
-                                         [dev["n_read"][i][b] for b in live], horizon)
+            c, rd, span = dstep.block_room(self.members[i].cfg, dev["caches"][i],
+                                           dev["ends"][i],
+                                           [dev["n_read"][i][b] for b in live], horizon)
             caches.append(c)
             reads.append(rd)
             spans.append(span)
@@ -545,9 +545,7 @@ class _Loop:
                 if e < 0 or self.done[b]:
                     continue
                 if self.sched.free_checks:
-                    d = _before_control(ngram_draft(self.history[b], self.spec.n,
-                                                    self.spec.min_n, self.sched.size),
-                                        self.control)
+                    d = self._ngram(b, self.sched.size)
                     if d:
                         would.append((b, len(emitted[b]), d))
                 self.gens[b].spec.add(0, 0, 0)

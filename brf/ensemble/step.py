@@ -44,6 +44,8 @@ from brf.fusion.api import _apply
 from brf.fusion.mixture import select_member
 from brf.fusion.sampling import Sampler
 from brf.fusion.sampling import sample as _sample
+from brf.ensemble.catchup import bucket
+from brf.models import cache as model_cache
 from brf.models import transformer as T
 
 # Tokens a member reads per forward pass when an event is longer than one token.
@@ -398,5 +400,15 @@ def block_reads(cfg, end: int, slots: int, n_read, horizon: int):
     return reads, span
 
 
-__all__ = ["CHUNK", "DecodeState", "Spec", "Tables", "block_reads", "compiled_count",
+def block_room(cfg, cache: dict, end: int, n_read, horizon: int):
+    """``(cache, reads, span)`` of a member for a block that may write ``horizon`` more
+    slots: the cache grown to the next power of two when they would not fit, and its
+    :func:`block_reads`."""
+    if end + horizon > cache["pos"].shape[1]:
+        cache = model_cache.grow(cache, bucket(end + horizon))
+    return (cache, *block_reads(cfg, end, cache["pos"].shape[1], n_read, horizon))
+
+
+__all__ = ["CHUNK", "DecodeState", "Spec", "Tables", "block_reads", "block_room",
+           "compiled_count",
            "fused_step", "run_block"]
