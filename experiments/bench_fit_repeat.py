@@ -26,25 +26,42 @@ main command has not run), every calibrated row whose label contains one of
 ``--study_rows`` (all by default) through both passes of
 ``brf.eval.analysis.fit_specs``, as is and under each perturbation.
 
+With ``--census``, each row's fits are taken apart instead: *every* start of the row
+(the structured start and the first ``--starts`` seeded random ones, the fitter's own)
+runs to convergence on every position with the fitter's float32 objective, then, with
+``--float64`` (default), goes on with the same L-BFGS on the objective evaluated in
+float64 (Born's sin and cos from XLA, the line search at float64 resolution), which
+shows what float32 rounding hides; as is and under each perturbation. It prints the
+distinct ends (within 1e-6 nats), how many starts reached each, and per run the best
+end, how many starts reached it within ``FIT_TOLERANCE`` and how many distinct ends
+lie within 2e-3 nats of it: whether any number of starts can make a refit repeat.
+
   python experiments/bench_fit_repeat.py
+  python experiments/bench_fit_repeat.py --table=tiny_study --census --rows=born_token_tanh \
+      --starts=30 --perturb=order+ulp+sincos
   python experiments/bench_fit_repeat.py --table=planted --starts=12,40 --rows=born_token_tanh
   python experiments/bench_fit_repeat.py --table=tiny_study --rows=born_token_tanh,born_tanh \
       --starts=8,24,64 --screen_positions=0 --subsample=0
   python experiments/bench_fit_repeat.py --study=hamlet/swarm --study_rows=born,pool --perturb=order+ulp+sincos
 """
 
+import dataclasses
+import math
 import os
 import platform
 import time
 
 from absl import flags
 import numpy as np
+from tqdm.auto import tqdm
 
 from brf import cli
 from brf.benchmark import markdown_table
 from brf.errors import UserError
 from brf.eval.planted import log_softmax, two_members
-from brf.eval.fitting import FIT_TOLERANCE, PERTURBATIONS, FitSettings, MethodSpec, fit_method
+from brf.eval import lbfgs
+from brf.eval.fitting import (FIT_TOLERANCE, PERTURBATIONS, FitSettings, MethodSpec,
+                              _Problem, fit_method)
 from brf.event_table import EventTable
 
 FLAGS = flags.FLAGS
@@ -67,6 +84,10 @@ flags.DEFINE_string("study", None, "CORPUS/ANALYSIS of the study to refit (e.g. 
                     "instead of --table")
 flags.DEFINE_string("study_out", "runs/validate", "the study's output directory (its score "
                     "stores)")
+flags.DEFINE_bool("census", False, "every start of each row to convergence, its ends "
+                  "counted (see above) instead of whole fits")
+flags.DEFINE_bool("float64", True, "with --census: every end continued on the float64 "
+                  "objective")
 flags.DEFINE_list("study_rows", [], "with --study: fit the calibrated rows whose label "
                   "contains one of these (default: every row)")
 
@@ -123,7 +144,6 @@ def study_table(which: str):
 
 def refit_study(perturbs: list[str]) -> None:
     """--study: the analysis's calibrated rows fitted as the study fits them."""
-    import dataclasses
     from brf.eval.analysis import fit_specs
     table, plan = study_table(FLAGS.study)
     n = table.logp.shape[1]
@@ -154,6 +174,75 @@ def refit_study(perturbs: list[str]) -> None:
         f"{p or 'as is'} {s:.0f}" for p, s in zip(perturbs, secs)))
 
 
+# --census: two ends within SAME nats are one end; NEAR: how far above the best the
+# distinct ends are counted
+SAME, NEAR = 1e-6, 2e-3
+
+
+def census_ends(problem: _Problem, n_starts: int, float64: bool) -> list[tuple[float, float]]:
+    """(float64 end or nan, float32 end) of every start, in the starts' order (nats,
+    the table's offset removed)."""
+    table, settings = problem.table, problem.settings
+    full, point = problem.data(), problem.grid_points()[0]
+    offset = float(np.mean(table.offset))
+    xs = problem.starts(None, []) + problem.random_starts(n_starts, 0)
+    fun64 = problem.objective(point, full, float64=True) if float64 else None
+    args = problem.lbfgs_args(dataclasses.replace(settings, ftol=1e-12, gtol=1e-8,
+                                                  max_iter=3000))
+    out = []
+    for x in tqdm(xs, desc=settings.perturb or "as is", unit="start"):
+        r = problem.minimize(point, x, full, "converge", [], settings)
+        v64 = math.nan
+        if float64:
+            noise, lbfgs.NOISE = lbfgs.NOISE, 1e-13  # the line search at float64 resolution
+            try:
+                v64 = lbfgs.minimize(fun64, r.x, **args).value - offset
+            finally:
+                lbfgs.NOISE = noise
+        out.append((v64, r.value - offset))
+    return out
+
+
+def distinct_ends(values) -> list[tuple[float, int]]:
+    """Distinct ends (within SAME), lowest first, with how many starts reached each."""
+    out: list[list] = []
+    for v in sorted(values):
+        if out and v - out[-1][0] <= SAME:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return [(v, k) for v, k in out]
+
+
+def census(table: EventTable, n_starts: int, perturbs: list[str]) -> None:
+    """--census: each row's starts run to convergence, their ends counted."""
+    which = 0 if FLAGS.float64 else 1
+    for name in FLAGS.rows:
+        spec = ROWS[name].in_variant("calibrated")
+        summary = []
+        for p in perturbs:
+            t0 = time.perf_counter()
+            ends = census_ends(_Problem(spec, table, FitSettings(perturb=p)), n_starts,
+                               FLAGS.float64)
+            secs = time.perf_counter() - t0
+            found = distinct_ends(e[which] for e in ends)
+            best = found[0][0]
+            print(f"\n{spec.label}, {p or 'as is'} ({secs:.0f} s): the ends "
+                  f"{'continued in float64' if FLAGS.float64 else 'in float32'}, and how "
+                  f"many starts reached each")
+            print(markdown_table(["end (nats)", "starts", "above the best"],
+                                 [[f"{v:.7f}", k, f"{v - best:.1e}"] for v, k in found[:8]]),
+                  flush=True)
+            summary.append([spec.label, p or "as is", f"{min(e[1] for e in ends):.7f}",
+                            f"{best:.7f}" if FLAGS.float64 else "-",
+                            sum(1 for e in ends if e[which] <= best + FIT_TOLERANCE),
+                            sum(1 for v, _ in found if v <= best + NEAR), f"{secs:.0f}"])
+        print()
+        print(markdown_table(["row", "run", "best float32 end", "best float64 end",
+                              "starts within 1e-4 of the best", "distinct ends within 2e-3",
+                              "s"], summary))
+
+
 def main(argv):
     del argv
     unknown = [r for r in FLAGS.rows if r not in ROWS]
@@ -174,6 +263,11 @@ def main(argv):
         return refit_study([""] + list(FLAGS.perturb))
     table = {"planted": two_members, "hamlet_bytes": hamlet_table,
              "tiny_study": tiny_study_table}[FLAGS.table]()
+    if FLAGS.census:
+        print(f"{FLAGS.table}: {' x '.join(map(str, table.logp.shape))} positions x "
+              f"members x events; {starts[0] + 1} starts per row; {platform.node()}, "
+              f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+        return census(table, starts[0], [""] + list(FLAGS.perturb))
     stages = dict(screen_positions=FLAGS.screen_positions, subsample=FLAGS.subsample,
                   keep=FLAGS.keep, polish=FLAGS.polish, screen_iter=FLAGS.screen_iter)
     if min(stages.values()) < 0 or min(FLAGS.keep, FLAGS.polish, FLAGS.screen_iter) < 1:

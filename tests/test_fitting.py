@@ -62,6 +62,27 @@ def test_fit_matches_a_float64_scipy_fit():
     assert np.mean(evaluate(f, t)["nll"]) == pytest.approx(f.calib_nll, abs=1e-6)
 
 
+def test_the_float64_objective_is_the_float64_reference():
+    """The diagnostic float64 objective (what bench_fit_repeat --census continues fits
+    on) is a float64 NumPy log-linear pool's mean NLL to 1e-12 and its gradient a
+    finite difference's; the fits' float32 program agrees with it to its rounding."""
+    from brf.eval.fitting import _Problem
+    t = _table()
+    p = _Problem(MethodSpec.coerce({"label": "ll", "method": "loglinear",
+                                    "fit": {"temperature": 1.0}}), t, FitSettings())
+    point, data = p.grid_points()[0], p.data()
+    f64, f32 = p.objective(point, data, float64=True), p.objective(point, data)
+    lp = t.logp.astype(np.float64)
+    assert list(p.layout.keys) == ["_w", "temperature"]  # the reference's x, reversed
+    for x in (np.array([0.0, 0.0]), np.array([-1.3, 0.7])):
+        v, g = f64(x)
+        assert v == pytest.approx(_loglinear_nll64(x[::-1], lp, t.gold) + np.mean(t.offset),
+                                  abs=1e-12)
+        g_ref = optimize.approx_fprime(x[::-1], _loglinear_nll64, 1e-7, lp, t.gold)[::-1]
+        np.testing.assert_allclose(g, g_ref, atol=1e-6)
+        assert abs(f32(x)[0] - v) < 1e-5
+
+
 def test_padding_events_and_positions_changes_nothing():
     """Extra all-(-inf) events and a table size in another position bucket give the
     same fit (padding is masked out)."""

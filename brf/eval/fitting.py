@@ -906,21 +906,49 @@ class _Problem:
         grad = np.sum([np.asarray(g, np.float64) for _, g in out], axis=0) / data.n_positions
         return value, grad[self.free_idx]
 
-    def objective(self, point: dict, data: _Data, *, sort: bool = False
-                  ) -> Callable[[np.ndarray], tuple]:
+    def objective(self, point: dict, data: _Data, *, sort: bool = False,
+                  float64: bool = False) -> Callable[[np.ndarray], tuple]:
         """x -> (mean NLL, gradient) on ``data`` at a grid point (float64 on the host).
 
         ``sort``: born_shuffled's kernel sorts every chunk at every evaluation instead
         of reading the permutation computed once (:meth:`aux`), as fits did before:
         for checks and benchmarks of that shortcut (its program compiles when called).
+        ``float64``: the whole evaluation in float64 (the table's float32 values
+        widened, Born's sin and cos from XLA), one chunk after another: a reference
+        without float32 rounding, for diagnostics (``bench_fit_basins.py``); about
+        three times a float32 evaluation on a CPU, and not what the fits run.
         """
         v, program = self._program(point)
+        if float64:
+            return self._objective64(point, v, data)
         if not sort:
             return lambda x: self._evaluate(v, program, x, data)
         method, phases, static, layout, _, xla = self.program_key(point)
         sorting = functools.partial(_chunk_value_and_grad, method=method, phases=phases,
                                     static=static, layout=layout, xla_sincos=xla)
         return lambda x: self._evaluate(v, sorting, x, data, aux=[_NO_AUX] * len(data.chunks))
+
+    def _objective64(self, point: dict, v: np.ndarray, data: _Data):
+        method, phases, static, layout, _, _ = self.program_key(point)
+        program = functools.partial(_chunk_value_and_grad, method=method, phases=phases,
+                                    static=static, layout=layout, xla_sincos=True)
+        aux = self.aux(data)
+        chunks = [tuple(np.asarray(a, np.float64 if a.dtype == jnp.float32 else a.dtype)
+                        for a in c) for c in data.chunks]
+        consts = (np.asarray(self.base_w, np.float64), np.int32(self.wmode),
+                  np.int32(self.phase_index))
+
+        def fun(x):
+            w = np.asarray(v, np.float64).copy()
+            w[self.free_idx] = x
+            value, grad = 0.0, 0.0
+            with jax.enable_x64(True):
+                for chunk, a in zip(chunks, aux):
+                    s, g = jax.device_get(program(w, *consts, *chunk, a))
+                    value += float(s)
+                    grad = grad + np.asarray(g, np.float64)
+            return value / data.n_positions, (grad / data.n_positions)[self.free_idx]
+        return fun
 
     def fisher(self, point: dict, x: np.ndarray, data: _Data) -> np.ndarray:
         """The empirical Fisher information of the mean NLL at x over the free
