@@ -206,6 +206,7 @@ class KSchedule:
         self.free_checks = spec.kind == "ngram" if free_checks is None else free_checks
         self.hits, self.misses = PRIOR
         self.paused_steps, self.probe_every = 0, PROBE_EVERY
+        self.probing = False  # the round being decided for is a paused drafter's probe
         # a drafter that cannot pay even when every draft is accepted never drafts
         self.can_pay = self.never_pause or max(
             self.gain(k, 1.0) for k in range(1, self.size + 1)) > 1
@@ -256,17 +257,17 @@ class KSchedule:
     def _decide(self, steps: int) -> None:
         k = self.best_k()
         if k:
-            self.paused_steps, self.probe_every = 0, PROBE_EVERY
+            self.paused_steps, self.probe_every, self.probing = 0, PROBE_EVERY, False
             self.k = k
             return
-        if self.k == 1 and self.paused_steps == 0 and not self.free_checks:
+        if self.probing:
             self.probe_every *= 2  # a probe that did not resume drafting: probe less often
         self.paused_steps += steps
-        probe = (not self.free_checks and self.can_pay
-                 and self.paused_steps >= self.probe_every)
-        if probe:
+        self.probing = (not self.free_checks and self.can_pay
+                        and self.paused_steps >= self.probe_every)
+        if self.probing:
             self.paused_steps = 0
-        self.k = 1 if probe else 0
+        self.k = 1 if self.probing else 0
 
 
 def ngram_draft(history: Sequence[int] | bytes, n: int, min_n: int, k: int) -> list[int]:

@@ -211,8 +211,10 @@ def test_the_schedule_pauses_below_break_even_and_drafts_again_above_it():
         assert m.k == 1                     # a probe: one drafted token
         gaps.append(n)
         m.update(drafted=1, accepted=0)     # rejected: paused again (that round a step)
-    # probes that leave it paused come half as often each time
-    assert PROBE_EVERY <= gaps[0] + 1 and gaps[2] + 1 == 2 * (gaps[1] + 1), gaps
+    # the first probe after PROBE_EVERY steps (a drafting round of one token before the
+    # pause is no probe), then half as often after each that leaves it paused (the
+    # round that paused and each probe's own round count as a step)
+    assert gaps == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 4 * PROBE_EVERY - 1], gaps
     never = KSchedule(parse_drafter("ngram(n=3, k=5, cost=0)"), unit="bytes")
     for _ in range(20):
         never.update(drafted=5, accepted=0)
