@@ -192,13 +192,9 @@ def census_ends(problem: _Problem, n_starts: int, float64: bool) -> list[tuple[f
     out = []
     for x in tqdm(xs, desc=settings.perturb or "as is", unit="start"):
         r = problem.minimize(point, x, full, "converge", [], settings)
-        v64 = math.nan
-        if float64:
-            noise, lbfgs.NOISE = lbfgs.NOISE, 1e-13  # the line search at float64 resolution
-            try:
-                v64 = lbfgs.minimize(fun64, r.x, **args).value - offset
-            finally:
-                lbfgs.NOISE = noise
+        # continued with the line search at float64 resolution
+        v64 = (lbfgs.minimize(fun64, r.x, noise=1e-13, **args).value - offset if float64
+               else math.nan)
         out.append((v64, r.value - offset))
     return out
 

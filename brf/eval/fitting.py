@@ -915,7 +915,7 @@ class _Problem:
         for checks and benchmarks of that shortcut (its program compiles when called).
         ``float64``: the whole evaluation in float64 (the table's float32 values
         widened, Born's sin and cos from XLA), one chunk after another: a reference
-        without float32 rounding, for diagnostics (``bench_fit_basins.py``); about
+        without float32 rounding, for diagnostics (``bench_fit_repeat.py --census``); about
         three times a float32 evaluation on a CPU, and not what the fits run.
         """
         v, program = self._program(point)

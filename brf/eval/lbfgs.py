@@ -43,7 +43,8 @@ class Result(NamedTuple):
 def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarray, *,
              max_iter: int, ftol: float, gtol: float, history: int, max_step: float,
              pairs: Pairs | None = None, lower: np.ndarray | None = None,
-             upper: np.ndarray | None = None, hessian: np.ndarray | None = None) -> Result:
+             upper: np.ndarray | None = None, hessian: np.ndarray | None = None,
+             noise: float = NOISE) -> Result:
     """Minimises ``fun(x) -> (value, gradient)`` from ``x0`` within ``[lower, upper]``.
 
     Stops when an iteration lowers the value by less than ``ftol`` (relative) twice
@@ -66,6 +67,9 @@ def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarr
         its inverse instead of a scaled identity, so the first steps are nearly
         Newton steps and parameters of very different scales need no tuning; the
         curvature pairs refine it as usual.
+      noise: the objective's relative resolution: the line search accepts a step that
+        raises the value by less than this (default :data:`NOISE`, float32's; a
+        float64 objective can take about 1e-13).
 
     Returns:
       Result; ``converged`` is True when the ftol or gtol test ended the run.
@@ -105,11 +109,11 @@ def minimize(fun: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarr
             x_new = np.clip(x + step * d, lo, hi)
             slope = float(g @ (x_new - x))
             f_new, g_new = f_and_g(x_new)
-            if math.isfinite(f_new) and f_new <= f + 1e-4 * slope + NOISE * abs(f):
+            if math.isfinite(f_new) and f_new <= f + 1e-4 * slope + noise * abs(f):
                 break
             step *= 0.2
         else:
-            break  # no decrease along d within float32 resolution
+            break  # no decrease along d within the objective's resolution (noise)
         s, y = x_new - x, g_new - g
         sy = float(s @ y)
         if sy > 1e-12 * float(y @ y):
