@@ -391,3 +391,29 @@ def test_ece_matches_loop_and_limits():
         stats.expected_calibration_error([1.2], [1])
     with pytest.raises(ValueError):
         stats.expected_calibration_error([0.5, 0.5], [1])
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_auroc_bootstrap_replicates_are_brute_force_aurocs_of_the_drawn_resamples(ties):
+    """Each replicate is the pairwise Mann-Whitney AUROC of the resample it drew (the
+    negatives', then the positives' indices, from the generator it was given): scores
+    below, between, at and above the positives' values, with and without ties."""
+    rng = np.random.default_rng(5)
+    pos = rng.normal(0.3, 1.0, 40)
+    neg = np.concatenate([rng.normal(0.0, 1.0, 60), pos[:7], [pos.min() - 1, pos.max() + 1]])
+    if ties:
+        pos, neg = np.round(pos, 1), np.round(neg, 1)
+    n_boot = 6
+    res = stats.auroc_bootstrap_ci(pos, neg, n_boot=n_boot, rng=np.random.default_rng(9))
+    assert stats._chunk_rows(max(pos.size, neg.size)) >= n_boot  # one chunk of draws
+    draw = np.random.default_rng(9)
+    i_neg = draw.integers(0, neg.size, size=(n_boot, neg.size))
+    i_pos = draw.integers(0, pos.size, size=(n_boot, pos.size))
+
+    def brute(p, q):
+        d = p[:, None] - q[None, :]
+        return (np.sum(d > 0) + 0.5 * np.sum(d == 0)) / d.size
+
+    want = [brute(pos[i_pos[b]], neg[i_neg[b]]) for b in range(n_boot)]
+    np.testing.assert_allclose(res.boot, want, rtol=0, atol=1e-15)
+    assert res.estimate == pytest.approx(brute(pos, neg), abs=1e-15)
