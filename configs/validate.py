@@ -82,10 +82,14 @@ def get_config(arg=None):
     # Controls for the best per-token BRF row of each variant (brf/eval/controls.py):
     # its phases shuffled, per-token reshaping then a pool, per-member power mean.
     c.controls = True
-    # The stability check (brf/eval/stability.py): every calibrated row refitted under
+    # The stability check (brf/eval/stability.py): the calibrated rows refitted under
     # a perturbation of the last bits ('+'-joined: order, ulp, chunk, sincos; '' = off),
     # and the verdicts that move reported (the goal: none).
     c.stability = "order+ulp+sincos"
+    # It refits the rows within this many nats of the best row of some set a verdict
+    # chooses from, and every control (widened when a refit moves a row further; 0:
+    # every calibrated row).
+    c.stability_reach = 0.02
     # BRF: one fitted setting per phase map (weights and map parameters tuned,
     # per-member offsets included), plus the two reference points kept fixed.
     c.phase_maps = ", ".join([

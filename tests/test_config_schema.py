@@ -100,7 +100,7 @@ ACCEPTS = {
         "scoring.min_chars": "zero", "scoring.calibration_fraction": "",
         "fit.max_iter": "", "fit.ftol": "", "fit.gtol": "", "fit.calib_range": "zero huge",
         "fit.param_range": "zero huge", "fit.starts": "zero", "fit.perturb": "empty",
-        "stability": "empty",
+        "stability": "empty", "stability_reach": "zero huge",
         "stats.n_boot": "", "stats.n_perm": "", "stats.seed": "zero",
         "stats.forking_top_fraction": "",
         "prompts.enabled": "", "prompts.second_prefix": "empty name", "prompts.swarm": "",

@@ -6,6 +6,8 @@ recovered; the pooled (stratified block) bootstrap covers a known difference
 at its nominal rate.
 """
 
+import math
+
 import numpy as np
 import pytest
 
@@ -353,3 +355,134 @@ def test_no_tie_gives_no_alternatives():
     c = comparisons(plan, ["calibrated"], rows)["calibrated"]
     assert c.alternatives == () and c.stands
     assert "tied" not in report.nll_sentence(c.as_dict(), "calibrated")
+
+
+def _token_rows(calib):
+    """Calibrated per-token BRF rows (label -> calibration NLL) as fitted results."""
+    from brf.eval.analysis import MethodResult
+    from brf.eval.fitting import MethodSpec
+    rng = np.random.default_rng(1)
+    out = []
+    for name, c in calib.items():
+        spec = MethodSpec(f"born {name}", "born", fit={"phase.scale": 1.0,
+                                                        "phase.offset": [0.0, 0.5]},
+                          phase=name, role="brf").in_variant("calibrated")
+        nll = 2.0 + rng.normal(0.0, 0.3, 800)
+        out.append(MethodResult(spec, Fitted(spec.label, "born", {}, np.array([0.5, 0.5]), c),
+                                {"nll": float(nll.mean())}, nll))
+    return out
+
+
+def test_tied_per_token_rows_share_their_controls_once():
+    """Tied per-token rows share controls (the capacity pool always; a linear map borrows
+    the tanh curve): each is one row, under one label. Before, token_tanh and
+    token_linear each brought a 'reshape tanh + linear pool' and the pool came once per
+    row, so the report listed rows no reader could tell apart and the stability check,
+    which pairs rows by label, paired them wrongly."""
+    from brf.eval.analysis import control_specs
+    rows = _token_rows({"token_tanh": 1.0, "token_linear": 1.00001, "token_log1p": 1.00002})
+    specs = control_specs(rows, 2, ["calibrated"], seed=0)
+    labels = [s.label for s in specs]
+    assert len(labels) == len(set(labels)), labels
+    assert sorted(labels) == sorted(
+        f"{x} [calibrated]" for x in (
+            "born token_tanh, phases shuffled", "born token_linear, phases shuffled",
+            "born token_log1p, phases shuffled", "reshape tanh + linear pool",
+            "reshape tanh + log-linear pool", "reshape log1p + linear pool",
+            "reshape log1p + log-linear pool", "power mean, per-member exponents"))
+    # the shared reshaping control starts where the best row's would: token_tanh's spec
+    tanh = next(s for s in specs if s.label == "reshape tanh + linear pool [calibrated]")
+    from brf.eval.controls import controls_for
+    assert tanh == controls_for(rows[0].spec, 2)["reshape_linear"]
+
+
+def test_a_chosen_per_token_row_is_not_read_off_controls_it_shares():
+    """The stability check's refit can choose a per-token row whose controls the run did
+    not fit. Its answer is 'controls not fitted', not read off the one control it shares
+    with the fitted rows (the swarm's refit answered 'beats 1 of 1 controls' so)."""
+    import types
+
+    from brf.eval import compare, report
+    from brf.eval.analysis import MethodResult, control_specs, fair_summary
+    rows = _token_rows({"token_tanh": 1.0})
+    rng = np.random.default_rng(2)
+    for spec in control_specs(rows, 2, ["calibrated"], seed=0):  # token_tanh's four
+        nll = 2.5 + rng.normal(0.0, 0.3, 800)
+        rows.append(MethodResult(spec, Fitted(spec.label, spec.method, {},
+                                              np.array([0.5, 0.5]), 1.1),
+                                 {"nll": float(nll.mean())}, nll))
+    plan = types.SimpleNamespace(stats=types.SimpleNamespace(n_boot=100, seed=0))
+    run = fair_summary(plan, ["calibrated"], rows, 2)["calibrated"]
+    assert len(run.controls) == 4 and run.per_token.label == "born token_tanh [calibrated]"
+    # the refit: token_log1p now lowest, its controls never fitted
+    refit = rows + _token_rows({"token_log1p": 0.99})
+    c = fair_summary(plan, ["calibrated"], refit, 2)["calibrated"].as_dict()
+    assert c["per_token"]["label"] == "born token_log1p [calibrated]"
+    assert c["controls"] == []
+    answer = compare.answers({"fair_summary": {"calibrated": c}})["controls [calibrated]"]
+    assert answer.answer == "controls not fitted", answer
+    assert "controls not fitted" in report.fair_sentence(c, "calibrated")
+
+
+def test_the_check_refits_the_rows_in_reach_and_widens_it_when_a_row_moves_far():
+    """The stability check refits the rows within its reach of a choice (every control
+    too); a refit that moves a row by more than half the reach widens it to twice the
+    move and refits the rows that brings in; a row beyond every reach keeps its run."""
+    import dataclasses
+
+    from brf.eval import stability
+    x = np.zeros(10)
+    rows = [_result("a", "brf", 1.000, x), _result("b", "brf", 1.015, x),
+            _result("d", "brf", 1.030, x), _result("e", "brf", 1.100, x),
+            _result("l", "baseline", 1.200, x), _result("l2", "baseline", 1.250, x),
+            _result("c", "control", 1.500, x)]
+    moves = {"b [calibrated]": -0.016}
+    calls = []
+
+    def fit(batch, earlier):
+        calls.append(([m.label for m in batch], sorted(m.label for m in earlier)))
+        return [dataclasses.replace(m, fitted=dataclasses.replace(
+            m.fitted, calib_nll=m.calib_nll + moves.get(m.label, 0.0))) for m in batch]
+
+    refit, reach = stability.refit_in_reach(rows, ["calibrated"], 0.02, fit)
+    first = ["a [calibrated]", "b [calibrated]", "l [calibrated]", "c [calibrated]"]
+    # b moved 0.016 > 0.02 / 2: the reach becomes 0.032 and brings d (0.030 up) in
+    assert [c[0] for c in calls] == [first, ["d [calibrated]"]]
+    assert reach == pytest.approx(0.032)
+    assert sorted(refit) == sorted(first + ["d [calibrated]"])
+    # the second batch's pool holds the first batch's refits and the rows left out
+    assert calls[1][1] == sorted(first + ["e [calibrated]", "l2 [calibrated]"])
+    assert refit["b [calibrated]"].calib_nll == pytest.approx(0.999)
+    # small moves: one batch, the reach unchanged
+    moves.clear()
+    calls.clear()
+    refit, reach = stability.refit_in_reach(rows, ["calibrated"], 0.02, fit)
+    assert [c[0] for c in calls] == [first] and reach == 0.02
+    # an infinite reach refits every row at once (the whole check)
+    calls.clear()
+    refit, _ = stability.refit_in_reach(rows, ["calibrated"], math.inf, fit)
+    assert len(calls) == 1 and len(refit) == len(rows)
+
+
+def test_a_tied_rows_cross_term_interval_does_not_depend_on_the_keys_computed():
+    """The cross-term test of a tied row computes only ``rel`` (what its verdict reads);
+    each key draws from its own stream, so that interval equals the chosen row's, and
+    the AUROC is the brute-force gold-vs-competitor Mann-Whitney of the scores."""
+    from brf.eval import hypotheses
+    rng = np.random.default_rng(4)
+    P, E = 300, 12
+    logp = _log_softmax(rng.normal(0.0, 2.0, (P, 2, E)))
+    gold = rng.integers(0, E, P)
+    table = _table(logp, gold)
+    f = Fitted("born tanh", "born", {"phase": "tanh"}, np.array([0.6, 0.4]), 0.0)
+    full = hypotheses.cross_term_test(table, f, n_boot=200, seed=3)
+    alone = hypotheses.cross_term_test(table, f, n_boot=200, seed=3, keys=("rel",))
+    assert set(full) >= set(hypotheses.CROSS_TERM_KEYS) and "cross" not in alone
+    assert alone["rel"] == full["rel"]
+    s = hypotheses.cross_term_scores(table, f)
+    d = s["gold_rel"][:, None] - s["comp_rel"][None, :]
+    want = (np.sum(d > 0) + 0.5 * np.sum(d == 0)) / d.size
+    assert full["rel"]["auroc"] == pytest.approx(want, abs=1e-12)
+    assert full["rel"]["ci"][0] <= full["rel"]["auroc"] <= full["rel"]["ci"][1]
+    with pytest.raises(ValueError, match="unknown cross-term key 'nope'"):
+        hypotheses.cross_term_test(table, f, keys=("nope",))

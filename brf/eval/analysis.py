@@ -213,6 +213,8 @@ def controls_answer(controls: Sequence[ControlComparison | dict]) -> str:
     """What a per-token row's controls say, in words that compare across runs: how many it
     beats and whether shuffling its phases costs (the phase link carries its fit)."""
     rows = [c.as_dict() if isinstance(c, ControlComparison) else c for c in controls]
+    if not rows:
+        return "controls not fitted"
     beaten = sum(r["ci"][1] < 0 for r in rows)
     shuffled = [r for r in rows if r["method"] == "born_shuffled"]
     link = ("; shuffling its phases costs" if shuffled and shuffled[0]["ci"][1] < 0 else
@@ -539,11 +541,20 @@ def control_specs(methods: Sequence[MethodResult], n: int, variants: Sequence[st
                   seed: int, slack: Mapping[str, float] | None = None) -> list[MethodSpec]:
     """Per variant, the controls (:func:`brf.eval.controls.controls_for`) of the BRF row
     with a per-token phase map and the lowest calibration NLL of that variant, and of
-    every per-token row tied with it (:data:`TIE_MARGIN`)."""
-    out = []
+    every per-token row tied with it (:data:`TIE_MARGIN`).
+
+    A control is one row per label: tied rows share some (every per-token row's
+    capacity pool is the same spec; a linear map borrows the tanh curve, so its
+    reshaping controls are token_tanh's with another starting rate), and a shared one
+    is fitted once, from the spec of the best of the rows that share it. Two rows
+    under one label would be one row to a reader and to every choice made by label."""
+    out, seen = [], set()
     for v in variants:
         for b in tied([m for m in methods if m.variant == v and _per_token(m)], slack=slack):
-            out += list(controls_lib.controls_for(b.spec, n, seed=seed).values())
+            for c in controls_lib.controls_for(b.spec, n, seed=seed).values():
+                if c.label not in seen:
+                    seen.add(c.label)
+                    out.append(c)
     return out
 
 
@@ -571,13 +582,18 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
         return Difference.of(a.test_nll, b.test_nll, n_boot=st.n_boot, seed=st.seed)
 
     def control_set(token: MethodResult, rows: Sequence[MethodResult]) -> ControlSet | None:
-        labels = {c.label for c in controls_lib.controls_for(token.spec, n,
-                                                              seed=st.seed).values()}
-        mine = [m for m in rows if m.role == "control" and m.label in labels]
-        if not mine:
+        """``token`` against its controls; None unless every one of them was fitted (a
+        row tied only through the stability check's moves, or chosen by its refit, may
+        share some controls with the fitted rows and not others: its answer is not
+        known, and must not be read off the ones it shares)."""
+        labels = [c.label for c in controls_lib.controls_for(token.spec, n,
+                                                              seed=st.seed).values()]
+        fitted = {m.label: m for m in rows if m.role == "control"}
+        if not all(label in fitted for label in labels):
             return None
-        return ControlSet(row(token), tuple(ControlComparison(row(c), diff(token, c))
-                                            for c in mine))
+        return ControlSet(row(token), tuple(ControlComparison(row(fitted[label]),
+                                                              diff(token, fitted[label]))
+                                            for label in labels))
 
     for v in variants:
         rows = [m for m in methods if m.variant == v]
@@ -588,6 +604,9 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
         tokens = tied([m for m in rows if _per_token(m)], slack=slack)
         sets = [control_set(t, rows) for t in tokens]
         main = sets[0] if sets else None
+        if main is None and tokens and any(m.role == "control" for m in rows):
+            # the controls ran, but not the chosen row's: its answer is "not fitted"
+            main = ControlSet(row(tokens[0]), ())
         out[v] = FairComparison(
             row(born[0]), row(rival[0]), diff(born[0], rival[0]),
             brf_candidates=sum(m.role == "brf" for m in rows),
@@ -688,6 +707,10 @@ def analyse(plan: Plan, table: EventTable, n_segments: int, *, variants: Sequenc
         methods += fit_all(plan, control_specs(methods, n, variants, seed=plan.stats.seed),
                            calib, test, cache_path=cache_path, desc="fitting controls",
                            before=methods)
+    labels = [m.label for m in methods]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:  # every choice, tie and report line names a row by its label
+        raise ValueError(f"two rows share the label {twice[0]!r}; labels must be unique")
     # The cross-term test reads the best BRF setting's weights and phase map; from the
     # calibrated variant when it runs (its temperatures do not enter the test). Every BRF
     # row tied with it (TIE_MARGIN) is tested too.
@@ -721,7 +744,8 @@ def cross_terms(test: EventTable, born: Sequence[MethodResult], *, n_boot: int,
     out = hypotheses.cross_term_test(test, rows[0].fitted, n_boot=n_boot, seed=seed)
     alternatives = []
     for m in rows[1:]:
-        r = hypotheses.cross_term_test(test, m.fitted, n_boot=n_boot, seed=seed)
+        r = hypotheses.cross_term_test(test, m.fitted, n_boot=n_boot, seed=seed,
+                                       keys=("rel",))
         alternatives.append({"setting": r["setting"], "rel": r["rel"]})
     return {**out, "tied": [m.label for m in rows], "alternatives": alternatives}
 

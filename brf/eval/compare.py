@@ -502,8 +502,11 @@ def answers(brief: dict) -> dict[str, Answer]:
     for v, c in brief.get("fair_summary", {}).items():
         out[f"fair [{v}]"] = _difference_answers(c, "rival", "BRF better than every other row",
                                                  "BRF worse than the best other row")
-        if c.get("controls"):
-            beaten = sum(x["ci"][1] < 0 for x in c["controls"])
+        if c.get("per_token") is not None:
+            # controls == []: the chosen per-token row's controls were not fitted (a
+            # refit chose a row the run had not tied): an answer no one can read off
+            beaten = (sum(x["ci"][1] < 0 for x in c["controls"]) if c["controls"]
+                      else math.nan)
             alts = [Answer(controls_answer(a["controls"]),
                            float(sum(x["ci"][1] < 0 for x in a["controls"])),
                            rows=(a["per_token"]["label"],))

@@ -116,20 +116,37 @@ def cross_term_scores(table: EventTable, fitted: Fitted) -> dict[str, np.ndarray
             "comp_cross": cross[live & ~is_gold], "comp_rel": rel[live & ~is_gold]}
 
 
+# The cross-term test's AUROCs, each with its own random stream (its index here).
+CROSS_TERM_KEYS = ("cross", "rel", "rel_equal_phases")
+
+
 def cross_term_test(table: EventTable, fitted: Fitted, *, n_boot: int = 1000,
-                    seed: int = 0, max_competitors: int = 200_000) -> dict:
+                    seed: int = 0, max_competitors: int = 200_000,
+                    keys: tuple[str, ...] = CROSS_TERM_KEYS) -> dict:
     """AUROC (gold vs competitors) of the interference term, with bootstrap CIs,
-    over the positions whose gold is an event of its own."""
+    over the positions whose gold is an event of its own.
+
+    ``keys`` chooses which of :data:`CROSS_TERM_KEYS` to compute (the raw cross-term,
+    cross/linear, and cross/linear with equal phases, the control). Each draws from
+    its own stream, ``default_rng((seed, index))``, so a key's interval does not
+    depend on which others were computed: a tied row tested on ``rel`` alone gets the
+    interval it would get as the chosen row."""
+    bad = [k for k in keys if k not in CROSS_TERM_KEYS]
+    if bad:
+        raise ValueError(f"unknown cross-term key {bad[0]!r}; use {CROSS_TERM_KEYS}")
     table = table.take(table.gold_listed)
     s = cross_term_scores(table, fitted)
     # Control: the same weights with equal phases. Its cross-term is the pure
     # agreement term sqrt(p_i p_j); what the phase map adds is the difference.
-    control = cross_term_scores(table, Fitted("equal phases", "born",
-                                              {"phase": "constant"}, fitted.weights, 0.0))
-    rng = np.random.default_rng(seed)
+    control = (cross_term_scores(table, Fitted("equal phases", "born", {"phase": "constant"},
+                                               fitted.weights, 0.0))
+               if "rel_equal_phases" in keys else None)
     out = {"setting": fitted.label}
-    for key, src, k in (("cross", s, "cross"), ("rel", s, "rel"),
-                        ("rel_equal_phases", control, "rel")):
+    for i, (key, src, k) in enumerate((("cross", s, "cross"), ("rel", s, "rel"),
+                                       ("rel_equal_phases", control, "rel"))):
+        if key not in keys:
+            continue
+        rng = np.random.default_rng((seed, i))
         comp = src[f"comp_{k}"]
         if comp.size > max_competitors:  # subsample competitors for the bootstrap
             comp = rng.choice(comp, max_competitors, replace=False)

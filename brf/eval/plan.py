@@ -17,6 +17,7 @@ positions, :mod:`brf.eval.events`) and, when ``plan.bytes.enabled``, ``'bytes'``
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -32,6 +33,14 @@ from brf.eval.fitting import VARIANTS, FitSettings, MethodSpec, perturbations
 from brf.specs import format_spec, parse_list, split_list
 
 MIN_SPLIT_POSITIONS = 50   # per split: below this no test or fit means much
+# The stability check's reach (brf.eval.stability), in nats of calibration NLL: it
+# refits the rows within this of the best row of some set a verdict chooses from (and
+# every control); a row further up could enter a choice only by moving further than
+# that. Twice the largest move a refit made on the study's real tables (9.9e-3, the
+# swarm's; BENCHMARKS.md, "The stability check on the real tables"), and a check that
+# sees a row move by more than half its reach widens it to twice that move and refits
+# the rows it brings in, so the rule rests on what the check itself measured.
+STABILITY_REACH = 0.02
 # The levels an analysis runs at: co-aligned token positions, or every byte.
 LEVELS = ("tokens", "bytes")
 
@@ -203,6 +212,7 @@ class Plan:
     bytes: ByteSettings = BYTES_OFF
     controls: bool = True
     stability: str = ""                      # the stability check's perturbation ('': off)
+    stability_reach: float = STABILITY_REACH  # rows this far up are not refitted (inf: all)
     mesh: Mapping[str, Any] | None = None
     distributed: Mapping[str, Any] | None = None
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -449,6 +459,8 @@ SCHEMA = {
     "fit.starts": S.integer(0, 1000),
     "fit.perturb": S.text(check=_perturbation_check),
     "stability": S.text(check=_perturbation_check, note="'': off"),
+    "stability_reach": S.number(0, None, low_open=True, special=(0, 0.0),
+                                note="nats; 0: every calibrated row"),
     "stats.n_boot": S.integer(10, S.RESAMPLES_MAX),
     "stats.n_perm": S.integer(10, S.RESAMPLES_MAX),
     "stats.seed": S.seed(),
@@ -536,12 +548,13 @@ def from_config(cfg) -> Plan:
     bottleneck = BottleneckSettings(int(cfg.bottleneck.positions), int(cfg.bottleneck.top_k))
     byte_settings = _byte_settings(cfg.get("bytes"))
     stability = str(cfg.get("stability", "") or "")
+    reach = float(cfg.get("stability_reach", STABILITY_REACH))
     plan = Plan(members=members, corpora=tuple(_corpora(cfg.corpora)), methods=methods,
                 phase_maps=phase_maps, variants=variants, nll_baselines=baselines,
                 sweep=tuple(_sweep(cfg.sweep)), scoring=scoring, fit=fit, stats=stats,
                 prompts=prompts, bottleneck=bottleneck, topk_sensitivity=k2,
                 out_dir=str(cfg.out_dir), bytes=byte_settings, controls=bool(cfg.controls),
-                stability=stability,
+                stability=stability, stability_reach=reach if reach > 0 else math.inf,
                 mesh=_plain(cfg.get("mesh")),
                 distributed=_plain(cfg.get("distributed")), config=cfg.to_dict())
     for c in plan.corpora:  # a corpus too short for the split fails here, not after scoring

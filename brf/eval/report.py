@@ -120,11 +120,20 @@ def stability_sentence(s: dict) -> str:
                f"({top['label']})" if top else "no row moved")
     over = s["rows_over_tolerance"]
     moved = s["moved"]
-    return (f"Every calibrated row refitted under the perturbation {s['perturbation']!r} "
-            f"({s['refitted_rows']} rows): {largest}; {len(over)} moved by more than "
+    return (f"{_refitted_words(s)} under the perturbation {s['perturbation']!r}: "
+            f"{largest}; {len(over)} moved by more than "
             f"{s['tolerance']:g}. {len(moved)} of {s['verdicts']} verdicts resting on them "
             f"moved" + (f" ({', '.join(moved)}; not warned of as fragile: "
                         f"{', '.join(s['moved_standing']) or 'none'})." if moved else "."))
+
+
+def _refitted_words(s: dict) -> str:
+    """Which calibrated rows the stability check refitted, in words."""
+    left = s.get("not_refitted") or []
+    if not left:
+        return f"Every calibrated row refitted ({s['refitted_rows']} rows)"
+    return (f"The {s['refitted_rows']} calibrated rows within {s['reach']:.3g} nats of some "
+            f"choice refitted ({len(left)} further up not: {', '.join(left)})")
 
 
 def _cross_ties(ct: dict) -> str:
@@ -213,7 +222,10 @@ def fair_sentence(c: dict, variant: str, unit: str = "position") -> str:
            f"{c['rival_candidates']} other rows, {r['label']} ({r['role']}, "
            f"{r['free_parameters']} free parameters): {_ci(c)} nats/{unit}: {edge}."
            + ties_sentence(c, ("brf", "rival"), "rival"))
-    if c.get("controls"):
+    if c.get("per_token") is not None and not c.get("controls"):
+        out += (f" The per-token BRF row {c['per_token']['label']}: controls not fitted "
+                f"(it was not tied with the row they were fitted for).")
+    elif c.get("controls"):
         t = c["per_token"]
         parts = [f"{x['label']} ({x['free_parameters']}) {_ci(x)}" for x in c["controls"]]
         shuffled = [x for x in c["controls"] if x["method"] == "born_shuffled"]

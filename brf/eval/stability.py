@@ -1,7 +1,8 @@
 """The stability check: do an analysis's verdicts survive a refit under other last bits?
 
-Every calibrated row of an analysis (controls included) is fitted again, the whole fit
-as the study runs it, under a perturbation that changes only the last bits of the
+Every calibrated row of an analysis that a verdict could choose (within the plan's
+reach of a choice, :data:`brf.eval.plan.STABILITY_REACH`; controls included) is fitted
+again, the whole fit as the study runs it, under a perturbation that changes only the last bits of the
 objective (:data:`brf.eval.fitting.PERTURBATIONS`: the positions summed in another
 order, the table moved by an ulp or two, Born's sin and cos from XLA instead of brf's
 polynomial). A fit that finds its optimum lands within
@@ -52,6 +53,8 @@ class Check(NamedTuple):
     perturbed: AnalysisResult
     result: AnalysisResult   # the run's analysis, its ties widened by the rows' moves
     seconds: float
+    reach: float = math.inf  # rows further above every choice were not refitted
+    left_out: tuple[str, ...] = ()  # those rows
 
     @property
     def moved(self) -> list[str]:
@@ -73,6 +76,8 @@ class Check(NamedTuple):
             "perturbation": self.perturbation,
             "tolerance": FIT_TOLERANCE,
             "refitted_rows": len(self.rows),
+            "reach": self.reach if math.isfinite(self.reach) else None,
+            "not_refitted": list(self.left_out),
             "largest_row_move": (None if top is None else
                                  {"label": top.label, "before": top.before,
                                   "after": top.after, "move": top.move}),
@@ -103,6 +108,12 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
     compares every verdict that rests on them; None when the plan turns the check off or
     no variant is refitted.
 
+    The rows refitted are those within ``plan.stability_reach`` (:data:`~brf.eval.plan.STABILITY_REACH`
+    by default) of the best row of some set a verdict chooses from (:func:`in_reach`; every
+    control), the reach widened to twice the
+    largest move seen while a refit moves a row by more than half of it (math.inf:
+    every row). The others keep their run's fits in the refitted analysis.
+
     Each row's move widens the tie margin between it and the others
     (:func:`brf.eval.analysis.tied`'s ``slack``): rows a refit could reorder count as
     tied, so a verdict that rests on which of them came first is reported as fragile.
@@ -117,11 +128,14 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
     old = [m for m in result.methods if m.variant in todo]
     before = [m for m in result.methods if m.variant not in todo]
     plan_p = dataclasses.replace(plan, fit=settings)
-    new = fit_all(plan_p, [m.spec for m in old], result.calib, result.test,
-                  cache_path=perturbed_cache(cache_path), desc="stability check",
-                  before=before)
-    refit = {m.label: m for m in new}
-    rows = tuple(RowMove(m.label, m.calib_nll, refit[m.label].calib_nll) for m in old)
+    refit, reach = refit_in_reach(
+        old, todo, plan.stability_reach,
+        lambda batch, earlier: fit_all(plan_p, [m.spec for m in batch], result.calib,
+                                       result.test, cache_path=perturbed_cache(cache_path),
+                                       desc="stability check", before=before + earlier))
+    rows = tuple(RowMove(m.label, m.calib_nll, refit[m.label].calib_nll) for m in old
+                 if m.label in refit)
+    left_out = tuple(m.label for m in old if m.label not in refit)
     slack = {r.label: abs(r.move) for r in rows if math.isfinite(r.move) and r.move != 0.0}
     main = (_recomputed(plan, result, result.methods, variants, n, slack)
             if _ties(result.methods, variants, slack) != _ties(result.methods, variants, {})
@@ -129,7 +143,61 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
     methods = [refit.get(m.label, m) for m in result.methods]
     perturbed = _recomputed(plan, result, methods, variants, n, slack)
     verdicts = _paired(_answers(main, todo), _answers(perturbed, todo))
-    return Check(plan.stability, rows, verdicts, perturbed, main, time.time() - t0)
+    return Check(plan.stability, rows, verdicts, perturbed, main, time.time() - t0, reach,
+                 left_out)
+
+
+def refit_in_reach(old: Sequence[MethodResult], variants: Sequence[str], reach: float,
+                   fit) -> tuple[dict[str, MethodResult], float]:
+    """Refits the rows of ``old`` within ``reach`` of a choice (:func:`in_reach`), then,
+    while a refit moved some row by more than half the reach, widens it to twice that
+    move and refits the rows it brings in.
+
+    Args:
+      old: the run's rows of the refitted variants.
+      variants: those variants.
+      reach: the first reach (nats).
+      fit: ``fit(batch, earlier)`` -> the rows of ``batch`` refitted, in order;
+        ``earlier`` are the rows refitted so far and the rows left out (as run) for its
+        second pass's pool.
+
+    Returns:
+      (label -> refitted row, the reach reached).
+    """
+    refit: dict[str, MethodResult] = {}
+    while True:
+        near = in_reach(old, variants, reach)
+        batch = [m for m in old if m.label in near and m.label not in refit]
+        if not batch:
+            return refit, reach
+        # the rows not refitted (yet) join the second pass's pool as they are: far up,
+        # they seldom rank among its best starts
+        rest = [m for m in old if m.label not in near]
+        refit.update((m.label, m) for m in fit(batch, list(refit.values()) + rest))
+        moves = [abs(refit[m.label].calib_nll - m.calib_nll) for m in old
+                 if m.label in refit]
+        top = max((x for x in moves if math.isfinite(x)), default=0.0)
+        if not 2.0 * top > reach:
+            return refit, reach
+        reach = 2.0 * top
+
+
+def in_reach(methods: Sequence[MethodResult], variants: Sequence[str], reach: float) -> set:
+    """The labels of the rows of ``variants`` within ``reach`` nats of calibration NLL of
+    the best row of a set some verdict chooses from (BRF rows, baselines, every row
+    but BRF's, single members, per-token BRF rows), and every control."""
+    out = set()
+    for v in variants:
+        rows = [m for m in methods if m.variant == v]
+        for pick in _PICKS:
+            out |= {m.label for m in tied([m for m in rows if pick(m)], margin=reach)}
+        out |= {m.label for m in rows if m.role == "control"}
+    return out
+
+
+# The sets of rows verdicts choose from (the best of each, and the rows tied with it).
+_PICKS = (lambda m: m.role == "brf", lambda m: m.role == "baseline",
+          lambda m: m.role != "brf", lambda m: m.role == "member", _per_token)
 
 
 def _ties(methods: Sequence[MethodResult], variants: Sequence[str], slack) -> tuple:
@@ -138,8 +206,7 @@ def _ties(methods: Sequence[MethodResult], variants: Sequence[str], slack) -> tu
     out = []
     for v in variants:
         rows = [m for m in methods if m.variant == v]
-        for pick in (lambda m: m.role == "brf", lambda m: m.role == "baseline",
-                     lambda m: m.role != "brf", lambda m: m.role == "member", _per_token):
+        for pick in _PICKS:
             out.append(tuple(m.label for m in tied([m for m in rows if pick(m)], slack=slack)))
     return tuple(out)
 
@@ -212,4 +279,5 @@ def study_moves(plan: Plan, per_corpus: Sequence[tuple[str, AnalysisResult, Anal
     return {k: (a, b) for k, (a, b) in out.items() if a is not None and b is not None}
 
 
-__all__ = ["Check", "RowMove", "check", "perturbed_cache", "refitted_variants", "study_moves"]
+__all__ = ["Check", "RowMove", "check", "in_reach", "perturbed_cache",
+           "refit_in_reach", "refitted_variants", "study_moves"]

@@ -187,6 +187,7 @@ def _stability_section(plan: Plan, per_corpus: list, prompts: list) -> dict | No
     top = max(finite, key=lambda x: abs(x[1].move)) if finite else None
     return {"perturbation": plan.stability, "tolerance": stability.FIT_TOLERANCE,
             "analyses": len(checks), "refitted_rows": len(rows),
+            "not_refitted": sum(len(c.left_out) for _, c in checks),
             "rows_over_tolerance": sum(not abs(r.move) <= stability.FIT_TOLERANCE
                                        for _, r in rows),
             "largest_row_move": (None if top is None else

@@ -177,9 +177,14 @@ def stability_words(s: dict) -> str:
     largest = (f"the largest move of a row's calibration NLL {top['move']:+.2g} nats "
                f"({top['analysis']}: {top['label']})" if top else "no row moved")
     moved = s["moved"]
-    return (f"Every calibrated row of the {s['analyses']} analyses was fitted again under "
+    left = s.get("not_refitted") or 0
+    which = ("Every calibrated row" if not left else
+             "Every calibrated row that a verdict could choose")
+    return (f"{which} of the {s['analyses']} analyses was fitted again under "
             f"the perturbation {s['perturbation']!r} (the last bits of the objective "
-            f"changed; brf/eval/stability.py): {s['refitted_rows']} rows, "
+            f"changed; brf/eval/stability.py): {s['refitted_rows']} rows"
+            + (f" ({left} more than the check's reach above every choice were not)"
+               if left else "") + ", "
             f"{s['rows_over_tolerance']} of them moved by more than {s['tolerance']:g} "
             f"nats, {largest}. {len(moved)} of {s['verdicts']} verdicts resting on them "
             f"moved" + (f": {'; '.join(moved)} (not warned of as fragile: "
