@@ -2,10 +2,10 @@
 
 Every calibrated row of an analysis that a verdict could choose (within the plan's
 reach of a choice, :data:`brf.eval.plan.STABILITY_REACH`; controls included) is fitted
-again, the whole fit as the study runs it, under a perturbation that changes only the last bits of the
-objective (:data:`brf.eval.fitting.PERTURBATIONS`: the positions summed in another
-order, the table moved by an ulp or two, Born's sin and cos from XLA instead of brf's
-polynomial). A fit that finds its optimum lands within
+again, the whole fit as the study runs it, under a perturbation that changes only the
+last bits of the objective (:data:`brf.eval.fitting.PERTURBATIONS`: the positions
+summed in another order, the table moved by an ulp or two, Born's sin and cos from XLA
+instead of brf's polynomial). A fit that finds its optimum lands within
 :data:`~brf.eval.fitting.FIT_TOLERANCE` of where it landed before; a verdict that rests
 on which optimum a fit happened to stop in, or on which of two nearly tied rows came
 first, can move. The check refits, evaluates the refitted rows on test, recomputes
@@ -108,10 +108,10 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
     compares every verdict that rests on them; None when the plan turns the check off or
     no variant is refitted.
 
-    The rows refitted are those within ``plan.stability_reach`` (:data:`~brf.eval.plan.STABILITY_REACH`
-    by default) of the best row of some set a verdict chooses from (:func:`in_reach`; every
-    control), the reach widened to twice the
-    largest move seen while a refit moves a row by more than half of it (math.inf:
+    The rows refitted are those within ``plan.stability_reach``
+    (:data:`~brf.eval.plan.STABILITY_REACH` by default) of the best row of some set a
+    verdict chooses from (:func:`in_reach`; every control), the reach widened to twice
+    the largest move seen while a refit moves a row by more than half of it (math.inf:
     every row). The others keep their run's fits in the refitted analysis.
 
     Each row's move widens the tie margin between it and the others
