@@ -174,6 +174,11 @@ def test_one_corpus_end_to_end(tmp_path, text, members):
                 low = min(x["calib_nll"] for x in calibrated if pick(x))
                 assert m["calib_nll"] > low + stab["reach"], label
     assert stab["moved"] == [], stab
+    # The rows as proposed are not refitted, and the report says their verdicts are
+    # unchecked; every verdict the check compared rests on the calibrated rows.
+    assert stab["variants_not_refitted"] == ["proposed"]
+    assert "as proposed were not refitted" in data["verdict"]["stability"]
+    assert not any(k.endswith("[proposed]") for k in stab["answers"]), stab["answers"]
     over = stab["rows_over_tolerance"]
     assert all(abs(r["move"]) > stab["tolerance"] for r in over)
     if over:

@@ -124,7 +124,18 @@ def stability_sentence(s: dict) -> str:
             f"{largest}; {len(over)} moved by more than "
             f"{s['tolerance']:g}. {len(moved)} of {s['verdicts']} verdicts resting on them "
             f"moved" + (f" ({', '.join(moved)}; not warned of as fragile: "
-                        f"{', '.join(s['moved_standing']) or 'none'})." if moved else "."))
+                        f"{', '.join(s['moved_standing']) or 'none'})." if moved else ".")
+            + _unchecked_words(s))
+
+
+def _unchecked_words(s: dict) -> str:
+    """The variants whose rows the check did not refit (their verdicts unchecked)."""
+    left = s.get("variants_not_refitted") or []
+    if not left:
+        return ""
+    names = " and ".join("as proposed" if v == "proposed" else v for v in left)
+    return f" The rows {names} were not refitted, so the verdicts resting on them are not checked."
+
 
 
 def _refitted_words(s: dict) -> str:

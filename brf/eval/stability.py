@@ -55,6 +55,7 @@ class Check(NamedTuple):
     seconds: float
     reach: float = math.inf  # rows further above every choice were not refitted
     left_out: tuple[str, ...] = ()  # those rows
+    unchecked: tuple[str, ...] = ()  # the analysis's variants not refitted ('proposed')
 
     @property
     def moved(self) -> list[str]:
@@ -78,6 +79,7 @@ class Check(NamedTuple):
             "refitted_rows": len(self.rows),
             "reach": self.reach if math.isfinite(self.reach) else None,
             "not_refitted": list(self.left_out),
+            "variants_not_refitted": list(self.unchecked),
             "largest_row_move": (None if top is None else
                                  {"label": top.label, "before": top.before,
                                   "after": top.after, "move": top.move}),
@@ -144,7 +146,7 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
     perturbed = _recomputed(plan, result, methods, variants, n, slack)
     verdicts = _paired(_answers(main, todo), _answers(perturbed, todo))
     return Check(plan.stability, rows, verdicts, perturbed, main, time.time() - t0, reach,
-                 left_out)
+                 left_out, tuple(v for v in variants if v not in todo))
 
 
 def refit_in_reach(old: Sequence[MethodResult], variants: Sequence[str], reach: float,
