@@ -22,9 +22,11 @@ level: 1,088 positions, 33 events). ``--screen_positions``, ``--subsample``,
 With ``--study=CORPUS/ANALYSIS`` (e.g. ``hamlet/swarm``) it refits instead one analysis
 of the study (configs/validate.py, token level) as the study fits it: its calibration
 table from the study's score stores under ``--study_out`` (scored first where README's
-main command has not run), every calibrated row whose label contains one of
-``--study_rows`` (all by default) through both passes of
-``brf.eval.analysis.fit_specs``, as is and under each perturbation.
+main command has not run), every row of ``--study_variant`` (calibrated by default)
+whose label contains one of ``--study_rows`` (all by default) through both passes of
+``brf.eval.analysis.fit_specs``, as is and under each perturbation; with
+``--study_stages``, with ``--starts`` random starts (0: the structured starts alone)
+and the stage flags' stages instead of the study's.
 
 With ``--census``, each row's fits are taken apart instead: *every* start of the row
 (the structured start and the first ``--starts`` seeded random ones, the fitter's own)
@@ -43,6 +45,8 @@ lie within 2e-3 nats of it: whether any number of starts can make a refit repeat
   python experiments/bench_fit_repeat.py --table=tiny_study --rows=born_token_tanh,born_tanh \
       --starts=8,24,64 --screen_positions=0 --subsample=0
   python experiments/bench_fit_repeat.py --study=hamlet/swarm --study_rows=born,pool --perturb=order+ulp+sincos
+  python experiments/bench_fit_repeat.py --study=hamlet/corpus --study_variant=proposed \
+      --study_rows=token_tanh --study_stages --starts=0 --perturb=
 """
 
 import dataclasses
@@ -88,8 +92,12 @@ flags.DEFINE_bool("census", False, "every start of each row to convergence, its 
                   "counted (see above) instead of whole fits")
 flags.DEFINE_bool("float64", True, "with --census: every end continued on the float64 "
                   "objective")
-flags.DEFINE_list("study_rows", [], "with --study: fit the calibrated rows whose label "
+flags.DEFINE_list("study_rows", [], "with --study: fit the rows whose label "
                   "contains one of these (default: every row)")
+flags.DEFINE_enum("study_variant", "calibrated", ["calibrated", "proposed"],
+                  "with --study: the variant whose rows are refitted")
+flags.DEFINE_bool("study_stages", False, "with --study: the fitter's starts and stages "
+                  "from --starts (its first number) and the stage flags, not the study's")
 
 _BORN = {"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]}
 ROWS = {
@@ -147,19 +155,23 @@ def refit_study(perturbs: list[str]) -> None:
     from brf.eval.analysis import fit_specs
     table, plan = study_table(FLAGS.study)
     n = table.logp.shape[1]
-    specs = [s for s in plan.method_specs(n, ("calibrated",) if n > 2 else plan.variants)
-             if s.variant == "calibrated" and s.role != "member"
+    want = FLAGS.study_variant
+    specs = [s for s in plan.method_specs(n, (want,) if n > 2 else plan.variants)
+             if s.variant == want and s.role != "member"
              and (not FLAGS.study_rows or any(r in s.label for r in FLAGS.study_rows))]
     if not specs:
-        raise UserError(f"--study_rows: no calibrated row of {FLAGS.study} contains any of "
+        raise UserError(f"--study_rows: no {want} row of {FLAGS.study} contains any of "
                         f"{FLAGS.study_rows}")
+    fit = plan.fit
+    if FLAGS.study_stages:
+        fit = dataclasses.replace(fit, starts=int(FLAGS.starts[0]), **_stages())
     print(f"{FLAGS.study}: {' x '.join(map(str, table.logp.shape))} positions x members x "
           f"events, {len(specs)} rows; {platform.node()}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}\n", flush=True)
     nll, secs = {}, []
     for p in perturbs:
         t0 = time.perf_counter()
-        fits = fit_specs(specs, table, dataclasses.replace(plan.fit, perturb=p),
+        fits = fit_specs(specs, table, dataclasses.replace(fit, perturb=p),
                          desc=p or "as is")
         secs.append(time.perf_counter() - t0)
         for f in fits:
@@ -239,6 +251,16 @@ def census(table: EventTable, n_starts: int, perturbs: list[str]) -> None:
                               "s"], summary))
 
 
+def _stages() -> dict:
+    """The fitter's stages from the flags (a bad one is the user's mistake)."""
+    stages = dict(screen_positions=FLAGS.screen_positions, subsample=FLAGS.subsample,
+                  keep=FLAGS.keep, polish=FLAGS.polish, screen_iter=FLAGS.screen_iter)
+    if min(stages.values()) < 0 or min(FLAGS.keep, FLAGS.polish, FLAGS.screen_iter) < 1:
+        raise UserError(f"the fitter's stages: positions >= 0, keep, polish and "
+                        f"screen_iter >= 1; got {stages}")
+    return stages
+
+
 def main(argv):
     del argv
     unknown = [r for r in FLAGS.rows if r not in ROWS]
@@ -253,8 +275,9 @@ def main(argv):
         starts = [int(s) for s in FLAGS.starts]
     except ValueError:
         raise UserError(f"--starts: integers, got {','.join(FLAGS.starts)!r}") from None
-    if any(s < 1 for s in starts):
-        raise UserError("--starts: each at least 1")
+    if any(s < 0 for s in starts):
+        raise UserError("--starts: each at least 0 (0: the structured starts alone)")
+    _stages()
     if FLAGS.study:
         return refit_study([""] + list(FLAGS.perturb))
     table = {"planted": two_members, "hamlet_bytes": hamlet_table,
@@ -264,11 +287,7 @@ def main(argv):
               f"members x events; {starts[0] + 1} starts per row; {platform.node()}, "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
         return census(table, starts[0], [""] + list(FLAGS.perturb))
-    stages = dict(screen_positions=FLAGS.screen_positions, subsample=FLAGS.subsample,
-                  keep=FLAGS.keep, polish=FLAGS.polish, screen_iter=FLAGS.screen_iter)
-    if min(stages.values()) < 0 or min(FLAGS.keep, FLAGS.polish, FLAGS.screen_iter) < 1:
-        raise UserError(f"the fitter's stages: positions >= 0, keep, polish and "
-                        f"screen_iter >= 1; got {stages}")
+    stages = _stages()
     print(f"{FLAGS.table}: {' x '.join(map(str, table.logp.shape))} positions x members x "
           f"events; stages {stages}; {platform.node()}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}\n")

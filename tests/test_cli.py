@@ -127,6 +127,8 @@ CASES = [
     (["experiments/bench_fusion.py", "--methods=nope"], "nope"),
     (["experiments/bench_fit_repeat.py", "--table=tiny_study", "--keep=0"],
      "the fitter's stages: positions >= 0, keep, polish and screen_iter >= 1"),
+    (["experiments/bench_fit_repeat.py", "--starts=-1"],
+     "--starts: each at least 0 (0: the structured starts alone)"),
     (["experiments/demo.py", "--config=configs/demo.py", "--config.weights=abc"], "weights"),
     # issue 54: tracebacks, hangs and wrong results, now one line naming the key
     (G + ["--config.seed=1180591620717411303424"], "config.seed must be an integer <= "
