@@ -11,7 +11,11 @@ calibration give another answer: ``brf.eval.analysis.TIE_MARGIN``) and the fitte
 rows it rests on (a difference's BRF and other row, chosen on calibration in each
 run; the cross-term test's setting): those whose answer moved (standing in both runs,
 or fragile in one), then those whose answer held while its rows changed, then each
-run's own stability check. Then the per-analysis reports
+run's own stability check. Where a run stopped before writing its study report (the
+token level writes one before the byte level starts; a run stopped inside the token
+level has none), the verdicts compared are each analysis's own, from the per-analysis
+reports both runs have (no pooled or prompt-study verdicts, no check of the texts).
+Then the per-analysis reports
 (``report-*.json``, each level's): analyses matched by file name, rows by label
 and variant, per analysis a Markdown table of calibration NLL old / new / new -
 old and test NLL, and how many rows got worse on calibration by more than
@@ -37,7 +41,8 @@ from absl import flags
 
 from brf import cli
 from brf.errors import UserError
-from brf.eval.compare import run_moves
+from brf.eval import study_report
+from brf.eval.compare import analysis_moves, run_moves
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("old", "results/study", "the earlier study directory")
@@ -63,8 +68,12 @@ def _reports(root: str) -> dict[str, dict]:
             for p in sorted(paths)}
 
 
-def _study(root: str) -> dict:
-    rep = _load(os.path.join(root, "report.json"), "the study's report")
+def _study(root: str) -> dict | None:
+    """The study's report, or None where the run stopped before writing it."""
+    path = os.path.join(root, "report.json")
+    if not os.path.exists(path):
+        return None
+    rep = _load(path, "the study's report")
     if not isinstance(rep, dict) or "per_corpus" not in rep:
         raise UserError(f"{os.path.join(root, 'report.json')!r} is not a study report "
                         f"(no 'per_corpus')")
@@ -92,11 +101,11 @@ def corpus_lines(old: dict, new: dict) -> tuple[list[str], set[str]]:
     return lines, differ
 
 
-def verdict_lines(old: dict, new: dict, differ: set[str] = frozenset()) -> list[str]:
-    """Markdown: the verdicts that moved between two study reports, then those whose
-    rows changed while the answer held; verdicts on ``differ``'s corpora and pooled ones
-    are marked as comparing different data."""
-    moves = run_moves(old, new)
+def verdict_lines(moves: dict, differ: set[str] = frozenset()) -> list[str]:
+    """Markdown: the verdicts that moved between two runs (``compare.run_moves`` or
+    ``compare.analysis_moves``), then those whose rows changed while the answer held;
+    verdicts on ``differ``'s corpora and pooled ones are marked as comparing different
+    data."""
 
     def rows(a) -> str:
         return "; ".join(a.rows) if a.rows else ""
@@ -174,20 +183,32 @@ def main(argv):
     if not (math.isfinite(FLAGS.tolerance) and FLAGS.tolerance >= 0):
         raise UserError(f"--tolerance must be a finite number >= 0 (nats); got "
                         f"{FLAGS.tolerance}")
-    studies = _study(FLAGS.old), _study(FLAGS.new)
     old, new = _reports(FLAGS.old), _reports(FLAGS.new)
+    studies = _study(FLAGS.old), _study(FLAGS.new)
     keep = [s.strip() for s in FLAGS.analyses.split(",") if s.strip()]
     names = [name for name in sorted(set(old) & set(new))
              if not keep or any(s in name for s in keep)]
     if keep and not names:
         raise UserError(f"--analyses={FLAGS.analyses!r} matches none of the analyses both "
                         f"runs have: {', '.join(sorted(set(old) & set(new))) or 'none'}")
-    lines, differ = corpus_lines(*studies)
-    print("## Corpora\n")
-    print("\n".join(lines))
-    print("\n## Verdicts\n")
-    print("\n".join(verdict_lines(*studies, differ)))
-    checks = (stability_lines("old", studies[0]) + stability_lines("new", studies[1]))
+    if None in studies:
+        # a run stopped before its study report: its analyses' own verdicts only
+        missing = [r for r, s in zip((FLAGS.old, FLAGS.new), studies) if s is None]
+        print(f"No study report (report.json) in {' or '.join(map(repr, missing))}, a run "
+              f"stopped part way: the verdicts of each analysis both runs have, not the "
+              f"pooled or prompt-study ones, and the texts are not compared.\n")
+        print("## Verdicts\n")
+        brief = lambda reps: {k: study_report.brief(v) for k, v in reps.items()}  # noqa: E731
+        print("\n".join(verdict_lines(analysis_moves(brief(old), brief(new)))))
+        checks = [line for name in names for line in stability_lines(
+            f"{name}, old", old[name]) + stability_lines(f"{name}, new", new[name])]
+    else:
+        lines, differ = corpus_lines(*studies)
+        print("## Corpora\n")
+        print("\n".join(lines))
+        print("\n## Verdicts\n")
+        print("\n".join(verdict_lines(run_moves(*studies), differ)))
+        checks = stability_lines("old", studies[0]) + stability_lines("new", studies[1])
     if checks:
         print("\n## Each run's stability check\n")
         print("\n".join(checks))

@@ -122,7 +122,7 @@ CASES = [
     (["experiments/convert.py", "--source={d}/junk.gguf", "--out={d}/latin1.txt/ck"],
      "the folder of --out='{d}/latin1.txt' cannot be written"),
     (["experiments/compare_fits.py", "--old={d}", "--new={d}"],
-     "cannot read the study's report '{d}/report.json'"),
+     "no per-analysis reports (*/report-*.json) under '{d}'"),
     # benchmarks and the demo
     (["experiments/bench_fusion.py", "--methods=nope"], "nope"),
     (["experiments/bench_fit_repeat.py", "--table=tiny_study", "--keep=0"],

@@ -654,3 +654,17 @@ def run_moves(before: dict, after: dict) -> dict[str, RunMove]:
             out.update({f"{level}: {k}": RunMove(x, y)
                         for k, (x, y) in paired_answers(a, b).items()})
     return out
+
+
+def analysis_moves(before: dict[str, dict], after: dict[str, dict]) -> dict[str, RunMove]:
+    """Which verdicts differ between two runs, read off their per-analysis reports
+    (name -> brief report, ``study_report.brief``) where a study report is missing (a
+    run stopped part way): ``"<name>: <verdict>"`` -> :class:`RunMove` for every
+    analysis both have. The pooled and prompt-study verdicts live only in the study
+    report, so they are not compared."""
+    out = {}
+    for name in sorted(before.keys() & after.keys()):
+        a, b = answers(before[name]), answers(after[name])
+        out.update({f"{name}: {k}": RunMove(a[k], b[k]) for k in a if k in b})
+    return out
+
