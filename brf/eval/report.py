@@ -134,8 +134,8 @@ def _unchecked_words(s: dict) -> str:
     if not left:
         return ""
     names = " and ".join("as proposed" if v == "proposed" else v for v in left)
-    return f" The rows {names} were not refitted, so the verdicts resting on them are not checked."
-
+    return (f" The rows {names} were not refitted, so the verdicts resting on them are "
+            f"not checked.")
 
 
 def _refitted_words(s: dict) -> str:
