@@ -150,8 +150,9 @@ def study_table(which: str):
                     f"e.g. hamlet/swarm)")
 
 
-def refit_study(perturbs: list[str]) -> None:
-    """--study: the analysis's calibrated rows fitted as the study fits them."""
+def refit_study(perturbs: list[str], stages: dict) -> None:
+    """--study: the analysis's rows of --study_variant fitted as the study fits them, or
+    with ``stages`` and the first --starts under --study_stages."""
     from brf.eval.analysis import fit_specs
     table, plan = study_table(FLAGS.study)
     n = table.logp.shape[1]
@@ -164,7 +165,7 @@ def refit_study(perturbs: list[str]) -> None:
                         f"{FLAGS.study_rows}")
     fit = plan.fit
     if FLAGS.study_stages:
-        fit = dataclasses.replace(fit, starts=int(FLAGS.starts[0]), **_stages())
+        fit = dataclasses.replace(fit, starts=int(FLAGS.starts[0]), **stages)
     print(f"{FLAGS.study}: {' x '.join(map(str, table.logp.shape))} positions x members x "
           f"events, {len(specs)} rows; {platform.node()}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}\n", flush=True)
@@ -277,9 +278,9 @@ def main(argv):
         raise UserError(f"--starts: integers, got {','.join(FLAGS.starts)!r}") from None
     if any(s < 0 for s in starts):
         raise UserError("--starts: each at least 0 (0: the structured starts alone)")
-    _stages()
+    stages = _stages()
     if FLAGS.study:
-        return refit_study([""] + list(FLAGS.perturb))
+        return refit_study([""] + list(FLAGS.perturb), stages)
     table = {"planted": two_members, "hamlet_bytes": hamlet_table,
              "tiny_study": tiny_study_table}[FLAGS.table]()
     if FLAGS.census:
@@ -287,7 +288,6 @@ def main(argv):
               f"members x events; {starts[0] + 1} starts per row; {platform.node()}, "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
         return census(table, starts[0], [""] + list(FLAGS.perturb))
-    stages = _stages()
     print(f"{FLAGS.table}: {' x '.join(map(str, table.logp.shape))} positions x members x "
           f"events; stages {stages}; {platform.node()}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}\n")

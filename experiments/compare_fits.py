@@ -75,7 +75,7 @@ def _study(root: str) -> dict | None:
         return None
     rep = _load(path, "the study's report")
     if not isinstance(rep, dict) or "per_corpus" not in rep:
-        raise UserError(f"{os.path.join(root, 'report.json')!r} is not a study report "
+        raise UserError(f"{path!r} is not a study report "
                         f"(no 'per_corpus')")
     return rep
 
