@@ -456,3 +456,40 @@ def test_fisher_information_is_the_mean_outer_product_of_position_gradients():
     want = np.mean(g * g) * (1 + 2 * FISHER_RIDGE)
     assert got.shape == (1, 1)
     assert got[0, 0] == pytest.approx(want, rel=1e-4)
+
+
+def test_a_multi_start_fit_never_ends_above_its_first_start_alone():
+    """On 2,600 positions of Hamlet's calibration table (the default pair, token level:
+    tests/data/first_start_table.npz), the sampled screen ranks the basin the first
+    start reaches below four others, which end 2.7e-4 nats higher; the first start's
+    run is carried through every cut, so the fit ends no higher than that start alone
+    (starts=0) reaches."""
+    import os
+    from brf.event_table import EventTable
+    d = np.load(os.path.join(os.path.dirname(__file__), "data", "first_start_table.npz"))
+    table = EventTable(*(d[f] if f in d else None for f in EventTable._fields))
+    spec = MethodSpec("born token_tanh", "born", phase="token_tanh",
+                      fit={"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]})
+    alone = fit_method(spec, table, settings=FitSettings(starts=0)).calib_nll
+    full = fit_method(spec, table, settings=FitSettings()).calib_nll
+    assert full <= alone + 1e-6, (full, alone)
+
+
+def test_the_first_start_is_carried_in_a_slot_of_its_own():
+    """A cut keeps the ``keep`` lowest distinct runs other than the first start's, and
+    that run besides: where the first run ranks among the lowest it must not push out
+    a run the cut would have kept without it (that run could end lowest later), and
+    where a kept run ends in its basin it is not carried twice."""
+    from brf.eval.fitting import _SAME_END, _carry_first, _lowest_distinct, _Run
+
+    def run(order, value, x):
+        return _Run(0, np.asarray([x], np.float64), value, [], True, order)
+
+    out = [run(0, 1.0, 0.0), run(1, 1.1, 1.0), run(2, 1.2, 2.0), run(3, 1.3, 3.0)]
+    kept = _carry_first(out, 2)
+    assert [r.order for r in kept] == [0, 1, 2]  # sorted by value, the first on top
+    assert {r.order for r in _lowest_distinct(out, 2)} <= {r.order for r in kept}
+    low = [run(0, 1.25, 0.0), run(1, 1.1, 1.0), run(2, 1.2, 2.0), run(3, 1.3, 3.0)]
+    assert [r.order for r in _carry_first(low, 2)] == [1, 2, 0]  # dropped by the cut
+    same = [run(0, 1.25, 0.0), run(1, 1.1, 0.5 * _SAME_END), run(2, 1.2, 2.0)]
+    assert [r.order for r in _carry_first(same, 2)] == [1, 2]  # its basin is kept

@@ -535,7 +535,7 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
                         continue
                 out.append(_Run(r.point, res.x, value, list(res.pairs), res.converged,
                                 r.order))
-            runs = _lowest_distinct(out, keep)
+            runs = _carry_first(out, keep)
     finite = [r for r in runs if math.isfinite(r.value)]
     if not finite:
         raise ValueError(f"{problem.spec.label}: no finite calibration NLL at any grid "
@@ -549,6 +549,29 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     # reported NLL is per string like the test NLL.
     return Fitted(problem.spec.label, problem.spec.method, params, w, best.value - offset,
                   info)
+
+
+def _carry_first(out: Sequence[_Run], keep: int) -> list[_Run]:
+    """The ``keep`` lowest distinct runs of ``out`` other than the first start's (the
+    warm fit, or the spec's initial values, at the first grid point), and that run on
+    top, lowest first, unless a kept run ends in its basin.
+
+    A stage ranks runs part way (a brief screen, a sample), and a basin that ranks high
+    there can end lowest: on Hamlet's default pair the screen dropped the basin of the
+    as-proposed born token_tanh's own start, and the fit ended 7.2e-4 nats above where
+    that start alone goes. Carried in a slot of its own, it never displaces another
+    run, so every stage keeps what it kept without it, and the fit ends no higher than
+    either the first start alone or the same stages without the carry (when the first
+    run took one of the ``keep`` slots instead, a run it pushed out could have ended
+    lower: on the swarm, born linear [calibrated] by 3.1e-4)."""
+    first = [r for r in out if r.order == 0]
+    kept = _lowest_distinct([r for r in out if r.order != 0], keep)
+    if not first or any(q.point == first[0].point and np.size(q.x)
+                        and float(np.max(np.abs(q.x - first[0].x))) <= _SAME_END
+                        for q in kept):
+        return kept  # a kept run ends in its basin
+    return sorted(kept + first, key=lambda r: (r.value if math.isfinite(r.value)
+                                                else math.inf, r.order))
 
 
 def _lowest_distinct(runs: Sequence[_Run], k: int) -> list[_Run]:
