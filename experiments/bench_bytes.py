@@ -24,12 +24,24 @@ time, first keeping freed heap memory (`score_segments(release=False)`), then
 returning it after each segment (the default); the process's resident memory
 (RSS) after each segment, its starting point and the peak of each pass.
 
+Tree calls (--parts=calls), per member: the segments are scored byte level as in
+--parts=score with every model call timed to its result (`jax.block_until_ready`
+around the canonical pass's chunks and each alternative tokenizations' tree call),
+which gives the seconds per real token of each: what a token in a tree call costs
+against a canonical token, per call size (the tree buckets the calls were padded
+to), with and without the calls of a shape (tokens, cache slots) that no call before
+had, warm-up included: those include XLA's compilation. Then the same two programs on a cache of the run's size, timed alone for every
+tree bucket (median of --call_repeats): the per-token cost of a T-token tree call
+against a 256-token canonical chunk, which shows the call size a token needs to cost
+at most 1.5 canonical tokens.
+
 Generation (--parts=generate): the default pair (configs/generate.py: SmolLM2 +
 Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte level
 (`max_new_bytes`), each after a warm-up run; generated UTF-8 bytes per second.
 
   python experiments/bench_bytes.py --corpus=hamlet --n_bytes=4096
   python experiments/bench_bytes.py --parts=score --models=gemma3-270m --threshold=1e-2
+  python experiments/bench_bytes.py --parts=calls --n_bytes=3000 --segment=3000
   python experiments/bench_bytes.py --parts=memory --models=gemma3-270m --corpus=ataturk-1920 \
       --n_bytes=15000 --segment=1500
   python experiments/bench_bytes.py --parts=accuracy --n_bytes=1000 --skip_bytes=3000 \
@@ -46,7 +58,7 @@ from absl import flags
 from brf import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("parts", ["score", "generate"], "score, generate, accuracy, memory")
+flags.DEFINE_list("parts", ["score", "generate"], "score, generate, accuracy, memory, calls")
 flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "members")
 flags.DEFINE_string("corpus", "hamlet", "a brf.eval.corpus.CORPORA name")
 flags.DEFINE_integer("skip_bytes", 0, "bytes of the corpus skipped first")
@@ -59,6 +71,7 @@ flags.DEFINE_list("settings", ["1e-3:16:0", "3e-3:16:2"],
                   "accuracy: threshold:beam:max_lag per run, the first the reference")
 flags.DEFINE_integer("new_tokens", 48, "generation: tokens at the token level")
 flags.DEFINE_integer("new_bytes", 192, "generation: bytes at the byte level")
+flags.DEFINE_integer("call_repeats", 5, "calls: timings per tree bucket (the median is kept)")
 flags.DEFINE_string("out", "", "write the results as JSON here")
 
 
@@ -155,6 +168,143 @@ def bench_accuracy(name: str, data: bytes, warm: bytes, settings: list[str]) -> 
     return rows
 
 
+class _Timed:
+    """``brf.bytes.lm``'s two model calls wrapped so that each is timed to its result:
+    ``rows`` gets (kind, padded tokens, real tokens, seconds, new shape) per call, where
+    a new shape is a (kind, tokens, cache slots) no earlier call had (``seen`` is kept
+    across uses, so a warm-up's shapes count as seen)."""
+
+    def __init__(self):
+        import brf.bytes.lm as lm_module
+        self.module, self.rows, self.seen = lm_module, [], set()
+        self.prefill, self.tree = lm_module.prefill_donated, lm_module.forward_tree
+
+    def _record(self, kind, tokens, real, cache, seconds):
+        shape = (kind, tokens.shape[1], cache["pos"].shape[1])
+        self.rows.append((kind, tokens.shape[1], real, seconds, shape not in self.seen))
+        self.seen.add(shape)
+
+    def __enter__(self):
+        import jax
+        import numpy as np
+
+        def prefill(params, cfg, tokens, valid, cache, **kw):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(self.prefill(params, cfg, tokens, valid, cache, **kw))
+            self._record("canonical", tokens, int(np.sum(valid)), out[1],
+                         time.perf_counter() - t0)
+            return out
+
+        def tree(params, cfg, cache, tokens, pos, *args, **kw):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(self.tree(params, cfg, cache, tokens, pos, *args, **kw))
+            self._record("tree", tokens, int(np.sum(np.asarray(pos) >= 0)), out[1],
+                         time.perf_counter() - t0)
+            return out
+
+        self.module.prefill_donated, self.module.forward_tree = prefill, tree
+        return self
+
+    def __exit__(self, *exc):
+        self.module.prefill_donated, self.module.forward_tree = self.prefill, self.tree
+
+
+def _call_curve(lm, slots: int, filled: int, repeats: int) -> list[dict]:
+    """Seconds per token of a 256-token canonical chunk and of a tree call of each bucket's
+    size on a cache of ``slots`` slots whose first ``filled`` hold a context, each call
+    donating a fresh copy of that cache as the scoring does and timed to its result
+    (the median of ``repeats``, after one call that compiles)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from brf.bytes.lm import TREE_BUCKETS
+    from brf.models import forward_tree, init_cache, prefill_donated
+    from brf.models.cache import grow
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, lm.cfg.vocab_size, (1, filled)).astype(np.int32)
+    cache = init_cache(lm.cfg, 1, filled, lm.dtype)
+    _, cache = prefill_donated(lm.params, lm.cfg, jnp.asarray(ids), jnp.ones((1, filled), bool),
+                               cache, dtype=lm.dtype, logits="all")
+    cache = dict(grow(cache, slots), end=jnp.asarray(filled, jnp.int32))
+
+    def median(fn):
+        times = []
+        for _ in range(repeats + 1):  # the first compiles
+            fresh = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(fresh))
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
+
+    # a canonical chunk: 256 tokens after the context, on a cache of the same size
+    chunk = jnp.asarray(rng.integers(0, lm.cfg.vocab_size, (1, 256)).astype(np.int32))
+    base = median(lambda c: prefill_donated(lm.params, lm.cfg, chunk, jnp.ones((1, 256), bool),
+                                            c, dtype=lm.dtype, logits="all")) / 256
+    rows = [dict(call="canonical chunk", tokens=256, s_per_token=base, vs_canonical=1.0)]
+    for T in TREE_BUCKETS:
+        toks = jnp.asarray(rng.integers(0, lm.cfg.vocab_size, (1, T)).astype(np.int32))
+        pos = jnp.asarray((filled - 8 + np.arange(T) % 8)[None].astype(np.int32))
+        c_allow = jnp.asarray(np.arange(slots)[None, None] < filled - 8).repeat(T, 1)
+        t_allow = jnp.asarray(np.tril(np.ones((T, T), bool))[None])
+        s = median(lambda c: forward_tree(lm.params, lm.cfg, c, toks, pos, c_allow, t_allow,
+                                          dtype=lm.dtype, donate=True)) / T
+        rows.append(dict(call="tree call", tokens=T, s_per_token=s, vs_canonical=s / base))
+    return rows
+
+
+def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float,
+                max_lag: int, repeats: int) -> dict:
+    """Every model call of byte-level scoring timed (``_Timed``), then ``_call_curve``."""
+    import numpy as np
+    from brf.bytes.lm import ALT_SLOTS, ByteLM
+    from brf.bytes.scoring import score_segments
+    lm = ByteLM.load(name)
+    width = _padded_width(len(lm.context()) + len(lm.encode(s)) for s in segs + [warm])
+    kw = dict(beam=beam, threshold=threshold, max_lag=max_lag, pad_to=width)
+    timed = _Timed()
+    with timed:
+        score_segments(lm, [warm], desc="warm-up", **kw)  # compiles the shapes
+    timed.rows = []
+    with timed:
+        t0 = time.perf_counter()
+        score_segments(lm, segs, desc=f"{name} bytes, calls timed", **kw)
+        wall = time.perf_counter() - t0
+    rows = np.asarray([r[1:] for r in timed.rows], np.float64)
+    kinds = np.asarray([r[0] for r in timed.rows])
+    new = rows[:, 3] > 0
+    per = {}
+    for kind in ("canonical", "tree"):
+        m = kinds == kind
+        per[kind] = dict(calls=int(m.sum()), padded=int(rows[m, 0].sum()),
+                         real=int(rows[m, 1].sum()), seconds=float(rows[m, 2].sum()),
+                         new_shapes=int((m & new).sum()),
+                         new_shape_seconds=float(rows[m & new, 2].sum()))
+        old = m & ~new
+        per[kind]["s_per_real_token"] = per[kind]["seconds"] / max(per[kind]["real"], 1)
+        per[kind]["s_per_real_token_seen_shapes"] = (float(rows[old, 2].sum())
+                                                     / max(float(rows[old, 1].sum()), 1.0))
+    by_bucket = []
+    tree = kinds == "tree"
+    for T in sorted(set(rows[tree, 0].astype(int))):
+        m = tree & (rows[:, 0] == T)
+        by_bucket.append(dict(bucket=int(T), calls=int(m.sum()), new_shapes=int((m & new).sum()),
+                              mean_real=float(rows[m, 1].mean()),
+                              s_per_call=float(rows[m, 2].mean()),
+                              s_per_real_token=float(rows[m, 2].sum() / rows[m, 1].sum()),
+                              vs_canonical=float(rows[m, 2].sum() / rows[m, 1].sum()
+                                                 / per["canonical"]["s_per_real_token"])))
+    out = dict(member=name, bytes=sum(map(len, segs)), wall_seconds=wall,
+               model_seconds=float(rows[:, 2].sum()), canonical=per["canonical"],
+               tree=per["tree"],
+               tree_vs_canonical=per["tree"]["s_per_real_token"]
+               / per["canonical"]["s_per_real_token"],
+               tree_vs_canonical_seen_shapes=per["tree"]["s_per_real_token_seen_shapes"]
+               / per["canonical"]["s_per_real_token_seen_shapes"], by_bucket=by_bucket)
+    out["curve"] = _call_curve(lm, width + ALT_SLOTS, width - 64, repeats)
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def _rss_gb() -> float:
     with open("/proc/self/statm") as f:  # resident pages
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
@@ -227,6 +377,11 @@ def main(argv):
         for m in FLAGS.models:
             res["score"].append(bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag))
             _write(res)  # each part as soon as it is measured
+    if "calls" in FLAGS.parts:
+        warm = text[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
+        res["calls"] = [bench_calls(m, segs, warm, FLAGS.beam, threshold, max_lag,
+                                    FLAGS.call_repeats) for m in FLAGS.models]
+        _write(res)
     if "memory" in FLAGS.parts:
         res["memory"] = [bench_memory(m, segs, FLAGS.beam, threshold, max_lag)
                          for m in FLAGS.models]
