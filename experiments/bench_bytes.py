@@ -267,7 +267,7 @@ def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold:
     timed.rows = []
     with timed:
         t0 = time.perf_counter()
-        score_segments(lm, segs, desc=f"{name} bytes, calls timed", **kw)
+        sc = score_segments(lm, segs, desc=f"{name} bytes, calls timed", **kw)
         wall = time.perf_counter() - t0
     rows = np.asarray([r[1:] for r in timed.rows], np.float64)
     kinds = np.asarray([r[0] for r in timed.rows])
@@ -293,7 +293,10 @@ def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold:
                               s_per_real_token=float(rows[m, 2].sum() / rows[m, 1].sum()),
                               vs_canonical=float(rows[m, 2].sum() / rows[m, 1].sum()
                                                  / per["canonical"]["s_per_real_token"])))
+    # the scoring's own counts, which the timed calls must add up to
     out = dict(member=name, bytes=sum(map(len, segs)), wall_seconds=wall,
+               extra_tokens=int(np.sum(sc["extra_tokens"])),
+               padded_tokens=int(np.sum(sc["padded_tokens"])),
                model_seconds=float(rows[:, 2].sum()), canonical=per["canonical"],
                tree=per["tree"],
                tree_vs_canonical=per["tree"]["s_per_real_token"]
