@@ -559,11 +559,13 @@ def _carry_first(out: Sequence[_Run], keep: int) -> list[_Run]:
     A stage ranks runs part way (a brief screen, a sample), and a basin that ranks high
     there can end lowest: on Hamlet's default pair the screen dropped the basin of the
     as-proposed born token_tanh's own start, and the fit ended 7.2e-4 nats above where
-    that start alone goes. Carried in a slot of its own, it never displaces another
-    run, so every stage keeps what it kept without it, and the fit ends no higher than
-    either the first start alone or the same stages without the carry (when the first
-    run took one of the ``keep`` slots instead, a run it pushed out could have ended
-    lower: on the swarm, born linear [calibrated] by 3.1e-4)."""
+    that start alone goes. Its run is the same whatever the other starts, so the fit
+    ends no higher than that start alone would take it. In a slot of its own it pushes
+    none of the runs ranked lowest out of a cut (where it took one of the ``keep``
+    slots, a run it pushed out could have ended lower: on the swarm, born linear
+    [calibrated] ended 3.1e-4 higher). That is not a guarantee against the same stages
+    without the carry: the run it leaves room for at one cut can outrank another at
+    the next."""
     first = [r for r in out if r.order == 0]
     kept = _lowest_distinct([r for r in out if r.order != 0], keep)
     if not first or any(q.point == first[0].point and np.size(q.x)
