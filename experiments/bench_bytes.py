@@ -30,10 +30,11 @@ around the canonical pass's chunks and each alternative tokenizations' tree call
 which gives the seconds per real token of each: what a token in a tree call costs
 against a canonical token, per call size (the tree buckets the calls were padded
 to), with and without the calls of a shape (tokens, cache slots) that no call before
-had, warm-up included: those include XLA's compilation. Then the same two programs on a cache of the run's size, timed alone for every
-tree bucket (median of --call_repeats): the per-token cost of a T-token tree call
-against a 256-token canonical chunk, which shows the call size a token needs to cost
-at most 1.5 canonical tokens.
+had, warm-up included: those include XLA's compilation. Then the same two programs on
+a cache of the run's size, timed alone for every tree bucket (median of
+--call_repeats): the per-token cost of a T-token tree call against a 256-token
+canonical chunk, which shows the call size a token needs to cost at most 1.5
+canonical tokens.
 
 Generation (--parts=generate): the default pair (configs/generate.py: SmolLM2 +
 Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte level
@@ -287,12 +288,11 @@ def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold:
     tree = kinds == "tree"
     for T in sorted(set(rows[tree, 0].astype(int))):
         m = tree & (rows[:, 0] == T)
+        per_token = float(rows[m, 2].sum() / rows[m, 1].sum())
         by_bucket.append(dict(bucket=int(T), calls=int(m.sum()), new_shapes=int((m & new).sum()),
                               mean_real=float(rows[m, 1].mean()),
-                              s_per_call=float(rows[m, 2].mean()),
-                              s_per_real_token=float(rows[m, 2].sum() / rows[m, 1].sum()),
-                              vs_canonical=float(rows[m, 2].sum() / rows[m, 1].sum()
-                                                 / per["canonical"]["s_per_real_token"])))
+                              s_per_call=float(rows[m, 2].mean()), s_per_real_token=per_token,
+                              vs_canonical=per_token / per["canonical"]["s_per_real_token"]))
     # the scoring's own counts, which the timed calls must add up to
     out = dict(member=name, bytes=sum(map(len, segs)), wall_seconds=wall,
                extra_tokens=int(np.sum(sc["extra_tokens"])),

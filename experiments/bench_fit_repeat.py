@@ -150,9 +150,9 @@ def study_table(which: str):
                     f"e.g. hamlet/swarm)")
 
 
-def refit_study(perturbs: list[str], stages: dict) -> None:
+def refit_study(perturbs: list[str], stages: dict, starts: int) -> None:
     """--study: the analysis's rows of --study_variant fitted as the study fits them, or
-    with ``stages`` and the first --starts under --study_stages."""
+    with ``stages`` and ``starts`` random starts under --study_stages."""
     from brf.eval.analysis import fit_specs
     table, plan = study_table(FLAGS.study)
     n = table.logp.shape[1]
@@ -165,7 +165,7 @@ def refit_study(perturbs: list[str], stages: dict) -> None:
                         f"{FLAGS.study_rows}")
     fit = plan.fit
     if FLAGS.study_stages:
-        fit = dataclasses.replace(fit, starts=int(FLAGS.starts[0]), **stages)
+        fit = dataclasses.replace(fit, starts=starts, **stages)
     print(f"{FLAGS.study}: {' x '.join(map(str, table.logp.shape))} positions x members x "
           f"events, {len(specs)} rows; {platform.node()}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}\n", flush=True)
@@ -280,7 +280,7 @@ def main(argv):
         raise UserError("--starts: each at least 0 (0: the structured starts alone)")
     stages = _stages()
     if FLAGS.study:
-        return refit_study([""] + list(FLAGS.perturb), stages)
+        return refit_study([""] + list(FLAGS.perturb), stages, starts[0])
     table = {"planted": two_members, "hamlet_bytes": hamlet_table,
              "tiny_study": tiny_study_table}[FLAGS.table]()
     if FLAGS.census:

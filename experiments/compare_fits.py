@@ -75,8 +75,7 @@ def _study(root: str) -> dict | None:
         return None
     rep = _load(path, "the study's report")
     if not isinstance(rep, dict) or "per_corpus" not in rep:
-        raise UserError(f"{path!r} is not a study report "
-                        f"(no 'per_corpus')")
+        raise UserError(f"{path!r} is not a study report (no 'per_corpus')")
     return rep
 
 

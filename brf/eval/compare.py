@@ -667,4 +667,3 @@ def analysis_moves(before: dict[str, dict], after: dict[str, dict]) -> dict[str,
         a, b = answers(before[name]), answers(after[name])
         out.update({f"{name}: {k}": RunMove(a[k], b[k]) for k in a if k in b})
     return out
-

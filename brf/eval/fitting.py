@@ -568,26 +568,31 @@ def _carry_first(out: Sequence[_Run], keep: int) -> list[_Run]:
     the next."""
     first = [r for r in out if r.order == 0]
     kept = _lowest_distinct([r for r in out if r.order != 0], keep)
-    if not first or any(q.point == first[0].point and np.size(q.x)
-                        and float(np.max(np.abs(q.x - first[0].x))) <= _SAME_END
-                        for q in kept):
+    if not first or any(_same_basin(q, first[0]) for q in kept):
         return kept  # a kept run ends in its basin
-    return sorted(kept + first, key=lambda r: (r.value if math.isfinite(r.value)
-                                                else math.inf, r.order))
+    return sorted(kept + first, key=_rank)
+
+
+def _rank(r: _Run) -> tuple[float, int]:
+    """A run's place in a cut: its value (non-finite last), ties in its start's order."""
+    return (r.value if math.isfinite(r.value) else math.inf, r.order)
+
+
+def _same_basin(a: _Run, b: _Run) -> bool:
+    """Both runs at one grid point and within :data:`_SAME_END` in every coordinate."""
+    return (a.point == b.point and bool(np.size(a.x))
+            and float(np.max(np.abs(a.x - b.x))) <= _SAME_END)
 
 
 def _lowest_distinct(runs: Sequence[_Run], k: int) -> list[_Run]:
     """The ``k`` lowest runs (non-finite last; ties in the order of their starts), one
     per basin: a run at the same grid point as a kept one and within :data:`_SAME_END`
     of it in every coordinate is dropped."""
-    order = sorted(runs, key=lambda r: (r.value if math.isfinite(r.value) else math.inf,
-                                        r.order))
     kept: list[_Run] = []
-    for r in order:
+    for r in sorted(runs, key=_rank):
         if len(kept) >= k:
             break
-        if any(q.point == r.point and np.size(r.x)
-               and float(np.max(np.abs(q.x - r.x))) <= _SAME_END for q in kept):
+        if any(_same_basin(q, r) for q in kept):
             continue
         kept.append(r)
     return kept
