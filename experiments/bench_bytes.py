@@ -172,16 +172,16 @@ def bench_accuracy(name: str, data: bytes, warm: bytes, settings: list[str]) -> 
 class _Timed:
     """``brf.bytes.lm``'s two model calls wrapped so that each is timed to its result:
     ``rows`` gets (kind, padded tokens, real tokens, seconds, new shape) per call, where
-    a new shape is a (kind, tokens, cache slots) no earlier call had (``seen`` is kept
-    across uses, so a warm-up's shapes count as seen)."""
+    a new shape is a (kind, tokens, cache slots, slots read and gathered) no earlier call
+    had (``seen`` is kept across uses, so a warm-up's shapes count as seen)."""
 
     def __init__(self):
         import brf.bytes.lm as lm_module
         self.module, self.rows, self.seen = lm_module, [], set()
         self.prefill, self.tree = lm_module.prefill_donated, lm_module.forward_tree
 
-    def _record(self, kind, tokens, real, cache, seconds):
-        shape = (kind, tokens.shape[1], cache["pos"].shape[1])
+    def _record(self, kind, tokens, real, cache, seconds, reads=None):
+        shape = (kind, tokens.shape[1], cache["pos"].shape[1], reads)
         self.rows.append((kind, tokens.shape[1], real, seconds, shape not in self.seen))
         self.seen.add(shape)
 
@@ -199,8 +199,10 @@ class _Timed:
         def tree(params, cfg, cache, tokens, pos, *args, **kw):
             t0 = time.perf_counter()
             out = jax.block_until_ready(self.tree(params, cfg, cache, tokens, pos, *args, **kw))
+            gather = kw.get("gather")
             self._record("tree", tokens, int(np.sum(np.asarray(pos) >= 0)), out[1],
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0,
+                         (kw.get("reads"), None if gather is None else gather[0].shape))
             return out
 
         self.module.prefill_donated, self.module.forward_tree = prefill, tree
@@ -210,15 +212,18 @@ class _Timed:
         self.module.prefill_donated, self.module.forward_tree = self.prefill, self.tree
 
 
-def _call_curve(lm, slots: int, filled: int, repeats: int) -> list[dict]:
+def _call_curve(lm, slots: int, width: int, filled: int, repeats: int) -> list[dict]:
     """Seconds per token of a 256-token canonical chunk and of a tree call of each bucket's
     size on a cache of ``slots`` slots whose first ``filled`` hold a context, each call
     donating a fresh copy of that cache as the scoring does and timed to its result
-    (the median of ``repeats``, after one call that compiles)."""
+    (the median of ``repeats``, after one call that compiles). The tree calls read what
+    the scoring's read: the canonical pass's ``width`` slots and T gathered slots
+    (`brf.bytes.lm.ancestor_gather`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from brf.bytes.lm import TREE_BUCKETS
+    from brf.bytes.lm import TREE_BUCKETS, ancestor_gather
+    from brf.models.transformer import Reads
     from brf.models import forward_tree, init_cache, prefill_donated
     from brf.models.cache import grow
     rng = np.random.default_rng(0)
@@ -248,7 +253,9 @@ def _call_curve(lm, slots: int, filled: int, repeats: int) -> list[dict]:
         c_allow = jnp.asarray(np.arange(slots)[None, None] < filled - 8).repeat(T, 1)
         t_allow = jnp.asarray(np.tril(np.ones((T, T), bool))[None])
         s = median(lambda c: forward_tree(lm.params, lm.cfg, c, toks, pos, c_allow, t_allow,
-                                          dtype=lm.dtype, donate=True)) / T
+                                          dtype=lm.dtype, donate=True,
+                                          reads=Reads(span=width),
+                                          gather=ancestor_gather([[]] * T, T))) / T
         rows.append(dict(call="tree call", tokens=T, s_per_token=s, vs_canonical=s / base))
     return rows
 
@@ -289,7 +296,10 @@ def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold:
     for T in sorted(set(rows[tree, 0].astype(int))):
         m = tree & (rows[:, 0] == T)
         per_token = float(rows[m, 2].sum() / rows[m, 1].sum())
+        seen = m & ~new
+        per_token_seen = float(rows[seen, 2].sum() / max(rows[seen, 1].sum(), 1.0))
         by_bucket.append(dict(bucket=int(T), calls=int(m.sum()), new_shapes=int((m & new).sum()),
+                              s_per_real_token_seen_shapes=per_token_seen,
                               mean_real=float(rows[m, 1].mean()),
                               s_per_call=float(rows[m, 2].mean()), s_per_real_token=per_token,
                               vs_canonical=per_token / per["canonical"]["s_per_real_token"]))
@@ -303,7 +313,7 @@ def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold:
                / per["canonical"]["s_per_real_token"],
                tree_vs_canonical_seen_shapes=per["tree"]["s_per_real_token_seen_shapes"]
                / per["canonical"]["s_per_real_token_seen_shapes"], by_bucket=by_bucket)
-    out["curve"] = _call_curve(lm, width + ALT_SLOTS, width - 64, repeats)
+    out["curve"] = _call_curve(lm, width + ALT_SLOTS, width, width - 64, repeats)
     print(json.dumps(out), flush=True)
     return out
 

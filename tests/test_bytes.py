@@ -24,6 +24,7 @@ from brf.bytes.scoring import byte_event_table, score_segments
 from brf.bytes.state import ByteInputError
 from brf.bytes.trie import UnexpressibleByteError, build_trie
 from brf.models import forward, forward_tree, init_cache, prefill
+from brf.models.transformer import Reads
 from tests.byte_reference import (BruteForce, _backend, byte_level_tokenizer,
                                   sentencepiece_tokenizer, tiny_model)
 
@@ -151,6 +152,36 @@ def test_compacting_the_alternatives_region_changes_nothing(member, monkeypatch)
     np.testing.assert_allclose(narrow.logp, wide.logp, rtol=1e-9, atol=1e-12)
 
 
+def test_tree_calls_reading_their_context_and_ancestors_only_change_nothing(member, monkeypatch):
+    """A tree call reads the canonical region and, of the alternatives' region, only
+    the slots its tokens attend to (gathered): the distributions are those of calls
+    that read the whole cache with the same slots allowed in one mask."""
+    import brf.bytes.lm as lm_mod
+    lm, _, texts = member
+    text = texts[1] + texts[0]
+    real = lm_mod.forward_tree
+    gathered = []
+
+    def recording(params, cfg, cache, tokens, pos, ca, ta, reads=None, gather=None, **kw):
+        assert reads.span < cache["pos"].shape[1]
+        gathered.append(int(gather[1].sum()))
+        return real(params, cfg, cache, tokens, pos, ca, ta, reads=reads, gather=gather, **kw)
+
+    def whole(params, cfg, cache, tokens, pos, ca, ta, reads=None, gather=None, **kw):
+        ca = np.array(ca)
+        for t, a in zip(*np.nonzero(gather[1][0])):
+            ca[0, t, gather[0][0, a]] = True
+        return real(params, cfg, cache, tokens, pos, ca, ta, **kw)
+
+    monkeypatch.setattr(lm_mod, "ALT_SLOTS", 40)  # compacted, so ancestors move too
+    monkeypatch.setattr(lm_mod, "forward_tree", recording)
+    bounded = score_text(lm, text, **EXACT)
+    assert len(gathered) > 2 and max(gathered) > 0 and bounded.stats["compactions"] > 0
+    monkeypatch.setattr(lm_mod, "forward_tree", whole)
+    reference = score_text(lm, text, **EXACT)
+    np.testing.assert_allclose(bounded.logp, reference.logp, rtol=1e-12, atol=1e-13)
+
+
 def test_merging_is_exact_where_the_context_beyond_the_last_token_does_not_matter(member):
     """With attention and MLP outputs zeroed, a model's next-token distribution depends
     on the last token alone, so a hypothesis back on the canonical tokens for one token
@@ -199,6 +230,20 @@ def test_forward_tree_equals_plain_forward():
             np.testing.assert_allclose(np.asarray(logits[0, t]), np.asarray(ref[0, -1]),
                                        rtol=1e-9, atol=1e-9)
         assert int(cache["end"]) == len(ctx) + 4
+        # a second call: ctx[:3] + [10, 11, 13] sees the context through the mask and
+        # its ancestors 10, 11 (slots 5, 6) gathered, the rest of the cache unread;
+        # ctx + [12, 14] sees slot 7 through the mask
+        cache_allow = np.zeros((1, 2, 32), bool)
+        cache_allow[0, 0, :3] = True
+        cache_allow[0, 1, :4] = cache_allow[0, 1, 7] = True
+        gather = (np.asarray([[6, 5, 0, 0]]), np.asarray([[[1, 1, 0, 0], [0, 0, 0, 0]]], bool))
+        logits, cache = forward_tree(params, cfg, cache, np.asarray([[13, 14]]),
+                                     np.asarray([[5, 5]]), cache_allow, np.eye(2, dtype=bool)[None],
+                                     dtype=jnp.float64, reads=Reads(span=8), gather=gather)
+        for t, s in enumerate([ctx[:3] + [10, 11, 13], ctx + [12, 14]]):
+            ref, _ = forward(params, cfg, jnp.asarray([s]), dtype=jnp.float64)
+            np.testing.assert_allclose(np.asarray(logits[0, t]), np.asarray(ref[0, -1]),
+                                       rtol=1e-9, atol=1e-9)
 
 
 def test_unexpressible_byte_is_named():

@@ -72,7 +72,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.bytes import DEFAULT_BEAM, DEFAULT_THRESHOLD, REFERENCE, Settings
-from brf.bytes.lm import ByteLM
+from brf.bytes.lm import ByteLM, ancestor_gather
+from brf.models.transformer import Reads
 from brf.bytes.masses import EOT, N_EVENTS, logsumexp_rows
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
                              initial_state, next_byte, pending)
@@ -168,7 +169,7 @@ class _Tree:
                                              jnp.asarray(valid), cache, dtype=lm.dtype,
                                              logits="last")
         self.first = np.asarray(logits[0])
-        self.end = width
+        self.width = self.end = width
         self.anc: dict[int, np.ndarray] = {0: np.zeros(0, np.int64)}  # seq -> its tokens' slots
         self.slot_of: dict[int, int] = {}  # seq -> the slot of its last token
         self.tokens = n      # tokens run (padding excluded)
@@ -186,6 +187,8 @@ class _Tree:
                                for i in range(0, len(wanted), cap)])
 
     def _call(self, seqs: SeqTree, wanted: Sequence[int]) -> np.ndarray:
+        """One tree call; a wanted sequence's parent may be earlier in the same call
+        (its tokens then see it through the tree mask: speculative chains)."""
         T = next(b for b in TREE_BUCKETS if b >= len(wanted))
         if self.end + T > self.slots:
             self.slots = max(2 * self.slots, self.end + T)
@@ -194,19 +197,24 @@ class _Tree:
         pos = np.full(T, -1, np.int32)
         cache_allow = np.zeros((T, self.slots), bool)
         cache_allow[:, :self.n_ctx] = True
+        tree_allow = np.eye(T, dtype=bool)
+        olds = []
+        for t, s in enumerate(wanted):
+            self.slot_of[s] = self.end + t
         for t, s in enumerate(wanted):
             p = seqs.parent[s]
             anc = self.anc[p] if p == 0 else np.append(self.anc[p], self.slot_of[p])
             self.anc[s] = anc
             tokens[t] = seqs.token[s]
             pos[t] = self.n_ctx + len(seqs.ext[s]) - 1
-            cache_allow[t, anc] = True
-        for t, s in enumerate(wanted):
-            self.slot_of[s] = self.end + t
+            olds.append(anc[anc < self.end])
+            tree_allow[t, anc[anc >= self.end] - self.end] = True
+        # the prompt's slots, and of the tokens after them only each token's ancestors
         logits, self.cache = forward_tree(self.lm.params, self.lm.cfg, self.cache, tokens[None],
-                                          pos[None], cache_allow[None],
-                                          np.eye(T, dtype=bool)[None], dtype=self.lm.dtype,
-                                          donate=True)
+                                          pos[None], cache_allow[None], tree_allow[None],
+                                          dtype=self.lm.dtype, donate=True,
+                                          reads=Reads(span=self.width),
+                                          gather=ancestor_gather(olds, T))
         self.end += T
         self.tokens += len(wanted)
         self.calls += 1

@@ -36,8 +36,7 @@ exact mode is for short texts.
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,13 +45,13 @@ import numpy as np
 from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
 from brf.align.reencode import check_reencodable, encode_bytes, make_codec
 from brf.align.union import default_cache_dir
-from brf.bytes.masses import EOT, N_EVENTS, PathTable, device_vocab, path_tables
+from brf.bytes.masses import N_EVENTS, PathTable, device_vocab, path_tables
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
                              initial_state, next_byte, pending)
 from brf.bytes.trie import UnexpressibleByteError, byte_trie
 from brf.models import forward_tree, init_cache, prefill_donated
 from brf.models.cache import grow
-from brf.models.transformer import is_unstacked, unstack_layers
+from brf.models.transformer import Reads, is_unstacked, unstack_layers
 
 # Tokens per tree-attention call (padded up to one of these; each is one compiled program).
 TREE_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -125,10 +124,13 @@ class _Runner:
 
     Slot layout: [0, canon_slots) the context and canonical tokens (slot =
     position), then ``ALT_SLOTS`` slots for the alternative tokenizations' tokens
-    in call order. When they are full, the tokens that later bytes may still
-    attend to (those of the live sequences and their ancestors) move to the
-    region's start and the rest is overwritten: a tree call attends to a cache
-    of a fixed size, however many alternatives a text has run.
+    in call order. A tree call reads the canonical region and, of the
+    alternatives' region, only the slots its tokens attend to (`ancestor_gather`):
+    it costs about what a canonical chunk of its size costs, however many
+    alternatives are stored. When the region is full, the tokens that later bytes
+    may still attend to (those of the live sequences and their ancestors) move to
+    its start and the rest is overwritten, so the cache keeps one shape (one
+    compiled program per call size) unless the live alternatives outgrow it.
     """
 
     def __init__(self, lm: ByteLM, ids: Sequence[int], n_ctx: int, chunk: int, pad_to: int):
@@ -222,6 +224,7 @@ class _Runner:
         pos = np.full(T, -1, np.int32)
         cache_allow = np.zeros((T, self.slots), bool)
         tree_allow = np.eye(T, dtype=bool)  # padding sees itself: no empty softmax
+        olds = []
         for t, s in enumerate(wanted):
             p = seqs.parent[s]
             anc = self.anc.get(p, _NO_SLOTS) if not seqs.is_protected(p) else _NO_SLOTS
@@ -232,13 +235,14 @@ class _Runner:
             base = self.n_ctx + seqs.base[s]
             pos[t] = base + len(seqs.ext[s]) - 1
             cache_allow[t, :base] = True
-            old = anc[anc < self.end]
-            cache_allow[t, old] = True
+            olds.append(anc[anc < self.end])
             tree_allow[t, anc[anc >= self.end] - self.end] = True
             self.slot[s] = self.end + t
         logits, self.cache = forward_tree(self.lm.params, self.lm.cfg, self.cache, tokens[None],
                                           pos[None], cache_allow[None], tree_allow[None],
-                                          dtype=self.lm.dtype, donate=True)
+                                          dtype=self.lm.dtype, donate=True,
+                                          reads=Reads(span=self.canon_slots),
+                                          gather=ancestor_gather(olds, T))
         self.end += T
         self.tokens += len(wanted)
         self.padded += T
@@ -247,7 +251,35 @@ class _Runner:
 
 
 _NO_SLOTS = np.zeros(0, np.int64)
-ALT_SLOTS = 1024  # KV slots of the alternative tokenizations (compacted when full)
+# KV slots of the alternative tokenizations (compacted when full). A tree call reads
+# only the slots its tokens attend to there (`ancestor_gather`), so the region's size
+# costs memory (about 190 MB for SmolLM2 in float32), not time; a large one is rarely
+# outgrown, and growing it recompiles every call size.
+ALT_SLOTS = 4096
+# Slots a tree call gathers (`ancestor_gather`): each size is a compiled program per
+# call size, and gathering a few slots more than needed costs next to nothing.
+GATHER_SIZES = (64, 256, 1024, 4096)
+
+
+def ancestor_gather(olds: Sequence[np.ndarray], T: int) -> tuple[np.ndarray, np.ndarray]:
+    """``forward_tree``'s ``gather`` for a call of T tokens, token t attending to the
+    cache slots ``olds[t]`` beyond the context it sits on (its ancestors written by
+    earlier calls): their union, padded to A slots (the smallest of ``GATHER_SIZES``
+    that holds it, so that a call size compiles once or twice), and which token sees
+    which.
+
+    A call then reads its context and A slots, however far down the cache its
+    tokens' ancestors lie and however many other alternatives are stored there.
+    """
+    union = np.unique(np.concatenate([np.asarray(o, np.int64) for o in olds] + [_NO_SLOTS]))
+    A = next((a for a in GATHER_SIZES if a >= union.size), None)
+    A = A or GATHER_SIZES[-1] * -(-union.size // GATHER_SIZES[-1])
+    idx = np.zeros(A, np.int32)
+    idx[:union.size] = union
+    allow = np.zeros((T, A), bool)
+    for t, o in enumerate(olds):
+        allow[t, np.searchsorted(union, o)] = True
+    return idx[None], allow[None]
 
 
 @functools.partial(jax.jit, static_argnames="canon", donate_argnames="cache")

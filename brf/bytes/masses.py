@@ -37,7 +37,6 @@ the host walks the trie to list the queries (`path_queries`) and sums the ranges
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Sequence
 
 import jax

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.bytes import DEFAULT_BEAM, DEFAULT_THRESHOLD
-from brf.bytes.generate import (TREE_BUCKETS, ByteGeneration, BytePiece, NextTokens, _fused,
+from brf.bytes.generate import (ByteGeneration, BytePiece, NextTokens, _fused,
                                 _Reader, _Tree, _valid_text, checked_arguments,
                                 utf8_allowed)
 from brf.bytes.lm import ByteLM
@@ -63,8 +63,6 @@ from brf.drafting import (DraftSpec, KSchedule, SpecStats, drafter_index, ngram_
 from brf.fusion import Sampler
 from brf.fusion.sampling import filter_logprobs
 from brf.fusion.speculative import draw, verify, verify_greedy
-from brf.models import forward_tree
-from brf.models.cache import grow
 from brf.text import TextStream, utf8_prefix
 
 MAX_CHAIN = 8  # tokens of a guessed canonical continuation computed ahead
@@ -76,40 +74,6 @@ class _Stop(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
-
-
-class _ChainTree(_Tree):
-    """`brf.bytes.generate._Tree` whose calls may hold a sequence and its parent:
-    tokens of one call see their ancestors in it through the tree mask."""
-
-    def _call(self, seqs: SeqTree, wanted: Sequence[int]) -> np.ndarray:
-        T = next(b for b in TREE_BUCKETS if b >= len(wanted))
-        if self.end + T > self.slots:
-            self.slots = max(2 * self.slots, self.end + T)
-            self.cache = grow(self.cache, self.slots)
-        tokens = np.zeros(T, np.int32)
-        pos = np.full(T, -1, np.int32)
-        cache_allow = np.zeros((T, self.slots), bool)
-        cache_allow[:, :self.n_ctx] = True
-        tree_allow = np.eye(T, dtype=bool)
-        for t, s in enumerate(wanted):
-            self.slot_of[s] = self.end + t
-        for t, s in enumerate(wanted):
-            p = seqs.parent[s]
-            anc = self.anc[p] if p == 0 else np.append(self.anc[p], self.slot_of[p])
-            self.anc[s] = anc
-            tokens[t] = seqs.token[s]
-            pos[t] = self.n_ctx + len(seqs.ext[s]) - 1
-            old = anc[anc < self.end]
-            cache_allow[t, old] = True
-            tree_allow[t, anc[anc >= self.end] - self.end] = True
-        logits, self.cache = forward_tree(self.lm.params, self.lm.cfg, self.cache, tokens[None],
-                                          pos[None], cache_allow[None], tree_allow[None],
-                                          dtype=self.lm.dtype, donate=True)
-        self.end += T
-        self.tokens += len(wanted)
-        self.calls += 1
-        return np.asarray(logits[0, :len(wanted)])
 
 
 @dataclasses.dataclass
@@ -149,7 +113,7 @@ class _Member:
 
     def __init__(self, lm: ByteLM, ctx: Sequence[int], eos_ids: Sequence[int] | None,
                  beam: int, threshold: float):
-        tree = _ChainTree(lm, ctx)
+        tree = _Tree(lm, ctx)
         eos = tuple(int(i) for i in (lm.eos_ids if eos_ids is None else eos_ids))
         self.r = _Reader(lm, tree, SeqTree(), initial_state(),
                          {0: NextTokens(lm.trie, tree.first, eos)}, eos)

@@ -49,7 +49,7 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from brf.bytes.masses import EOT, logsumexp_rows
+from brf.bytes.masses import logsumexp_rows
 from brf.bytes.trie import ROOT, ByteTrie, UnexpressibleByteError
 from brf.errors import UserError
 

@@ -253,8 +253,8 @@ _Q_BLOCK = 128
 
 
 def _causal_attention(cfg, q_BxTxHxE, old, new):
-    """Attention of the T new queries to the cache as it was (`old`, or None when
-    it holds nothing) and to the new keys (`new`), each (kT, v, mask).
+    """Attention of the T new queries to the cache as it was (`old`: a list of parts,
+    empty when it holds nothing) and to the new keys (`new`), each (kT, v, mask).
 
     The queries run in blocks of `_Q_BLOCK`; block [t0, t1) meets the new keys
     [0, t1) only. Valid tokens' positions grow along T (padding has position -1
@@ -266,7 +266,7 @@ def _causal_attention(cfg, q_BxTxHxE, old, new):
     out = []
     for t0 in range(0, T, _Q_BLOCK):
         t1 = min(T, t0 + _Q_BLOCK)
-        parts = [] if old is None else [(old[0], old[1], old[2][:, t0:t1])]
+        parts = [(o[0], o[1], o[2][:, t0:t1]) for o in old]
         parts.append((kT_BxKxExT[..., :t1], v_BxKxTxE[:, :, :t1], mask_BxTxT[:, t0:t1, :t1]))
         out.append(_attention(cfg, q_BxTxHxE[:, t0:t1], parts))
     return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
@@ -365,8 +365,9 @@ class Slots(NamedTuple):
     pos_BxT: jax.Array   # each new token's position (-1: padding)
     kpos_BxS: jax.Array  # each cache slot's position once this call is written
     write_at: jax.Array  # the slot the new tokens are written from
-    # None, or (cache_allow_BxTxS, tree_allow_BxTxT): explicit masks ANDed with the
-    # positional one (tree attention, `forward_tree`; all queries kept).
+    # None, or (cache_allow_BxTxS, tree_allow_BxTxT[, (slots_BxA, allow_BxTxA)]):
+    # explicit masks ANDed with the positional one (tree attention, `forward_tree`;
+    # all queries kept); the third, slots gathered from the cache as a part of their own.
     allow: Any = None
 
 
@@ -466,7 +467,7 @@ def _self_attention(cfg, q_BxTxHxE, q_pos_BxT, new, kv, window, at: Slots, sever
     token (causal blocks, `_causal_attention`), not each sequence's last one.
     reads: which cache slots are read (`_visible_slots`).
     """
-    old = None
+    old = []
     if kv is not None:
         S = at.kpos_BxS.shape[1]
         slots = _visible_slots(S, at.write_at, window, reads)
@@ -474,13 +475,19 @@ def _self_attention(cfg, q_BxTxHxE, q_pos_BxT, new, kv, window, at: Slots, sever
         mask = _mask(q_pos_BxT, _take_slots(old_pos_BxS, 1, slots), window)
         if at.allow is not None:  # tree attention: the explicit slot mask, on the same slots
             mask = mask & _take_slots(at.allow[0], 2, slots)
-        old = (_take_slots(kv[0], 3, slots), _take_slots(kv[1], 2, slots), mask)
+        old.append((_take_slots(kv[0], 3, slots), _take_slots(kv[1], 2, slots), mask))
+        if at.allow is not None and len(at.allow) > 2:  # a few slots gathered, wherever they are
+            idx_BxA, allow_BxTxA = at.allow[2]
+            kpos_BxA = jnp.take_along_axis(old_pos_BxS, idx_BxA, axis=1)
+            old.append((jnp.take_along_axis(kv[0], idx_BxA[:, None, None, :], axis=3),
+                        jnp.take_along_axis(kv[1], idx_BxA[:, None, :, None], axis=2),
+                        _mask(q_pos_BxT, kpos_BxA, window) & allow_BxTxA))
     new_part = (*new, _mask(q_pos_BxT, at.pos_BxT, window))
     if at.allow is not None:
         new_part = (*new_part[:2], new_part[2] & at.allow[1])
     if several:
         return _causal_attention(cfg, q_BxTxHxE, old, new_part)
-    return _attention(cfg, q_BxTxHxE, ([] if old is None else [old]) + [new_part])
+    return _attention(cfg, q_BxTxHxE, old + [new_part])
 
 
 def _mlp(cfg, dtype, x_BxTxD, lp):
@@ -894,7 +901,7 @@ _tree_meta_jit = jax.jit(_tree_meta)
 
 def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_BxT,
                  cache_allow_BxTxS, tree_allow_BxTxT, *, dtype=jnp.float32,
-                 donate: bool = False, reads: Reads | None = None):
+                 donate: bool = False, reads: Reads | None = None, gather=None):
     """T new tokens at given positions, each attending to chosen cache slots and
     chosen new tokens (tree attention); their keys and values are then written
     at the cache's next T slots.
@@ -921,6 +928,12 @@ def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_Bx
         donate: update the cache in place (the cache passed in is invalidated).
         reads: which cache slots the layers read (`Reads`; None: all). The
             slots ``cache_allow_BxTxS`` allows must lie inside them.
+        gather: None, or (slots_BxA, allow_BxTxA): A more cache slots (int indices,
+            anywhere below the cache's ``end``) read as a part of their own, new
+            token t attending to gathered slot a where allowed. With ``reads``
+            bounding the rest, a token's few ancestors far down the cache cost A
+            slots, not the span up to them. A slot both allowed here and in
+            ``cache_allow_BxTxS`` would count twice: allow each in one place.
 
     Returns:
         (logits_BxTxV, cache): float32 logits (float64 for a float64 run), each
@@ -936,7 +949,8 @@ def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_Bx
                               jnp.asarray(tokens_BxT), pos_BxT,
                               jnp.asarray(cache_allow_BxTxS, bool),
                               jnp.asarray(tree_allow_BxTxT, bool), dtype=jnp.dtype(dtype),
-                              reads=reads)
+                              reads=reads, gather=None if gather is None else (
+                                  jnp.asarray(gather[0], jnp.int32), jnp.asarray(gather[1], bool)))
     meta = _tree_meta_jit(meta_in, pos_BxT)
     cache = _updated_cache(cache, new_L, cache["end"], meta,
                            _write_jit_donated if donate else _write_jit)
@@ -944,7 +958,7 @@ def forward_tree(params: dict, cfg: ModelConfig, cache: dict, tokens_BxT, pos_Bx
 
 
 def _tree(params, cfg, kv, meta, tokens_BxT, pos_BxT, cache_allow_BxTxS, tree_allow_BxTxT, *,
-          dtype, reads=None):
+          dtype, reads=None, gather=None):
     """`forward_tree` up to the cache write: logits and every layer's new (kT, v).
 
     All layers run in one call (the cache is only read): unlike a long prompt,
@@ -955,7 +969,8 @@ def _tree(params, cfg, kv, meta, tokens_BxT, pos_BxT, cache_allow_BxTxS, tree_al
     x_BxTxD = _embed_tokens(params["embed"], cfg, tokens_BxT, dtype)
     inv_RxF, rope_L, window_L = _rope_layout(cfg)
     cos_RxBxTxF, sin_RxBxTxF = _rope_angles(pos_BxT, inv_RxF)
-    at = Slots(pos_BxT, meta["pos"], meta["end"], (cache_allow_BxTxS, tree_allow_BxTxT))
+    allow = (cache_allow_BxTxS, tree_allow_BxTxT) + (() if gather is None else (gather,))
+    at = Slots(pos_BxT, meta["pos"], meta["end"], allow)
     new_L = []
     for layer, lp in enumerate(params["layers"]):
         rope = (cos_RxBxTxF[rope_L[layer]], sin_RxBxTxF[rope_L[layer]])
