@@ -254,7 +254,7 @@ _Q_BLOCK = 128
 
 def _causal_attention(cfg, q_BxTxHxE, old, new):
     """Attention of the T new queries to the cache as it was (`old`: a list of parts,
-    empty when it holds nothing) and to the new keys (`new`), each (kT, v, mask).
+    empty or None when it holds nothing) and to the new keys (`new`), each (kT, v, mask).
 
     The queries run in blocks of `_Q_BLOCK`; block [t0, t1) meets the new keys
     [0, t1) only. Valid tokens' positions grow along T (padding has position -1
@@ -266,7 +266,7 @@ def _causal_attention(cfg, q_BxTxHxE, old, new):
     out = []
     for t0 in range(0, T, _Q_BLOCK):
         t1 = min(T, t0 + _Q_BLOCK)
-        parts = [(o[0], o[1], o[2][:, t0:t1]) for o in old]
+        parts = [(o[0], o[1], o[2][:, t0:t1]) for o in old or ()]
         parts.append((kT_BxKxExT[..., :t1], v_BxKxTxE[:, :, :t1], mask_BxTxT[:, t0:t1, :t1]))
         out.append(_attention(cfg, q_BxTxHxE[:, t0:t1], parts))
     return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
