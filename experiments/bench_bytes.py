@@ -180,8 +180,8 @@ class _Timed:
         self.module, self.rows, self.seen = lm_module, [], set()
         self.prefill, self.tree = lm_module.prefill_donated, lm_module.forward_tree
 
-    def _record(self, kind, tokens, real, cache, seconds, reads=None):
-        shape = (kind, tokens.shape[1], cache["pos"].shape[1], reads)
+    def _record(self, kind, tokens, real, cache, seconds, reads_key=None):
+        shape = (kind, tokens.shape[1], cache["pos"].shape[1], reads_key)
         self.rows.append((kind, tokens.shape[1], real, seconds, shape not in self.seen))
         self.seen.add(shape)
 

@@ -73,7 +73,6 @@ import numpy as np
 
 from brf.bytes import DEFAULT_BEAM, DEFAULT_THRESHOLD, REFERENCE, Settings
 from brf.bytes.lm import ByteLM, ancestor_gather
-from brf.models.transformer import Reads
 from brf.bytes.masses import EOT, N_EVENTS, logsumexp_rows
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
                              initial_state, next_byte, pending)
@@ -84,6 +83,7 @@ from brf.fusion import methods as fusion_methods
 from brf.fusion.mixture import select_member
 from brf.fusion.sampling import sample
 from brf.models import forward_tree, init_cache, prefill_donated
+from brf.models.transformer import Reads
 from brf.models.cache import grow
 
 MODES = ("fuse", "mixture_exact", "mixture_per_member")
