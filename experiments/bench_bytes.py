@@ -36,6 +36,18 @@ a cache of the run's size, timed alone for every tree bucket (median of
 canonical chunk, which shows the call size a token needs to cost at most 1.5
 canonical tokens.
 
+Look-ahead (--parts=lookahead), per member: the segments scored byte level
+(`brf.bytes.lm.score_text`) once per --lookahead entry (max_speculation:window[:fill]:
+how many canonical tokens of a surviving alternative are computed ahead, how many
+bytes one look-ahead walk reads, and whether a call's padding runs more of them,
+1 by default), each with JAX's caches cleared and after a warm-up segment with the
+same entry: wall time (with the programs compiled for shapes the warm-up did not
+have, and counted), then again with every shape compiled; tree calls, extra and
+padded tokens, and how far each entry's distributions lie from the first's (largest
+difference of a finite log-prob, and whether the same events are impossible): the
+entries change which tokens share a call, not which distributions are computed, so
+only float32 rounding may differ.
+
 Generation (--parts=generate): the default pair (configs/generate.py: SmolLM2 +
 Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte level
 (`max_new_bytes`), each after a warm-up run; generated UTF-8 bytes per second.
@@ -43,6 +55,8 @@ Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte lev
   python experiments/bench_bytes.py --corpus=hamlet --n_bytes=4096
   python experiments/bench_bytes.py --parts=score --models=gemma3-270m --threshold=1e-2
   python experiments/bench_bytes.py --parts=calls --n_bytes=3000 --segment=3000
+  python experiments/bench_bytes.py --parts=lookahead --n_bytes=3000 --segment=3000 \
+      --lookahead=4:512:0,4:512,16:512,64:3000
   python experiments/bench_bytes.py --parts=memory --models=gemma3-270m --corpus=ataturk-1920 \
       --n_bytes=15000 --segment=1500
   python experiments/bench_bytes.py --parts=accuracy --n_bytes=1000 --skip_bytes=3000 \
@@ -59,7 +73,8 @@ from absl import flags
 from brf import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("parts", ["score", "generate"], "score, generate, accuracy, memory, calls")
+flags.DEFINE_list("parts", ["score", "generate"],
+                  "score, generate, accuracy, memory, calls, lookahead")
 flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "members")
 flags.DEFINE_string("corpus", "hamlet", "a brf.eval.corpus.CORPORA name")
 flags.DEFINE_integer("skip_bytes", 0, "bytes of the corpus skipped first")
@@ -73,6 +88,8 @@ flags.DEFINE_list("settings", ["1e-3:16:0", "3e-3:16:2"],
 flags.DEFINE_integer("new_tokens", 48, "generation: tokens at the token level")
 flags.DEFINE_integer("new_bytes", 192, "generation: bytes at the byte level")
 flags.DEFINE_integer("call_repeats", 5, "calls: timings per tree bucket (the median is kept)")
+flags.DEFINE_list("lookahead", ["4:512:0", "4:512", "16:512"],
+                  "lookahead: max_speculation:window[:fill] per run, the first the reference")
 flags.DEFINE_string("out", "", "write the results as JSON here")
 
 
@@ -214,11 +231,13 @@ class _Timed:
 
 def _call_curve(lm, slots: int, width: int, filled: int, repeats: int) -> list[dict]:
     """Seconds per token of a 256-token canonical chunk and of a tree call of each bucket's
-    size on a cache of ``slots`` slots whose first ``filled`` hold a context, each call
-    donating a fresh copy of that cache as the scoring does and timed to its result
-    (the median of ``repeats``, after one call that compiles). The tree calls read what
-    the scoring's read: the canonical pass's ``width`` slots and T gathered slots
-    (`brf.bytes.lm.ancestor_gather`)."""
+    size, each call donating a fresh copy of its cache as the scoring does and timed to
+    its result (the median of ``repeats``, after one call that compiles). The chunk runs
+    as the canonical pass's last one: on that pass's cache of ``width`` slots, after
+    ``width - 256`` tokens. The tree calls run on a cache of ``slots`` slots whose first
+    ``filled`` hold a context, and read what the scoring's read: the canonical pass's
+    ``width`` slots and T gathered slots (`brf.bytes.lm.ancestor_gather`, its smallest
+    size)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -233,19 +252,25 @@ def _call_curve(lm, slots: int, width: int, filled: int, repeats: int) -> list[d
                                cache, dtype=lm.dtype, logits="all")
     cache = dict(grow(cache, slots), end=jnp.asarray(filled, jnp.int32))
 
-    def median(fn):
+    def median(fn, on=cache):
         times = []
         for _ in range(repeats + 1):  # the first compiles
-            fresh = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+            fresh = jax.block_until_ready(jax.tree.map(jnp.copy, on))
             t0 = time.perf_counter()
             jax.block_until_ready(fn(fresh))
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
 
-    # a canonical chunk: 256 tokens after the context, on a cache of the same size
+    # a canonical chunk as the scoring runs the last one: the canonical pass's own cache
+    # of ``width`` slots (no alternatives' region yet), its last 256 slots written
+    canon = init_cache(lm.cfg, 1, width, lm.dtype)
+    if width > 256:
+        _, canon = prefill_donated(lm.params, lm.cfg, jnp.asarray(ids[:, :width - 256]),
+                                   jnp.ones((1, width - 256), bool), canon, dtype=lm.dtype,
+                                   logits="all")
     chunk = jnp.asarray(rng.integers(0, lm.cfg.vocab_size, (1, 256)).astype(np.int32))
     base = median(lambda c: prefill_donated(lm.params, lm.cfg, chunk, jnp.ones((1, 256), bool),
-                                            c, dtype=lm.dtype, logits="all")) / 256
+                                            c, dtype=lm.dtype, logits="all"), canon) / 256
     rows = [dict(call="canonical chunk", tokens=256, s_per_token=base, vs_canonical=1.0)]
     for T in TREE_BUCKETS:
         toks = jnp.asarray(rng.integers(0, lm.cfg.vocab_size, (1, T)).astype(np.int32))
@@ -316,6 +341,52 @@ def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold:
     out["curve"] = _call_curve(lm, width + ALT_SLOTS, width, width - 64, repeats)
     print(json.dumps(out), flush=True)
     return out
+
+
+def bench_lookahead(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float,
+                    max_lag: int, entries: list[str]) -> list[dict]:
+    """``segs`` scored once per max_speculation:window[:fill] entry, against the first
+    entry: ``seconds`` with the programs of shapes the warm-up did not compile
+    (``compiled`` of them), ``seconds_again`` the same segments once more."""
+    import jax
+    import numpy as np
+    from brf.models.transformer import compiled_count
+    from brf.bytes.lm import ByteLM, score_text
+    lm = ByteLM.load(name)
+    width = _padded_width(len(lm.context()) + len(lm.encode(s)) for s in segs + [warm])
+    rows, ref = [], None
+    for entry in entries:
+        spec, window, *fill = (int(v) for v in entry.split(":"))
+        fill = bool(fill[0]) if fill else True
+        kw = dict(beam=beam, threshold=threshold, max_lag=max_lag, pad_to=width,
+                  max_speculation=spec, window=window, fill=fill)
+        jax.clear_caches()  # each entry compiles its own shapes, as in a process of its own
+        score_text(lm, warm, **kw)  # compiles this entry's shapes
+        n0 = compiled_count()
+        t0 = time.perf_counter()
+        scores = [score_text(lm, s, **kw) for s in segs]
+        seconds = time.perf_counter() - t0
+        compiled = compiled_count() - n0
+        t0 = time.perf_counter()  # again, every shape compiled
+        for s in segs:
+            score_text(lm, s, **kw)
+        again = time.perf_counter() - t0
+        logp = np.concatenate([s.logp for s in scores])
+        st = {k: int(sum(s.stats[k] for s in scores))
+              for k in ("tree_calls", "extra_tokens", "padded_tokens", "lookaheads",
+                        "speculated", "canonical_tokens")}
+        ref = logp if ref is None else ref
+        finite = np.isfinite(ref) & np.isfinite(logp)
+        tv = 0.5 * np.abs(np.exp(logp) - np.exp(ref)).sum(1)
+        rows.append(dict(member=name, max_speculation=spec, window=window, fill=fill,
+                         seconds=seconds, compiled=compiled, seconds_again=again,
+                         bytes=int(logp.shape[0]), **st,
+                         same_impossible=bool(np.array_equal(np.isfinite(ref),
+                                                             np.isfinite(logp))),
+                         max_abs_dlogp=float(np.abs(logp - ref)[finite].max(initial=0.0)),
+                         max_tv=float(tv.max(initial=0.0))))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def _rss_gb() -> float:
@@ -395,6 +466,13 @@ def main(argv):
         res["calls"] = [bench_calls(m, segs, warm, FLAGS.beam, threshold, max_lag,
                                     FLAGS.call_repeats) for m in FLAGS.models]
         _write(res)
+    if "lookahead" in FLAGS.parts:
+        warm = text[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
+        res["lookahead"] = []
+        for m in FLAGS.models:
+            res["lookahead"] += bench_lookahead(m, segs, warm, FLAGS.beam, threshold, max_lag,
+                                                FLAGS.lookahead)
+            _write(res)
     if "memory" in FLAGS.parts:
         res["memory"] = [bench_memory(m, segs, FLAGS.beam, threshold, max_lag)
                          for m in FLAGS.models]

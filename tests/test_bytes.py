@@ -432,3 +432,18 @@ def test_bench_bytes_times_every_call_of_the_scoring(tmp_path):
     assert sum(b["calls"] for b in row["by_bucket"]) == row["tree"]["calls"]
     assert [r["tokens"] for r in row["curve"]] == [256, *TREE_BUCKETS]
     assert all(r["s_per_token"] > 0 for r in row["curve"])
+
+
+def test_a_calls_padding_filled_with_continuations_changes_nothing(member):
+    """``fill`` runs more of the surviving alternatives' canonical continuations in the
+    padding of a call (`brf.bytes.lm._Text._fill`): more tables computed ahead, the same
+    distributions, and here fewer calls and tokens run (padding included)."""
+    lm, _, texts = member
+    text = b"".join(texts) * 3
+    kw = dict(EXACT, beam=8, threshold=1e-3)
+    plain = score_text(lm, text, fill=False, **kw)
+    filled = score_text(lm, text, fill=True, **kw)
+    np.testing.assert_allclose(filled.logp, plain.logp, rtol=1e-12, atol=1e-13)
+    assert filled.stats["speculated"] > plain.stats["speculated"]
+    assert filled.stats["padded_tokens"] < plain.stats["padded_tokens"]
+    assert filled.stats["tree_calls"] < plain.stats["tree_calls"]

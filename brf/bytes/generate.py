@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.bytes import DEFAULT_BEAM, DEFAULT_THRESHOLD, REFERENCE, Settings
-from brf.bytes.lm import ByteLM, ancestor_gather
+from brf.bytes.lm import ByteLM, tree_call
 from brf.bytes.masses import EOT, N_EVENTS, logsumexp_rows
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
                              initial_state, next_byte, pending)
@@ -82,8 +82,7 @@ from brf.fusion import Sampler, fuse
 from brf.fusion import methods as fusion_methods
 from brf.fusion.mixture import select_member
 from brf.fusion.sampling import sample
-from brf.models import forward_tree, init_cache, prefill_donated
-from brf.models.transformer import Reads
+from brf.models import init_cache, prefill_donated
 from brf.models.cache import grow
 
 MODES = ("fuse", "mixture_exact", "mixture_per_member")
@@ -193,28 +192,10 @@ class _Tree:
         if self.end + T > self.slots:
             self.slots = max(2 * self.slots, self.end + T)
             self.cache = grow(self.cache, self.slots)
-        tokens = np.zeros(T, np.int32)
-        pos = np.full(T, -1, np.int32)
-        cache_allow = np.zeros((T, self.slots), bool)
-        cache_allow[:, :self.n_ctx] = True
-        tree_allow = np.eye(T, dtype=bool)
-        olds = []
-        for t, s in enumerate(wanted):
-            self.slot_of[s] = self.end + t
-        for t, s in enumerate(wanted):
-            p = seqs.parent[s]
-            anc = self.anc[p] if p == 0 else np.append(self.anc[p], self.slot_of[p])
-            self.anc[s] = anc
-            tokens[t] = seqs.token[s]
-            pos[t] = self.n_ctx + len(seqs.ext[s]) - 1
-            olds.append(anc[anc < self.end])
-            tree_allow[t, anc[anc >= self.end] - self.end] = True
         # the prompt's slots, and of the tokens after them only each token's ancestors
-        logits, self.cache = forward_tree(self.lm.params, self.lm.cfg, self.cache, tokens[None],
-                                          pos[None], cache_allow[None], tree_allow[None],
-                                          dtype=self.lm.dtype, donate=True,
-                                          reads=Reads(span=self.width),
-                                          gather=ancestor_gather(olds, T))
+        logits, self.cache = tree_call(self.lm, self.cache, seqs, wanted, T, n_ctx=self.n_ctx,
+                                       end=self.end, span=self.width, anc=self.anc,
+                                       slot=self.slot_of)
         self.end += T
         self.tokens += len(wanted)
         self.calls += 1

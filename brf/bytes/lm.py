@@ -26,6 +26,14 @@ returns, for every byte, the member's distribution over the 257 byte events
    branching off the canonical path, then those branching off them). The
    byte walk then finds its tables ready; anything else it needs (rare) runs
    on demand, batched per byte.
+4. *Continuations.* An alternative that survived so far and ends where a
+   canonical token does likely goes on like the canonical text, so up to
+   ``max_speculation`` of its canonical continuations run in the same call
+   (a chain seen through the tree mask). A call runs padded to a tree bucket
+   anyway, and a padding token costs what a real one does: ``fill`` spends
+   that padding on more continuations, the oldest alternatives first, which
+   later rounds then find ready (fewer, fuller calls). Neither changes a
+   distribution: they decide which tokens share a call.
 
 With ``threshold=0`` and a beam no smaller than the cover, nothing is pruned
 and the distributions are exact (the tests check it against brute force). The
@@ -220,34 +228,54 @@ class _Runner:
         if self.end + T > self.slots:
             keep = set(self.live()) | set(batch) | {seqs.parent[s] for s in batch}
             self._compact(seqs, keep, T)
-        tokens = np.zeros(T, np.int32)
-        pos = np.full(T, -1, np.int32)
-        cache_allow = np.zeros((T, self.slots), bool)
-        tree_allow = np.eye(T, dtype=bool)  # padding sees itself: no empty softmax
-        olds = []
-        for t, s in enumerate(wanted):
-            p = seqs.parent[s]
-            anc = self.anc.get(p, _NO_SLOTS) if not seqs.is_protected(p) else _NO_SLOTS
-            if not seqs.is_protected(p):
-                anc = np.append(anc, self.slot[p])
-            self.anc[s] = anc
-            tokens[t] = seqs.token[s]
-            base = self.n_ctx + seqs.base[s]
-            pos[t] = base + len(seqs.ext[s]) - 1
-            cache_allow[t, :base] = True
-            olds.append(anc[anc < self.end])
-            tree_allow[t, anc[anc >= self.end] - self.end] = True
-            self.slot[s] = self.end + t
-        logits, self.cache = forward_tree(self.lm.params, self.lm.cfg, self.cache, tokens[None],
-                                          pos[None], cache_allow[None], tree_allow[None],
-                                          dtype=self.lm.dtype, donate=True,
-                                          reads=Reads(span=self.canon_slots),
-                                          gather=ancestor_gather(olds, T))
+        logits, self.cache = tree_call(self.lm, self.cache, seqs, wanted, T, n_ctx=self.n_ctx,
+                                       end=self.end, span=self.canon_slots, anc=self.anc,
+                                       slot=self.slot)
         self.end += T
         self.tokens += len(wanted)
         self.padded += T
         self.calls += 1
         return logits[0]
+
+
+def tree_call(lm: ByteLM, cache: dict, seqs: SeqTree, wanted: Sequence[int], T: int, *,
+              n_ctx: int, end: int, span: int, anc: dict, slot: dict):
+    """One tree call (`forward_tree`): the last token of each ``wanted`` sequence, padded
+    to ``T`` tokens and written at cache slots [end, end + T). Scoring and byte-level
+    generation both run their alternatives' tokens through it.
+
+    A sequence is a protected prefix (``seqs.base``: the canonical tokens in scoring,
+    none in generation) after the ``n_ctx`` context tokens, then tokens of its own:
+    its token sees the first ``n_ctx + base`` slots (all below ``span``, the slots the
+    call reads besides what it gathers) and its own earlier tokens. Those lie in the
+    cache at ``anc[seq]`` (written by earlier calls: gathered, `ancestor_gather`) or in
+    this call (its parent earlier in ``wanted``: the tree mask). ``anc`` and ``slot``
+    (sequence -> slots of its own tokens, and of its last one) are updated in place; a
+    sequence not in ``slot`` (a protected prefix) has no tokens of its own.
+
+    Returns:
+        (logits [1, T, V] on the device, the cache).
+    """
+    slots = cache["pos"].shape[1]
+    tokens = np.zeros(T, np.int32)
+    pos = np.full(T, -1, np.int32)
+    cache_allow = np.zeros((T, slots), bool)
+    tree_allow = np.eye(T, dtype=bool)  # padding sees itself: no empty softmax
+    olds = []
+    for t, s in enumerate(wanted):
+        p = seqs.parent[s]
+        a = np.append(anc[p], slot[p]) if p in slot else _NO_SLOTS
+        anc[s] = a
+        base = n_ctx + seqs.base[s]
+        tokens[t] = seqs.token[s]
+        pos[t] = base + len(seqs.ext[s]) - 1
+        cache_allow[t, :base] = True
+        olds.append(a[a < end])
+        tree_allow[t, a[a >= end] - end] = True
+        slot[s] = end + t
+    return forward_tree(lm.params, lm.cfg, cache, tokens[None], pos[None], cache_allow[None],
+                        tree_allow[None], dtype=lm.dtype, donate=True, reads=Reads(span=span),
+                        gather=ancestor_gather(olds, T))
 
 
 _NO_SLOTS = np.zeros(0, np.int64)
@@ -331,7 +359,7 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
                beam: int = DEFAULT_BEAM, threshold: float = DEFAULT_THRESHOLD,
                chunk: int = 256, pad_to: int = 0,
                max_lag: int = DEFAULT_MAX_LAG, window: int = 512,
-               max_speculation: int = 4, n_bytes: int | None = None,
+               max_speculation: int = 4, fill: bool = True, n_bytes: int | None = None,
                context_ids: Sequence[int] | None = None) -> TextScores:
     """The member's next-byte distribution at every byte of ``text``.
 
@@ -353,6 +381,11 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
             one batched call (module docstring).
         max_speculation: at most this many tokens of a surviving alternative's
             canonical continuation are computed ahead in one go.
+        fill: a call's padding up to its tree bucket runs more of the surviving
+            alternatives' canonical continuations (the oldest first) instead of
+            nothing; a padding token costs what a real one does. No distribution
+            depends on it (nor on ``window`` and ``max_speculation``): they decide
+            which tokens share a call, so only float32 rounding differs.
         n_bytes: score only the first ``n_bytes`` bytes (None: all). The rows are
             those of the whole text's first ``n_bytes`` rows with the same settings
             (the canonical tokenization is the whole text's, cut after the token
@@ -392,7 +425,7 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
         ends = np.cumsum([len(lm.codec.table.token_bytes[t]) for t in canon])
         canon = canon[:int(np.searchsorted(ends, N)) + 1]
     tx = _Text(lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation, max_lag,
-               stop=N)
+               stop=N, fill=fill)
     n = len(canon)
     logp = np.zeros((N, N_EVENTS))
     pruned = np.zeros(N, np.float32)
@@ -430,8 +463,9 @@ class _Text:
     """One text's sequences, tables and forward passes (see the module docstring)."""
 
     def __init__(self, lm, text, canon, ctx, beam, threshold, chunk, pad_to, max_speculation,
-                 max_lag, stop=None):
+                 max_lag, stop=None, fill=True):
         self.lm, self.text, self.canon = lm, text, canon
+        self.fill = fill
         self.stop = len(text) if stop is None else stop  # bytes the walk reads
         self.max_lag = max_lag
         self.beam, self.threshold, self.max_spec = beam, threshold, max_speculation
@@ -485,6 +519,56 @@ class _Text:
             out.append(self.seqs.child(out[-1], self.canon[j], end))
         return out
 
+    def _next(self, seq: int) -> int | None:
+        """The canonical continuation of ``seq`` by one token, when it may be computed
+        ahead (``seq`` off the canonical path, at a canonical boundary, the next
+        token ending before the scored bytes do and within ``max_lag``)."""
+        i = self.boundary.get(self.seqs.end[seq])
+        if i is None or i >= len(self.canon) or self.seqs.is_protected(seq):
+            return None
+        if self.max_lag and self.seqs.synced[seq] >= self.max_lag - 1:
+            return None
+        end = self.seqs.end[i + 1]
+        return None if end >= self.stop else self.seqs.child(seq, self.canon[i], end)
+
+    def _fill(self, todo: list[int], wanted) -> None:
+        """Fills the padding of the calls ``todo`` will run with more of the chains'
+        canonical continuations (``todo`` is extended in place).
+
+        A call is padded to a tree bucket anyway (`_Runner.compute`), and a padding
+        token costs what a real one does; the slack goes to the oldest alternatives first
+        (the likeliest to survive), a token each in turn. Which tables exist changes no
+        distribution, only which later calls are needed. Only a batch of one call is
+        filled (more are cut into equal calls, whose padding filling would move).
+        """
+        if len(todo) > TREE_BUCKETS[-1] or self.max_spec <= 0:
+            return
+        room = next(b for b in TREE_BUCKETS if b >= len(todo)) - len(todo)
+        have = set(todo)
+        tips = []
+        for s in sorted(dict.fromkeys(wanted), key=lambda s: -len(self.seqs.ext[s])):
+            tip = s
+            while True:  # the chain's last sequence whose table is, or will be, computed
+                nxt = self._next(tip)
+                if nxt is None or not (nxt in have or nxt in self.tables):
+                    break
+                tip = nxt
+            if tip in have or tip in self.tables:
+                tips.append(tip)
+        while room > 0 and tips:
+            grown = []
+            for tip in tips:
+                nxt = self._next(tip)
+                if nxt is None or room == 0:
+                    continue
+                if nxt not in have and nxt not in self.tables:
+                    todo.append(nxt)
+                    have.add(nxt)
+                    self.speculated += 1
+                    room -= 1
+                grown.append(nxt)
+            tips = grown
+
     def live(self, state: ByteState) -> set[int]:
         """The sequences later bytes may extend: the state's, and those computed ahead."""
         ends = self.seqs.end
@@ -502,6 +586,8 @@ class _Text:
                     self.speculated += j > 0
         if not todo:
             return []
+        if self.fill:
+            self._fill(todo, wanted)
         i = 0
         for take, logits in self.runner.compute(self.seqs, todo):
             part = todo[i:i + take]
