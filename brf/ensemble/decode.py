@@ -62,7 +62,7 @@ from brf.ensemble.member import (EnsembleInputError, Member, check_prompt_fits,
                                  normalised_weights)
 from brf.ensemble.space import IdentitySpace
 from brf.text import TextStream
-from brf.fusion import METHODS, FusionInputError, Sampler, fuse
+from brf.fusion import FusionInputError, Sampler, fuse
 from brf.fusion import methods as fusion_methods
 from brf.fusion.mixture import select_member
 from brf.fusion.sampling import filter_logprobs

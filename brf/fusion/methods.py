@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 
 from brf.fusion.checks import FusionInputError
-from brf.fusion.phase import PhaseMap, phase_map
+from brf.fusion.phase import phase_map
 from brf.registry import Registry
 
 DYNAMIC_KINDS = ("float", "floats", "phase", "array")
