@@ -455,19 +455,17 @@ def main(argv):
     text = CORPORA.get(FLAGS.corpus)()[0].encode("utf-8") if needs_corpus else b""
     # score and memory: the corpus's bytes [skip_bytes, skip_bytes + n_bytes) in segments
     segs = segments_of(text[FLAGS.skip_bytes:FLAGS.skip_bytes + FLAGS.n_bytes], FLAGS.segment)
+    warm = text[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]  # score, calls, lookahead
     if "score" in FLAGS.parts:
-        warm = text[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
         res["score"] = []
         for m in FLAGS.models:
             res["score"].append(bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag))
             _write(res)  # each part as soon as it is measured
     if "calls" in FLAGS.parts:
-        warm = text[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
         res["calls"] = [bench_calls(m, segs, warm, FLAGS.beam, threshold, max_lag,
                                     FLAGS.call_repeats) for m in FLAGS.models]
         _write(res)
     if "lookahead" in FLAGS.parts:
-        warm = text[FLAGS.skip_bytes + FLAGS.n_bytes:][:FLAGS.segment]
         res["lookahead"] = []
         for m in FLAGS.models:
             res["lookahead"] += bench_lookahead(m, segs, warm, FLAGS.beam, threshold, max_lag,
@@ -479,8 +477,8 @@ def main(argv):
         _write(res)
     if "accuracy" in FLAGS.parts:
         data = segments_of(text[FLAGS.skip_bytes:], FLAGS.n_bytes)[0]
-        warm = text[:FLAGS.skip_bytes] or text[-1000:]
-        res["accuracy"] = bench_accuracy(FLAGS.models[0], data, warm, FLAGS.settings)
+        compile_on = text[:FLAGS.skip_bytes] or text[-1000:]
+        res["accuracy"] = bench_accuracy(FLAGS.models[0], data, compile_on, FLAGS.settings)
         _write(res)
     if "generate" in FLAGS.parts:
         res["generate"] = bench_generate(FLAGS.beam, threshold)

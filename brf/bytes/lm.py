@@ -502,21 +502,15 @@ class _Text:
 
     def _chain(self, seq: int) -> list[int]:
         """``seq`` and, when it ends at a canonical boundary, up to ``age`` (its tokens
-        off the canonical path, at most ``max_speculation``) canonical tokens after it:
-        an alternative that survived so far likely goes on like the canonical one."""
+        off the canonical path, at most ``max_speculation``) canonical tokens after it
+        (`_next`): an alternative that survived so far likely goes on like the
+        canonical one."""
         out = [seq]
-        i = self.boundary.get(self.seqs.end[seq])
-        if i is None or self.seqs.is_protected(seq):
-            return out
-        steps = min(self.max_spec, len(self.seqs.ext[seq]))
-        if self.max_lag:  # a continuation that far in sync is dropped before its pass
-            steps = min(steps, self.max_lag - 1 - self.seqs.synced[seq])
-        N = self.stop
-        for j in range(i, min(i + steps, len(self.canon))):
-            end = self.seqs.end[j + 1]
-            if end >= N:
+        for _ in range(min(self.max_spec, len(self.seqs.ext[seq]))):
+            nxt = self._next(out[-1])
+            if nxt is None:
                 break
-            out.append(self.seqs.child(out[-1], self.canon[j], end))
+            out.append(nxt)
         return out
 
     def _next(self, seq: int) -> int | None:
