@@ -11,13 +11,15 @@ tokenizations' tree-attention tokens), the wall time of each and their ratio,
 the trie's memory, the pruned mass and the consistency numbers (bits per byte:
 byte level, canonical tokenization, their gap = the non-canonical mass).
 
-Accuracy (--parts=accuracy): one member (the first of --models) scores the
-corpus's bytes [--skip_bytes, --skip_bytes + --n_bytes) once per --settings
-entry (threshold:beam:max_lag; the first is the reference): time, extra
-forward tokens per canonical token, bits per byte and its difference from the
-reference's, the total variation between each byte's distribution and the
-reference's (mean and 99th percentile), the pruned log-mass (nats) and the
-merged mass.
+Accuracy (--parts=accuracy): each of --models scores the corpus's bytes
+[--skip_bytes, --skip_bytes + --n_bytes) once per --settings entry
+(threshold:beam:max_lag; the first is the reference): time, extra forward
+tokens per canonical token, tree calls and their padded tokens, bits per byte
+and its difference from the reference's, the total variation between each
+byte's distribution and the reference's (mean and 99th percentile), the pruned
+log-mass (nats) and the merged mass. With --accuracy_again each setting is
+scored once more after every setting has run (``seconds_again``: every call
+shape compiled, what a long store pays per byte).
 
 Memory (--parts=memory): each of --models scores the same segments one at a
 time, first keeping freed heap memory (`score_segments(release=False)`), then
@@ -87,6 +89,8 @@ flags.DEFINE_list("settings", ["1e-3:16:0", "3e-3:16:2"],
                   "accuracy: threshold:beam:max_lag per run, the first the reference")
 flags.DEFINE_integer("new_tokens", 48, "generation: tokens at the token level")
 flags.DEFINE_integer("new_bytes", 192, "generation: bytes at the byte level")
+flags.DEFINE_bool("accuracy_again", False,
+                  "accuracy: score each setting again with every shape compiled")
 flags.DEFINE_integer("call_repeats", 5, "calls: timings per tree bucket (the median is kept)")
 flags.DEFINE_list("lookahead", ["4:512:0", "4:512", "16:512"],
                   "lookahead: max_speculation:window[:fill] per run, the first the reference")
@@ -158,31 +162,44 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
                 merged_mean=cons["merged_mean"], hyp_mean=cons["hyp_mean"])
 
 
-def bench_accuracy(name: str, data: bytes, warm: bytes, settings: list[str]) -> list[dict]:
+def bench_accuracy(name: str, data: bytes, warm: bytes, settings: list[str],
+                   again: bool = False) -> list[dict]:
     import numpy as np
     from brf.bytes.lm import ByteLM, score_text
     lm = ByteLM.load(name)
     score_text(lm, warm[:400], beam=16, threshold=1e-3)  # compile
     gold = np.frombuffer(data, np.uint8)
     rows, ref = [], None
-    for setting in settings:
+
+    def scored(setting):
         thr, beam, lag = setting.split(":")
         t0 = time.perf_counter()
         s = score_text(lm, data, beam=int(beam), threshold=float(thr), max_lag=int(lag))
-        seconds = time.perf_counter() - t0
+        return s, time.perf_counter() - t0
+
+    for setting in settings:
+        s, seconds = scored(setting)
         ref = ref or s
         st, n = s.stats, len(data)
         tv = 0.5 * np.abs(np.exp(s.logp) - np.exp(ref.logp)).sum(1)
         bpb = -st["byte_ll"] / n / np.log(2)
         rows.append(dict(member=name, setting=setting, bytes=n, seconds=seconds,
+                         canonical_tokens=st["canonical_tokens"],
+                         extra_tokens=st["extra_tokens"], padded_tokens=st["padded_tokens"],
+                         tree_calls=st["tree_calls"],
                          extra_per_canonical=st["extra_tokens"] / st["canonical_tokens"],
                          bpb=bpb, dbpb=bpb + ref.stats["byte_ll"] / n / np.log(2),
                          bpb_canonical=-st["canonical_ll"] / n / np.log(2),
                          tv_mean=float(tv.mean()), tv_p99=float(np.quantile(tv, 0.99)),
+                         tv_max=float(tv.max()),
                          lost_nats=float(st["lost"]), merged=float(st["merged"]),
                          gold_logp_sum=float(s.logp[np.arange(n), gold].sum()),
                          max_hyp=int(st["max_hyp"])))
         print(json.dumps(rows[-1]), flush=True)
+    for row in rows if again else ():
+        row["seconds_again"] = scored(row["setting"])[1]
+        print(json.dumps(dict(member=name, setting=row["setting"],
+                              seconds_again=row["seconds_again"])), flush=True)
     return rows
 
 
@@ -478,8 +495,11 @@ def main(argv):
     if "accuracy" in FLAGS.parts:
         data = segments_of(text[FLAGS.skip_bytes:], FLAGS.n_bytes)[0]
         compile_on = text[:FLAGS.skip_bytes] or text[-1000:]
-        res["accuracy"] = bench_accuracy(FLAGS.models[0], data, compile_on, FLAGS.settings)
-        _write(res)
+        res["accuracy"] = []
+        for m in FLAGS.models:
+            res["accuracy"] += bench_accuracy(m, data, compile_on, FLAGS.settings,
+                                              FLAGS.accuracy_again)
+            _write(res)
     if "generate" in FLAGS.parts:
         res["generate"] = bench_generate(FLAGS.beam, threshold)
         _write(res)
