@@ -16,7 +16,7 @@ import math
 
 import ml_collections
 
-from brf.bytes import CHECK_BYTES, REFERENCE, STUDY_BEAM, STUDY_MAX_LAG, STUDY_THRESHOLD
+from brf.bytes import CHECK_BYTES, DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE
 from brf.errors import UserError
 from brf.specs import format_spec
 
@@ -32,12 +32,11 @@ SECOND_PREFIX = "Here is a passage of text.\n\n"
 # per byte), prune threshold (hypotheses below this fraction of the prefix mass
 # are dropped; the mass they carried is reported) and merge lag (a hypothesis more
 # than this many canonical tokens behind is merged into the canonical one; the mass
-# merged is reported). The library's study settings (brf.bytes.STUDY, their one
-# home; finer than its scoring and generation defaults, brf.bytes.DEFAULT):
-# BENCHMARKS.md, "The study's byte settings", shows what they cost in speed and accuracy.
-BYTE_BEAM = STUDY_BEAM
-BYTE_PRUNE_THRESHOLD = STUDY_THRESHOLD
-BYTE_MAX_LAG = STUDY_MAX_LAG
+# merged is reported). The library's defaults (brf.bytes, their one home):
+# BENCHMARKS.md, "Every byte", shows what they cost in speed and accuracy.
+BYTE_BEAM = DEFAULT_BEAM
+BYTE_PRUNE_THRESHOLD = DEFAULT_THRESHOLD
+BYTE_MAX_LAG = DEFAULT_MAX_LAG
 
 
 def get_config(arg=None):
@@ -163,11 +162,10 @@ def get_config(arg=None):
     # verdict (0 = no check).
     # max_chars: the byte level reads each corpus's first segments up to that many
     # characters (whole segments, at least two: one calibrates, one tests; 0 = every
-    # segment). At threshold 3e-3 a member scored 8.5-83 bytes a second on a 2-core
+    # segment). At these settings a member scores 8.5-83 bytes a second on a 2-core
     # CPU (BENCHMARKS.md, "The study's time"), so every byte of the three corpora for
-    # both members would have taken about 4 hours of scoring alone; 6,000 characters
-    # per corpus took 24 minutes, and at today's 1e-3 are estimated at about 18
-    # (BENCHMARKS.md, "The study's byte settings"). prompts: the prompt study (prefix pair, same-model
+    # both members would take about 4 hours of scoring alone; 6,000 characters per
+    # corpus took 24 minutes. prompts: the prompt study (prefix pair, same-model
     # pair, swarm) at the byte level too (three more stores of Hamlet's span; False
     # keeps it to co-aligned positions).
     c.bytes = ml_collections.ConfigDict(dict(

@@ -5,7 +5,9 @@ Scoring (--parts=score), per member: the corpus's first --n_bytes bytes, cut int
 warm-up segment (compilation excluded): token level (the canonical tokens,
 `brf.models.score_tokens`, one segment at a time in chunks of 256) and byte
 level (`brf.bytes.scoring.score_segments`, every byte's 257-event distribution
-with --beam / --threshold pruning and --max_lag merging). Reported:
+with --beam / --threshold pruning and --max_lag merging; with --thresholds, once per
+threshold, one after another; with --score_cold, without the warm-up segment and
+with JAX's compiled programs dropped first, as a fresh process scores a store). Reported:
 forward tokens per byte (the canonical pass, and with the alternative
 tokenizations' tree-attention tokens), the wall time of each and their ratio,
 the trie's memory, the pruned mass and the consistency numbers (bits per byte:
@@ -89,6 +91,11 @@ flags.DEFINE_list("settings", ["1e-3:16:0", "3e-3:16:2"],
                   "accuracy: threshold:beam:max_lag per run, the first the reference")
 flags.DEFINE_integer("new_tokens", 48, "generation: tokens at the token level")
 flags.DEFINE_integer("new_bytes", 192, "generation: bytes at the byte level")
+flags.DEFINE_list("thresholds", [],
+                  "score: the byte level once per threshold, one after another (default: --threshold)")
+flags.DEFINE_bool("score_cold", False,
+                  "score: no warm-up segment; JAX's compiled programs dropped before each member "
+                  "and threshold, so the time includes compiling, as in a fresh process")
 flags.DEFINE_bool("accuracy_again", False,
                   "accuracy: score each setting again with every shape compiled")
 flags.DEFINE_integer("call_repeats", 5, "calls: timings per tree bucket (the median is kept)")
@@ -115,7 +122,7 @@ def _padded_width(lengths) -> int:
 
 
 def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float,
-                 max_lag: int) -> dict:
+                 max_lag: int, cold: bool = False) -> dict:
     import numpy as np
     from brf.bytes.lm import ByteLM
     from brf.bytes.scoring import consistency, score_segments
@@ -138,16 +145,22 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
     token_level()
     token_s = time.perf_counter() - t0
 
-    # The warm-up segment is padded like the others, so it compiles their shapes.
+    # The warm-up segment is padded like the others, so it compiles their shapes; cold:
+    # none, and JAX's compiled programs dropped first (a store as a fresh process scores it).
     kw = dict(beam=beam, threshold=threshold, max_lag=max_lag, pad_to=width)
-    score_segments(lm, [warm], desc="warm-up", **kw)
+    if cold:
+        import jax
+        jax.clear_caches()
+    else:
+        score_segments(lm, [warm], desc="warm-up", **kw)
     t0 = time.perf_counter()
     sc = score_segments(lm, segs, desc=f"{name} bytes", **kw)
     byte_s = time.perf_counter() - t0
     cons = consistency(sc)
     n = sc.n_bytes
     canonical = float(sum(map(len, rows[1:])))
-    return dict(member=name, bytes=n, canonical_tokens=int(canonical),
+    return dict(member=name, threshold=threshold, beam=beam, max_lag=max_lag, cold=cold,
+                bytes=n, canonical_tokens=int(canonical),
                 token_forward_per_byte=canonical / n,
                 byte_forward_per_byte=cons["forward_per_byte"],
                 forward_ratio=cons["forward_per_byte"] * n / canonical,
@@ -476,8 +489,11 @@ def main(argv):
     if "score" in FLAGS.parts:
         res["score"] = []
         for m in FLAGS.models:
-            res["score"].append(bench_member(m, segs, warm, FLAGS.beam, threshold, max_lag))
-            _write(res)  # each part as soon as it is measured
+            for thr in [float(t) for t in FLAGS.thresholds] or [threshold]:
+                res["score"].append(bench_member(m, segs, warm, FLAGS.beam, thr, max_lag,
+                                                 FLAGS.score_cold))
+                print(json.dumps(res["score"][-1]), flush=True)
+                _write(res)  # each part as soon as it is measured
     if "calls" in FLAGS.parts:
         res["calls"] = [bench_calls(m, segs, warm, FLAGS.beam, threshold, max_lag,
                                     FLAGS.call_repeats) for m in FLAGS.models]

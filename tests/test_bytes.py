@@ -387,9 +387,8 @@ def test_defaults_near_the_reference_on_indented_text():
     2) lay 0.11 bits per byte and up to 48% total variation from the reference;
     the defaults (no merging) stay within 0.005 bits per byte and 5% per byte (not
     the 1e-3 the issue asks for: BENCHMARKS.md, "Precision of the byte-level
-    views", measures what that would cost). Issue 52: the study's settings (a finer
-    threshold) lie closer to the reference than the defaults by every measure."""
-    from brf.bytes import DEFAULT, REFERENCE, STUDY, Settings
+    views", measures what that would cost)."""
+    from brf.bytes import DEFAULT, REFERENCE, Settings
     from brf.bytes.precision import compare
     from brf.checkpoints import registry
     try:
@@ -404,11 +403,6 @@ def test_defaults_near_the_reference_on_indented_text():
     assert was["tv_max"] > 0.2 and was["dbpb"] > 0.05, was  # what the issue saw
     assert abs(now["dbpb"]) < 5e-3 and now["tv_max"] < 0.05, now
     assert DEFAULT.max_lag == 0 and not got.merged.any()
-    study = compare(score_text(lm, INDENTED, **STUDY._asdict()).logp, ref.logp, gold)
-    assert STUDY.threshold < DEFAULT.threshold and STUDY.max_lag == 0
-    for k in ("tv_mean", "tv_p99", "tv_max"):
-        assert study[k] < now[k], (k, study, now)
-    assert abs(study["dbpb"]) < abs(now["dbpb"]), (study, now)
 
 
 @pytest.mark.slow

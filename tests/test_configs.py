@@ -95,39 +95,33 @@ def test_validation_config_makes_a_plan(arg):
 def test_byte_defaults_live_in_brf_bytes(monkeypatch):
     """Issue 37: the plan's ByteSettings defaulted to max_lag=0 (and a config without
     beam/threshold failed) while brf.bytes and configs/validate.py said 2, and
-    configs/generate.py's byte-level threshold was its own 1e-3. The study (plan and
-    configs/validate.py) reads brf.bytes' STUDY_BEAM / STUDY_THRESHOLD /
-    STUDY_MAX_LAG, generation its DEFAULT_BEAM / DEFAULT_THRESHOLD (issue 52: the
-    study's settings are finer than generation's)."""
+    configs/generate.py's byte-level threshold was its own 1e-3. All read
+    brf.bytes' DEFAULT_BEAM / DEFAULT_THRESHOLD / DEFAULT_MAX_LAG now."""
     import ml_collections
 
     import brf.bytes
     from brf.eval import plan as plan_lib
-    study = (brf.bytes.STUDY_BEAM, brf.bytes.STUDY_THRESHOLD, brf.bytes.STUDY_MAX_LAG)
     lib = (brf.bytes.DEFAULT_BEAM, brf.bytes.DEFAULT_THRESHOLD, brf.bytes.DEFAULT_MAX_LAG)
-    assert study == tuple(brf.bytes.STUDY) and lib == tuple(brf.bytes.DEFAULT)
 
     def settings(b):
         return (b.beam, b.threshold, b.max_lag)
 
-    assert settings(plan_lib.ByteSettings(True)) == study
+    assert settings(plan_lib.ByteSettings(True)) == lib
     validate = _load(CONFIGS[[p.stem for p in CONFIGS].index("validate")])
     cfg = validate.get_config()
-    assert settings(plan_lib.from_config(cfg).bytes) == study
+    assert settings(plan_lib.from_config(cfg).bytes) == lib
     cfg.bytes = ml_collections.ConfigDict(dict(enabled=True))  # none of the keys
     assert plan_lib.from_config(cfg).bytes == plan_lib.ByteSettings(True)
     generate = _load(CONFIGS[[p.stem for p in CONFIGS].index("generate")])
     assert (generate.get_config("bytes").beam, generate.get_config("bytes").threshold) == lib[:2]
     # ... read from brf.bytes, not numbers that happen to agree today.
-    monkeypatch.setattr(brf.bytes, "STUDY_BEAM", 5)
-    monkeypatch.setattr(brf.bytes, "STUDY_THRESHOLD", 0.25)
-    monkeypatch.setattr(brf.bytes, "STUDY_MAX_LAG", 7)
-    monkeypatch.setattr(brf.bytes, "DEFAULT_BEAM", 6)
-    monkeypatch.setattr(brf.bytes, "DEFAULT_THRESHOLD", 0.125)
+    monkeypatch.setattr(brf.bytes, "DEFAULT_BEAM", 5)
+    monkeypatch.setattr(brf.bytes, "DEFAULT_THRESHOLD", 0.25)
+    monkeypatch.setattr(brf.bytes, "DEFAULT_MAX_LAG", 7)
     b = _load(CONFIGS[[p.stem for p in CONFIGS].index("validate")]).get_config().bytes
     assert (b.beam, b.threshold, b.max_lag) == (5, 0.25, 7)
     g = _load(CONFIGS[[p.stem for p in CONFIGS].index("generate")]).get_config("bytes")
-    assert (g.beam, g.threshold) == (6, 0.125)
+    assert (g.beam, g.threshold) == (5, 0.25)
 
 
 @pytest.mark.parametrize("calib_range", [0.5, 1.0, -3.0])

@@ -1,6 +1,6 @@
 """brf.bytes: every member as a model over bytes, exactly or with a reported pruned mass.
 
-Four settings of one code path (`brf.bytes.lm.score_text`):
+Three settings of one code path (`brf.bytes.lm.score_text`):
 
 * ``EXACT``: no pruning, no merging. Every covering tokenization counts, so the
   distributions are the member's own (checked against brute-force enumeration in
@@ -13,15 +13,10 @@ Four settings of one code path (`brf.bytes.lm.score_text`):
   64 / threshold 1e-6 on 300-400-byte slices (Hamlet for both models, Python code
   for SmolLM2): per-byte total variation <= 2.1e-3 at the 99th percentile, bits
   per byte within 7e-5.
-* ``DEFAULT``: what scoring and byte-level generation use unless told otherwise
-  (beam 16, threshold 3e-3, no merging): several percent of total variation from
-  the reference at the 99th percentile on code and on Gemma's Hamlet, tens of
-  percent on SmolLM2's Turkish (BENCHMARKS.md).
-* ``STUDY``: what the study scores its byte stores with (beam 16, threshold 1e-3,
-  no merging): a third of ``DEFAULT``'s threshold, the finest measured whose
-  stores are estimated to take no longer than the study's did at ``DEFAULT``
-  before tree calls got cheaper (BENCHMARKS.md, "The study's byte settings"); its
-  measured distance from the reference is reported with every study run.
+* ``DEFAULT``: what scoring, the study and byte-level generation use unless told
+  otherwise (beam 16, threshold 3e-3, no merging); its measured distance from the
+  reference is reported with every study run (several percent of total
+  variation at the 99th percentile on code and on Gemma's Hamlet: BENCHMARKS.md).
 
 Without merging every kept hypothesis is a real tokenization with its exact
 probability, so the kept mass is a lower bound of the text's probability under
@@ -56,13 +51,10 @@ class Settings(NamedTuple):
 EXACT = Settings(beam=1 << 30, threshold=0.0, max_lag=0)
 REFERENCE = Settings(beam=32, threshold=1e-5, max_lag=0)
 DEFAULT = Settings(beam=16, threshold=3e-3, max_lag=0)
-STUDY = Settings(beam=16, threshold=1e-3, max_lag=0)
-PRESETS = {"exact": EXACT, "reference": REFERENCE, "default": DEFAULT, "study": STUDY}
-# Bytes per corpus the study rescores at REFERENCE to measure STUDY (its precision
+PRESETS = {"exact": EXACT, "reference": REFERENCE, "default": DEFAULT}
+# Bytes per corpus the study rescores at REFERENCE to measure DEFAULT (its precision
 # check; at REFERENCE's ~30 forward tokens per canonical token, ~1-3 minutes a member).
 CHECK_BYTES = 300
 
 # The defaults one by one (configs and keyword defaults read these).
 DEFAULT_BEAM, DEFAULT_THRESHOLD, DEFAULT_MAX_LAG = DEFAULT
-# The study's (configs/validate.py and brf.eval.plan read these).
-STUDY_BEAM, STUDY_THRESHOLD, STUDY_MAX_LAG = STUDY

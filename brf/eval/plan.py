@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from brf import schema as S
-from brf.bytes import (CHECK_BYTES, REFERENCE, STUDY_BEAM, STUDY_MAX_LAG, STUDY_THRESHOLD,
+from brf.bytes import (CHECK_BYTES, DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE,
                        Settings)
 from brf.errors import UserError
 from brf.eval import config_specs
@@ -130,8 +130,8 @@ class ByteSettings:
     (`brf.bytes.lm.score_text`: at most ``beam`` hypotheses per byte, those below
     ``threshold`` of the prefix mass dropped, hypotheses that fall more than
     ``max_lag`` canonical tokens behind merged into the canonical one). The
-    defaults are brf.bytes' study settings (``STUDY_BEAM``, ``STUDY_THRESHOLD``,
-    ``STUDY_MAX_LAG``), here, in a config without those keys and in
+    defaults are brf.bytes' (``DEFAULT_BEAM``, ``DEFAULT_THRESHOLD``,
+    ``DEFAULT_MAX_LAG``), here, in a config without those keys and in
     configs/validate.py alike.
 
     ``check_bytes``: the precision check's slice (:mod:`brf.eval.byte_precision`: that
@@ -143,9 +143,9 @@ class ByteSettings:
     split; :meth:`brf.eval.levels.LoadedCorpus.head`); 0: every segment. ``prompts``:
     the prompt study (prefix pair, same-model pair, swarm) at the byte level too."""
     enabled: bool
-    beam: int = STUDY_BEAM
-    threshold: float = STUDY_THRESHOLD
-    max_lag: int = STUDY_MAX_LAG
+    beam: int = DEFAULT_BEAM
+    threshold: float = DEFAULT_THRESHOLD
+    max_lag: int = DEFAULT_MAX_LAG
     swarm: bool = True  # the prompt study's swarm on every byte too (its fits are the longest)
     check_bytes: int = CHECK_BYTES
     reference: Settings = REFERENCE
@@ -570,15 +570,15 @@ def from_config(cfg) -> Plan:
 def _byte_settings(section) -> ByteSettings:
     """config.bytes (checked by :data:`SCHEMA`: a beam or threshold the byte level
     refuses is named even when the byte level is off), its absent keys at brf.bytes'
-    study settings; no section: off."""
+    defaults; no section: off."""
     if section is None:
         return BYTES_OFF
     get = section.get
     reference = Settings(int(get("reference_beam", REFERENCE.beam)),
                          float(get("reference_threshold", REFERENCE.threshold)), 0)
-    return ByteSettings(bool(section.enabled), int(get("beam", STUDY_BEAM)),
-                        float(get("threshold", STUDY_THRESHOLD)),
-                        int(get("max_lag", STUDY_MAX_LAG)), bool(get("swarm", True)),
+    return ByteSettings(bool(section.enabled), int(get("beam", DEFAULT_BEAM)),
+                        float(get("threshold", DEFAULT_THRESHOLD)),
+                        int(get("max_lag", DEFAULT_MAX_LAG)), bool(get("swarm", True)),
                         int(get("check_bytes", ByteSettings.check_bytes)), reference,
                         int(get("max_chars", 0)), bool(get("prompts", True)))
 
