@@ -92,7 +92,8 @@ flags.DEFINE_list("settings", ["1e-3:16:0", "3e-3:16:2"],
 flags.DEFINE_integer("new_tokens", 48, "generation: tokens at the token level")
 flags.DEFINE_integer("new_bytes", 192, "generation: bytes at the byte level")
 flags.DEFINE_list("thresholds", [],
-                  "score: the byte level once per threshold, one after another (default: --threshold)")
+                  "score: the byte level once per threshold, one after another "
+                  "(default: --threshold)")
 flags.DEFINE_bool("score_cold", False,
                   "score: no warm-up segment; JAX's compiled programs dropped before each member "
                   "and threshold, so the time includes compiling, as in a fresh process")
@@ -121,8 +122,9 @@ def _padded_width(lengths) -> int:
     return -(-max(lengths) // 256) * 256
 
 
-def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float,
-                 max_lag: int, cold: bool = False) -> dict:
+def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int,
+                 thresholds: list[float], max_lag: int, cold: bool = False) -> list[dict]:
+    """The member loaded and its token level timed once; its byte level once per threshold."""
     import numpy as np
     from brf.bytes.lm import ByteLM
     from brf.bytes.scoring import consistency, score_segments
@@ -145,34 +147,39 @@ def bench_member(name: str, segs: list[bytes], warm: bytes, beam: int, threshold
     token_level()
     token_s = time.perf_counter() - t0
 
-    # The warm-up segment is padded like the others, so it compiles their shapes; cold:
-    # none, and JAX's compiled programs dropped first (a store as a fresh process scores it).
-    kw = dict(beam=beam, threshold=threshold, max_lag=max_lag, pad_to=width)
-    if cold:
-        import jax
-        jax.clear_caches()
-    else:
-        score_segments(lm, [warm], desc="warm-up", **kw)
-    t0 = time.perf_counter()
-    sc = score_segments(lm, segs, desc=f"{name} bytes", **kw)
-    byte_s = time.perf_counter() - t0
-    cons = consistency(sc)
-    n = sc.n_bytes
-    canonical = float(sum(map(len, rows[1:])))
-    return dict(member=name, threshold=threshold, beam=beam, max_lag=max_lag, cold=cold,
-                bytes=n, canonical_tokens=int(canonical),
-                token_forward_per_byte=canonical / n,
-                byte_forward_per_byte=cons["forward_per_byte"],
-                forward_ratio=cons["forward_per_byte"] * n / canonical,
-                padded_per_byte=float(np.sum(sc["padded_tokens"])) / n,
-                tree_calls=int(np.sum(sc["tree_calls"])),
-                token_seconds=token_s, byte_seconds=byte_s, wall_ratio=byte_s / token_s,
-                token_bytes_per_s=n / token_s, byte_bytes_per_s=n / byte_s,
-                trie_mb=lm.trie.nbytes() / 2**20, trie_nodes=lm.trie.n_nodes,
-                vocab=lm.trie.vocab_size, pruned_mean=cons["pruned_mean"],
-                lost_bits_per_byte=cons["lost"], bpb_byte=cons["byte"],
-                bpb_canonical=cons["canonical"], noncanonical_bits_per_byte=cons["noncanonical"],
-                merged_mean=cons["merged_mean"], hyp_mean=cons["hyp_mean"])
+    out = []
+    for threshold in thresholds:
+        # The warm-up segment is padded like the others, so it compiles their shapes; cold:
+        # none, and JAX's compiled programs dropped first (a store as a fresh process scores it).
+        kw = dict(beam=beam, threshold=threshold, max_lag=max_lag, pad_to=width)
+        if cold:
+            import jax
+            jax.clear_caches()
+        else:
+            score_segments(lm, [warm], desc="warm-up", **kw)
+        t0 = time.perf_counter()
+        sc = score_segments(lm, segs, desc=f"{name} bytes", **kw)
+        byte_s = time.perf_counter() - t0
+        cons = consistency(sc)
+        n = sc.n_bytes
+        canonical = float(sum(map(len, rows[1:])))
+        out.append(dict(member=name, threshold=threshold, beam=beam, max_lag=max_lag, cold=cold,
+                        bytes=n, canonical_tokens=int(canonical),
+                        token_forward_per_byte=canonical / n,
+                        byte_forward_per_byte=cons["forward_per_byte"],
+                        forward_ratio=cons["forward_per_byte"] * n / canonical,
+                        padded_per_byte=float(np.sum(sc["padded_tokens"])) / n,
+                        tree_calls=int(np.sum(sc["tree_calls"])),
+                        token_seconds=token_s, byte_seconds=byte_s, wall_ratio=byte_s / token_s,
+                        token_bytes_per_s=n / token_s, byte_bytes_per_s=n / byte_s,
+                        trie_mb=lm.trie.nbytes() / 2**20, trie_nodes=lm.trie.n_nodes,
+                        vocab=lm.trie.vocab_size, pruned_mean=cons["pruned_mean"],
+                        lost_bits_per_byte=cons["lost"], bpb_byte=cons["byte"],
+                        bpb_canonical=cons["canonical"],
+                        noncanonical_bits_per_byte=cons["noncanonical"],
+                        merged_mean=cons["merged_mean"], hyp_mean=cons["hyp_mean"]))
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def bench_accuracy(name: str, data: bytes, warm: bytes, settings: list[str],
@@ -489,11 +496,10 @@ def main(argv):
     if "score" in FLAGS.parts:
         res["score"] = []
         for m in FLAGS.models:
-            for thr in [float(t) for t in FLAGS.thresholds] or [threshold]:
-                res["score"].append(bench_member(m, segs, warm, FLAGS.beam, thr, max_lag,
-                                                 FLAGS.score_cold))
-                print(json.dumps(res["score"][-1]), flush=True)
-                _write(res)  # each part as soon as it is measured
+            res["score"] += bench_member(m, segs, warm, FLAGS.beam,
+                                         [float(t) for t in FLAGS.thresholds] or [threshold],
+                                         max_lag, FLAGS.score_cold)
+            _write(res)  # each part as soon as it is measured
     if "calls" in FLAGS.parts:
         res["calls"] = [bench_calls(m, segs, warm, FLAGS.beam, threshold, max_lag,
                                     FLAGS.call_repeats) for m in FLAGS.models]
