@@ -3,6 +3,7 @@
   python experiments/bench_speculative.py                     # both cases
   python experiments/bench_speculative.py --cases=prompts --max_new=64 --repeats=2
   python experiments/bench_speculative.py --cases=bytes --drafters='ngram(n=4, k=8)'
+  python experiments/bench_speculative.py --cases=prompts --engines=host,device
 
 Two cases (issue 40):
 
@@ -17,7 +18,8 @@ Every row is run once untimed (compilation), then all rows are timed in turn
 (``repeats`` rounds, best kept), so a shared machine's drift hits every row alike.
 Greedy decoding by default, so each speculative row must give exactly the plain
 row's text (checked and printed); with ``--sampler`` the texts follow the same law,
-not the same draws. Prints a markdown table per case: tokens (bytes) per second,
+not the same draws. Prints a markdown table per case: the first call's seconds
+(compilation included, of the programs no earlier row compiled), tokens (bytes) per second,
 speedup over plain fused decoding, acceptance (accepted / drafted) and the mean
 number of units emitted per verification round.
 """
@@ -45,7 +47,11 @@ flags.DEFINE_string("sampler", "greedy", "the sampler (brf.fusion.Sampler spec)"
 flags.DEFINE_string("prompt", "List the days of the week, then list them again in reverse "
                     "order.", "the prompt")
 flags.DEFINE_integer("seed", 0, "seed")
+flags.DEFINE_list("engines", ["auto"], "token-level speculative engines timed side by side: "
+                  "host (rounds on the host), device (greedy n-gram rounds compiled on the "
+                  "device; skipped for other drafters and samplers), auto")
 
+FIRST: dict = {}  # each row's first, untimed call: seconds (compilation included)
 BORN = dict(method="born", method_params={"phase": "tanh(rate=0.5, offset=[0, 0.5])"})
 
 
@@ -63,9 +69,13 @@ def _drafters() -> list[str]:
 
 
 def _timed(rows, repeats):
-    """{label: (best seconds, result)}: each row once untimed, then timed in turn."""
-    for _, fn in rows:
+    """{label: (best seconds, result)}: each row once untimed, then timed in turn. The
+    untimed call's seconds, compilation included (of what no earlier row compiled), are
+    kept in FIRST."""
+    for label, fn in rows:
+        t0 = time.perf_counter()
         fn()
+        FIRST[label] = time.perf_counter() - t0
     best = {}
     for _ in range(repeats):
         for label, fn in rows:
@@ -86,13 +96,15 @@ def _table(unit, rows, timed, plain_label, count, text, spec_of):
         n = count(res)
         st = spec_of(res)
         same = "" if st is None else ("yes" if text(res) == text(plain_res) else "NO")
-        out.append([label, n, round(s, 2), round(n / s, 2), f"{n / s / plain_rate:.2f}x",
+        out.append([label, n, round(FIRST[label], 1), round(s, 2), round(n / s, 2),
+                    f"{n / s / plain_rate:.2f}x",
                     "" if st is None or st["acceptance"] is None else f"{st['acceptance']:.2f}",
                     "" if st is None else st["per_round"],
                     "" if st is None else st["paused"], same])
         numbers[label] = n / s / plain_rate
-    return markdown_table(["run", unit, "seconds", f"{unit}/s", "vs plain fused",
-                           "acceptance", f"{unit} per round", "paused steps", "same text"],
+    return markdown_table(["run", unit, "first call s", "seconds", f"{unit}/s",
+                           "vs plain fused", "acceptance", f"{unit} per round",
+                           "paused steps", "same text"],
                           out), numbers
 
 
@@ -111,9 +123,16 @@ def prompts_case(drafters):
                               seed=FLAGS.seed)),
             ("plain fused (BRF)", lambda: generate(members, prompts, aligner="identity",
                                                   **common))]
+    from brf.drafting import parse_drafter
+    from brf.fusion import Sampler
+    greedy = Sampler.parse(FLAGS.sampler).greedy
     for d in drafters:
-        rows.append((f"speculative {d}",
-                     lambda d=d: generate_speculative(members, prompts, drafter=d, **common)))
+        for engine in FLAGS.engines:
+            if engine == "device" and not (greedy and parse_drafter(d).kind == "ngram"):
+                continue
+            label = f"speculative {d}" + ("" if FLAGS.engines == ["auto"] else f", {engine}")
+            rows.append((label, lambda d=d, engine=engine: generate_speculative(
+                members, prompts, drafter=d, engine=engine, **common)))
     timed = _timed(rows, FLAGS.repeats)
     return _table("tokens", rows, timed, "plain fused (BRF)",
                   count=lambda res: sum(g.n_events for g in res),
@@ -146,6 +165,10 @@ def bytes_case(drafters):
 def main(argv):
     del argv
     drafters = _drafters()
+    if set(FLAGS.engines) - {"auto", "host", "device"}:
+        raise UserError(f"--engines: unknown engine(s) "
+                        f"{sorted(set(FLAGS.engines) - {'auto', 'host', 'device'})}; use "
+                        "auto, host, device")
     unknown = set(FLAGS.cases) - {"prompts", "bytes"}
     if unknown:
         raise UserError(f"--cases: unknown case(s) {sorted(unknown)}; use prompts, bytes")

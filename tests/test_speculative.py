@@ -530,3 +530,69 @@ def test_ngram_drafts_no_chat_template_markup():
     got = generate_speculative(members, [prompt], drafter="ngram(n=3, k=6, cost=0)",
                                method="linear", sampler="greedy", max_new_tokens=2)[0]
     assert got.spec.drafted == 0  # round 1 may draft 1 token (round 2: none): it drafts none
+
+
+# ----------------------------------------------------------------------------- rounds on the device
+
+def test_device_ngram_drafts_are_the_hosts():
+    """`brf.ensemble.step.ngram_drafts` against `brf.drafting.ngram_draft` (cut before a
+    control token as `_before_control` cuts it) on 300 random batches of histories."""
+    from brf.ensemble.step import ngram_drafts
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(1, 5))
+        min_n, k, V = int(rng.integers(1, n + 1)), int(rng.integers(1, 7)), int(rng.integers(2, 6))
+        hs = [rng.integers(0, V, size=int(rng.integers(1, 32))).tolist() for _ in range(4)]
+        control = np.zeros(V, bool)
+        control[V - 1] = trial % 3 == 0
+        arr = np.zeros((4, 32), np.int32)
+        for b, h in enumerate(hs):
+            arr[b, :len(h)] = h
+        d, length = ngram_drafts(jnp.asarray(arr), jnp.asarray([len(h) for h in hs]), n=n,
+                                 min_n=min_n, k=k, control=jnp.asarray(control))
+        for b, h in enumerate(hs):
+            want = spec_lib._before_control(ngram_draft(h, n, min_n, k),
+                                            frozenset(np.flatnonzero(control).tolist()))
+            assert np.asarray(d)[b, :int(length[b])].tolist() == want, (h, n, min_n, k)
+
+
+def _a_stop_string(members, kw):
+    """The three characters of prompt 0's plain greedy text whose first occurrence is
+    the latest (a stop string that ends it as late as one can)."""
+    text = generate(members, PROMPTS[:1], **kw)[0].text
+    at = max(range(len(text) - 2), key=lambda j: text.find(text[j:j + 3]))
+    return text[at:at + 3]
+
+
+@pytest.mark.parametrize("ensemble,drafter", [("pair", "ngram(n=2, k=4)"),
+                                              ("prompt_pair", "ngram(n=3, k=5, adaptive=True)"),
+                                              ("pair", "ngram(n=1, k=3, cost=0)")])
+def test_rounds_on_the_device_are_the_host_rounds(request, ensemble, drafter):
+    """Greedy n-gram speculation as compiled blocks of rounds (engine 'device': drafts,
+    verification and the caches' rollback on the device, the schedule followed there)
+    gives plain decoding's text and exactly the host rounds' statistics: every round's
+    k, drafts and acceptances, pauses included; with a stop string ending a sequence
+    inside a round."""
+    members = request.getfixturevalue(ensemble)
+    kw = dict(weights=[0.4, 0.6], method="born", method_params={"phase": "tanh(rate=0.5)"},
+              sampler="greedy", max_new_tokens=48)
+    kw["stop"] = [_a_stop_string(members, kw)]
+    got = _speculative_as_plain(members, drafter, dict(kw, engine="device"))
+    host = generate_speculative(members, PROMPTS, drafter=drafter, engine="host", **kw)
+    assert [g.spec.summary() for g in got] == [g.spec.summary() for g in host]
+    assert "stop" in {g.finish_reason for g in got}
+    total = got[0].spec.merge(got[1].spec)
+    assert 0 < total.accepted < total.drafted   # drafts accepted and rejected
+    for g in got:
+        assert g.spec.emitted == g.n_events
+
+
+def test_the_device_engine_is_refused_where_it_does_not_apply(pair):
+    kw = dict(method="linear", max_new_tokens=4)
+    for bad in (dict(sampler="temperature=1.0", drafter="ngram(n=2)"),
+                dict(sampler="greedy", drafter="member(k=2)"),
+                dict(sampler="greedy", drafter="ngram(n=2)", trace=True)):
+        with pytest.raises(EnsembleInputError, match="engine='device' runs greedy"):
+            generate_speculative(pair, PROMPTS, engine="device", **kw, **bad)
+    with pytest.raises(EnsembleInputError, match="unknown engine 'gpu'"):
+        generate_speculative(pair, PROMPTS, drafter="ngram(n=2)", engine="gpu", **kw)

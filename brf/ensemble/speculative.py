@@ -50,6 +50,13 @@ draft tokens are never visible and their slots are reused.
 prompts) are read as one batch by default (``group=True``): one verification
 call per model, not per member.
 
+**Engines.** The rounds run on the host (a dispatch per stage, the verdicts read
+back), or, for greedy decoding with the n-gram drafter, as compiled blocks of
+rounds on the device (``engine='device'``, :func:`brf.ensemble.step.run_rounds`:
+drafting, verification, rollback and the schedule's choice of k, with nothing
+read back until the block ends). ``engine='auto'`` uses the device's rounds
+when the members are on an accelerator; on a CPU the host's measured as fast.
+
 Token level only for members that share one vocabulary (``aligner='identity'``);
 members with different tokenizers speculate on bytes (:mod:`brf.bytes.speculative`).
 Randomness: one ``numpy.random.Generator(PCG64(seed))`` per call, so the same
@@ -69,12 +76,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.ensemble import catchup
-from brf.ensemble.decode import (Generation, Piece, _check_method, _check_request,
-                                 _with_unembeddings)
+from brf.ensemble.decode import (ENGINES, Generation, Piece, _check_method,
+                                 _check_request, _with_unembeddings)
 from brf.ensemble.member import (EnsembleInputError, Member, check_prompt_fits,
                                  normalised_weights)
 from brf.ensemble.space import IdentitySpace
-from brf.drafting import (DraftSpec, KSchedule, SpecStats, drafter_index, ngram_draft,
+from brf.drafting import (DECAY, DraftSpec, KSchedule, SpecStats, drafter_index, ngram_draft,
                           param_count, parse_drafter)
 from brf.fusion import Sampler, fuse
 from brf.fusion.sampling import filter_logprobs
@@ -86,6 +93,9 @@ from brf.text import TextStream
 # Plain steps a paused generation runs per compiled block (brf.drafting.KSchedule): the
 # schedule looks at what the block emitted before the next one.
 PAUSED_BLOCK = 16
+# Drafting rounds a compiled block runs at most (greedy n-gram rounds on the device); it
+# ends sooner where the schedule would pause.
+ROUND_BLOCK = 16
 
 # ----------------------------------------------------------------------------- device pieces
 
@@ -163,6 +173,36 @@ def read_all(member, state: catchup.MemberState, tokens: Sequence[Sequence[int]]
                                        state.end + T, n_read)
 
 
+def _regroup(dec, ends: list[int], old: tuple, new: tuple, B: int):
+    """The decode state's caches and logits from one grouping of the members into
+    another (per group its member indices; a group's rows are member-major, B each):
+    a member's rows sliced out of its group, a group's members' rows joined (caches
+    grown to the largest, the write pointer the largest: every slot past a cache's
+    own pointer is empty). Returns (the decode state, per group its cache fill)."""
+    caches, logits, fill = {}, {}, {}
+    for g, idx in enumerate(old):
+        for j, i in enumerate(idx):
+            if len(idx) == 1:
+                caches[i], logits[i] = dec.caches[g], dec.logits[g]
+            else:
+                caches[i] = jax.tree_util.tree_map(
+                    lambda a, j=j: jnp.array(a) if a.ndim == 0 else a[j * B:(j + 1) * B],
+                    dec.caches[g])
+                logits[i] = dec.logits[g][j * B:(j + 1) * B]
+            fill[i] = ends[g]
+    out_c, out_l, out_e = [], [], []
+    for idx in new:
+        S = max(caches[i]["pos"].shape[1] for i in idx)
+        parts = [model_cache.grow(caches[i], S) for i in idx]
+        end = max(fill[i] for i in idx)
+        cache = parts[0] if len(parts) == 1 else jax.tree_util.tree_map(
+            lambda *a: a[0] if a[0].ndim == 0 else jnp.concatenate(a), *parts)
+        out_c.append(dict(cache, end=jnp.asarray(end, jnp.int32)))
+        out_l.append(jnp.concatenate([logits[i] for i in idx]))
+        out_e.append(end)
+    return dec._replace(caches=tuple(out_c), logits=tuple(out_l)), out_e
+
+
 # ----------------------------------------------------------------------------- results
 
 @dataclasses.dataclass
@@ -205,8 +245,8 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
                          sampler: Sampler | str | None = None, max_new_tokens: int = 64,
                          stop: Sequence[str] = (), seed: int = 0, dtype=jnp.float32,
                          group: bool = True, trace: bool = False,
-                         on_piece: Callable[[Piece], None] | None = None
-                         ) -> list[SpecGeneration]:
+                         on_piece: Callable[[Piece], None] | None = None,
+                         engine: str = "auto") -> list[SpecGeneration]:
     """Speculative fused decoding of a batch of prompts (module docstring).
 
     Args:
@@ -218,6 +258,11 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
         group: members that share weights read as one batch (one call per model).
         trace: record every emitted token's fused distribution.
         on_piece: called with every piece of text as it becomes final.
+        engine: 'device' (every round compiled and looped on the device,
+            :func:`brf.ensemble.step.run_rounds`: greedy, the n-gram drafter, no
+            trace, the members on one device), 'host' (rounds on the host, paused
+            steps as compiled blocks), or 'auto' (the device where it applies and
+            the members are on an accelerator; the host on a CPU).
 
     Returns:
         One :class:`SpecGeneration` per prompt.
@@ -234,6 +279,8 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
     method_params = _with_unembeddings(method, method_params, members)
     _check_method(method, method_params, len(members))
     check_speculative(members, spec)
+    if engine not in ENGINES:
+        raise EnsembleInputError(f"unknown engine {engine!r}; use one of {ENGINES}")
     B = len(prompts)
     space = IdentitySpace(members, B)
     prompt_ids = [[m.prompt_ids(p) for p in prompts] for m in members]
@@ -247,7 +294,23 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
                                 [m.name for m in members])
     loop = _Loop(members, prompts, spec, w, method, method_params, sampler, max_new_tokens,
                  tuple(stop), seed, dtype, group, trace, space, prompt_ids, d_index)
+    device = loop.blocks and spec.kind == "ngram" and sampler.greedy
+    if engine == "device" and not device:
+        raise EnsembleInputError("engine='device' runs greedy speculative decoding with the "
+                                 "n-gram drafter, without trace, with every member on one "
+                                 "device; use engine='host' or 'auto'")
+    # 'auto': compiled rounds on an accelerator, where each host round's read-backs cost
+    # most of a small model's step; on a CPU the host rounds measured as fast and compile
+    # in less time (BENCHMARKS.md, "Speculative rounds on the device")
+    loop.on_device = device and (engine == "device" or (
+        engine == "auto" and _platform(members) != "cpu"))
     return loop.run(on_piece)
+
+
+def _platform(members) -> str:
+    """The platform ('cpu', 'gpu', 'tpu') the first member's weights live on."""
+    leaf = jax.tree_util.tree_leaves(members[0].params)[0]
+    return next(iter(leaf.devices())).platform
 
 
 def speculative_generate(members: Sequence[Member], prompts: Sequence[str], *,
@@ -301,8 +364,10 @@ class _Loop:
         self.done = [False] * self.B
         self.history = [list(prompt_ids[0][b]) for b in range(self.B)]  # n-gram context
         self.control = _control_ids(members[0].tokenizer)
+        # as plain decoding's (a cache twice as large costs every step's attention twice
+        # as much on a CPU); a round's reads grow it when they need more
         slots = (catchup.bucket(max(len(p) for ids in prompt_ids for p in ids), 8)
-                 + 2 * max_new_tokens + 4 * (spec.k + 1))
+                 + 2 * max_new_tokens)
         # groups of members that share weights: one state, rows member-major
         keys: dict = {}
         for i, m in enumerate(members):
@@ -333,6 +398,7 @@ class _Loop:
         self._plan = None
         self._dev = None  # the members in a paused block's form (_split)
         self.device_steps = 0
+        self.on_device = False  # every round on the device (_run_on_device)
 
     # -- drafting
     def _ngram(self, b: int, k: int) -> list[int]:
@@ -500,16 +566,8 @@ class _Loop:
         :meth:`_merge` returns them to the rounds' (every emitted token read, nothing
         pending: a round reads that as a start with no pending token)."""
         from brf.ensemble import step as dstep
-        from brf.ensemble.decode import _device_plan
         B, n = self.B, self.n
-        if self._plan is None:
-            job = types.SimpleNamespace(
-                space=self.space, members=self.members, method=self.method,
-                method_params=self.method_params, weights=np.asarray(self.w_dev),
-                sampler=self.sampler, max_new_tokens=self.max_new, dtype=self.dtype,
-                mode="fuse", choice="per_sequence")
-            self._plan = _device_plan(job)[:2]
-        spec, tables = self._plan
+        spec, tables = self._device_plan()
         if self._dev is None:
             self._dev = self._split()
         dev = self._dev
@@ -537,6 +595,143 @@ class _Loop:
         dev["ends"] = [int(x) for x in fill]
         if k == 0:
             raise RuntimeError("a paused block made no progress")
+        emitted = self._replay_plain(events_KxB, k, live, on_piece, dev["n_read"])
+        if self.dstate is not None:
+            self.dstate = catchup.add_pending(self.dstate, emitted)
+
+    def _device_plan(self):
+        """The compiled step's static spec and device tables (as plain decoding's)."""
+        if self._plan is None:
+            from brf.ensemble.decode import _device_plan
+            job = types.SimpleNamespace(
+                space=self.space, members=self.members, method=self.method,
+                method_params=self.method_params, weights=np.asarray(self.w_dev),
+                sampler=self.sampler, max_new_tokens=self.max_new, dtype=self.dtype,
+                mode="fuse", choice="per_sequence")
+            self._plan = _device_plan(job)[:2]
+        return self._plan
+
+    def _run_on_device(self, on_piece) -> list[SpecGeneration]:
+        """The whole generation as blocks of compiled rounds (``brf.ensemble.step.
+        run_rounds``): greedy, the n-gram drafter, no trace. A round drafts on the
+        device, verifies and cuts the caches back there; a paused block is rounds that
+        draft nothing (plain fused steps). Members that share weights are read as one
+        batch (``group``), as in the host rounds. Between blocks the host replays the
+        emitted events (text, stop strings, statistics). The schedule is followed on
+        the device: it picks each round's k there, and a drafting block ends where it
+        would pause; the host's schedule, given the rounds one by one, picks the next
+        block's first k."""
+        from brf.ensemble import step as dstep
+        B, members = self.B, self.members
+        spec, tables = self._device_plan()
+        # the groups' states as started (rows member-major); their caches move to the device
+        # state, which donates them
+        groups = tuple(tuple(idx) for idx in self.groups)
+        states, self.states = self.states, [None] * len(groups)
+        H = catchup.bucket(max(len(h) for h in self.history) + self.max_new + self.spec.k + 2)
+        history = np.zeros((B, H), np.int32)
+        for b, h in enumerate(self.history):
+            history[b, :len(h)] = h
+        control = np.zeros(self.space.size, bool)
+        control[[c for c in self.control if 0 <= c < self.space.size]] = True
+        control = jnp.asarray(control)
+        st = dstep.RoundState(
+            dstep.DecodeState(tuple(s.cache for s in states),
+                              tuple(s.logits_BxV for s in states), jnp.int32(0),
+                              jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32),
+                              jax.random.PRNGKey(self.seed)),
+            jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), jnp.asarray(history),
+            jnp.asarray([len(h) for h in self.history], jnp.int32))
+        ends = [s.end for s in states]
+        del states
+        form = groups
+        singles = tuple((i,) for i in range(self.n))
+        while not all(self.done):
+            live = [b for b in range(B) if not self.done[b]]
+            k_first = self.sched.k
+            k = self.spec.k if k_first else 0  # the rounds' shapes: one program for every k
+            rounds = PAUSED_BLOCK if k == 0 else ROUND_BLOCK
+            # drafting rounds read members that share weights as one batch; plain steps
+            # one cache per member (on a CPU a one-token step of two rows costs about
+            # two of one row, and the tiles of a group cost more: measured)
+            want = groups if k else singles
+            if want != form:
+                dec, ends = _regroup(st.dec, ends, form, want, B)
+                st, form = st._replace(dec=dec), want
+            prompt_len = [[len(p) for i in idx for p in self._prompt_ids[i]] for idx in form]
+            params = tuple(members[idx[0]].params for idx in form)
+            horizon = rounds * (k + 1) + k + 1
+            caches, reads, spans = [], [], []
+            for g, idx in enumerate(form):
+                # tokens read so far: the prompt and every emitted event but the pending last
+                n_read = [prompt_len[g][j * B + b] + max(self.gens[b].n_events - 1, 0)
+                          for j in range(len(idx)) for b in live]
+                c, rd, span = dstep.block_room(members[idx[0]].cfg, st.dec.caches[g], ends[g],
+                                               n_read, horizon)
+                caches.append(c)
+                reads.append(rd)
+                spans.append(span)
+            st = st._replace(dec=st.dec._replace(caches=tuple(caches)))
+            sched, rule = None, None
+            if k:  # the schedule picks each round's k on the device
+                s = self.sched
+                sched = dstep.Schedule(jnp.float32(s.hits), jnp.float32(s.misses),
+                                       jnp.int32(s.size))
+                rule = (DECAY, s.overhead, s.cost, s.never_pause, s.adaptive, s.k_max)
+            st, em, cnt, dra, acc, ks, r, fill = dstep.run_rounds(
+                spec, params, tables, st, control, sched, k_first, rounds=rounds, k=k,
+                n=self.spec.n, min_n=self.spec.min_n, rule=rule, reads=tuple(reads),
+                spans=tuple(spans), groups=form)
+            em, cnt, dra, acc, ks, r = (np.asarray(em), np.asarray(cnt), np.asarray(dra),
+                                        np.asarray(acc), np.asarray(ks), int(r))
+            ends = [int(x) for x in np.asarray(fill)]
+            if r == 0:
+                raise RuntimeError("a block of speculative rounds made no progress")
+            if k == 0:
+                self._replay_plain(em[:r, :, 0], r, live, on_piece)
+            else:
+                for t in range(r):
+                    self._replay_round(int(ks[t]), [(b, [int(e) for e in em[t, b, :cnt[t, b]]],
+                                            int(dra[t, b]), int(acc[t, b]))
+                                           for b in live if cnt[t, b] > 0 and not self.done[b]],
+                                       on_piece)
+            stopped = [b for b in live if self.done[b]]
+            if stopped:
+                st = st._replace(dec=st.dec._replace(
+                    finished=st.dec.finished.at[jnp.asarray(stopped)].set(True)))
+        return self.gens
+
+    def _replay_round(self, k: int, rows, on_piece) -> None:
+        """The host's side of one drafting round run on the device: per row (b, the
+        events emitted, drafted, accepted) the statistics, the text and the finish
+        rules, then the schedule's update (as :meth:`run` does after :meth:`_round`)."""
+        drafted = accepted = rejected = 0
+        for b, emitted, d, a in rows:
+            self.gens[b].spec.add(k, d, a)
+            for i in range(self.n):
+                self.gens[b].members_run[i] += 1
+            drafted, accepted = drafted + d, accepted + a
+            rejected += a < d or not d
+            for j, e in enumerate(emitted):
+                piece, reason = self._advance(b, e)
+                if (piece or reason) and on_piece is not None:
+                    on_piece(Piece(b, piece, reason))
+                if reason is not None:
+                    self.done[b] = True
+                    self.gens[b].spec.discard(a - j)  # verified past the end
+                    break
+        self.sched.update(drafted, accepted, rejected)
+        self.round += 1
+
+    def _replay_plain(self, events_KxB, k: int, live: list[int], on_piece,
+                      n_read: list | None = None) -> list[list[int]]:
+        """The host's side of k plain steps run on the device: each emitted event
+        replayed as a round's (text, stop strings, the finish rules), the n-gram
+        drafter's would-be draft before it checked against the events from it on
+        (``KSchedule.observe``) and the schedule updated once for the block.
+        ``n_read``: per member per row, tokens read (an event that does not finish
+        its row is read by every member). Returns per row the events emitted."""
+        B, n = self.B, self.n
         emitted = [[] for _ in range(B)]
         would = []  # (row, where in its emitted tokens, the n-gram drafter's draft there)
         for t in range(k):
@@ -557,11 +752,9 @@ class _Loop:
                     on_piece(Piece(b, piece, reason))
                 if reason is not None:
                     self.done[b] = True
-                else:  # every member read it (a finishing event is not read)
+                elif n_read is not None:  # every member read it (a finishing event is not)
                     for i in range(n):
-                        dev["n_read"][i][b] += 1
-        if self.dstate is not None:
-            self.dstate = catchup.add_pending(self.dstate, emitted)
+                        n_read[i][b] += 1
         # each would-be draft against the tokens emitted after it, as far as the block
         # went: its agreeing prefix accepted, a disagreement a rejection
         ok = rejected = 0
@@ -573,6 +766,7 @@ class _Loop:
             rejected += m < min(len(d), len(after))
         self.sched.observe(ok, rejected)
         self.sched.update(0, 0, steps=k)
+        return emitted
 
     def _ensure_drafter(self) -> None:
         """Starts the member drafter's state on its prompts, with what has been emitted
@@ -629,6 +823,8 @@ class _Loop:
                                                  n_read)
 
     def run(self, on_piece) -> list[SpecGeneration]:
+        if self.on_device:
+            return self._run_on_device(on_piece)
         while not all(self.done):
             if self.sched.k == 0 and self.blocks:
                 self._plain_block(on_piece)

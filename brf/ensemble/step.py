@@ -30,10 +30,17 @@ step reads a value back to Python.
 
 Which cache slots the attention reads is fixed per block (``Reads``): the
 slots written by the block's end, and for sliding-window layers their window.
+
+Greedy speculative decoding with the n-gram drafter has its round here too
+(:func:`spec_round`, looped by :func:`run_rounds` over a :class:`RoundState`):
+the draft made on the device (:func:`ngram_drafts`), read by every member in
+one pass, verified against the fused argmax, the caches cut back to the
+accepted text; a round that drafts nothing is a plain fused step.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -409,6 +416,299 @@ def block_room(cfg, cache: dict, end: int, n_read, horizon: int):
     return (cache, *block_reads(cfg, end, cache["pos"].shape[1], n_read, horizon))
 
 
-__all__ = ["CHUNK", "DecodeState", "Spec", "Tables", "block_reads", "block_room",
-           "compiled_count",
-           "fused_step", "run_block"]
+
+
+
+# ----------------------------------------------------------------------------- speculative rounds
+
+class RoundState(NamedTuple):
+    """A speculative decoding's state on the device (a pytree): the decode state with
+    the last emitted event not yet read, and the n-gram drafter's context.
+
+    Attributes:
+        dec: the :class:`DecodeState` (mode 'fuse'). Where ``has_last`` is set, a
+            member's logits are stale: the next round reads ``last`` first.
+        last: int32 [B]: the last emitted event (read at the next round's start).
+        has_last: bool [B]: ``last`` is pending (False at the start: the prompt is
+            read and its logits are the first position's).
+        history: int32 [B, H]: per sequence its prompt's ids and the emitted events
+            (the n-gram drafter's context).
+        n_history: int32 [B]: how many of ``history`` are filled.
+    """
+    dec: DecodeState
+    last: jax.Array
+    has_last: jax.Array
+    history: jax.Array
+    n_history: jax.Array
+
+
+def ngram_drafts(history_BxH, n_history_B, *, n: int, min_n: int, k: int, control=None):
+    """The n-gram drafter on the device, as :func:`brf.drafting.ngram_draft` per sequence:
+    the up to k events that followed the latest earlier occurrence of the last m
+    events of the history (m = n, n - 1, .., min_n: the longest that matches), cut
+    before the first control event (``control``: bool [V] or None).
+
+    Returns:
+        (drafts int32 [B, k], their lengths int32 [B]).
+    """
+    B, H = history_BxH.shape
+    L = n_history_B[:, None]
+    j = jnp.arange(H)[None, :]                     # a window's last index
+    start_B = jnp.full((B,), -1, jnp.int32)
+    for m in range(n, min_n - 1, -1):              # the longest match first
+        if m < 1:
+            break
+        hit = (j >= m - 1) & (j <= L - 2) & (L - 1 >= m)
+        for t in range(m):                          # window[t] == tail[t]
+            tail_B = jnp.take_along_axis(history_BxH, jnp.clip(L - m + t, 0, H - 1), axis=1)
+            at = jnp.clip(j - m + 1 + t, 0, H - 1)
+            hit = hit & (jnp.take_along_axis(history_BxH, jnp.broadcast_to(at, (B, H)),
+                                             axis=1) == tail_B)
+        last_B = jnp.max(jnp.where(hit, j, -1), axis=1)
+        start_B = jnp.where((start_B < 0) & (last_B >= 0), last_B + 1, start_B)
+    at_BxK = jnp.clip(start_B[:, None] + jnp.arange(k)[None], 0, H - 1)
+    drafts = jnp.take_along_axis(history_BxH, at_BxK, axis=1)
+    length = jnp.where(start_B >= 0, jnp.minimum(k, n_history_B - start_B), 0)
+    if control is not None:
+        stop_BxK = control[drafts] | (jnp.arange(k)[None] >= length[:, None])
+        length = jnp.min(jnp.where(stop_BxK, jnp.arange(k)[None], k), axis=1)
+    return drafts.astype(jnp.int32), length.astype(jnp.int32)
+
+
+def _rolled_back(cache, keep_B):
+    """The cache cut back to each sequence's first ``keep_B[b]`` positions: later slots
+    emptied (never attended to again), the write pointer just past the last slot in use
+    (as :func:`brf.ensemble.speculative.rollback` on the host)."""
+    pos = jnp.where(cache["pos"] >= keep_B[:, None], -1, cache["pos"])
+    S = pos.shape[1]
+    end = jnp.max(jnp.where(pos >= 0, jnp.arange(S, dtype=jnp.int32)[None], -1)) + 1
+    return dict(cache, pos=pos, next_pos=keep_B.astype(jnp.int32),
+                end=end.astype(cache["end"].dtype))
+
+
+def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads: tuple, *,
+               k: int, n: int = 3, min_n: int = 1, control=None, groups: tuple | None = None,
+               k_now=None):
+    """One round of greedy speculative fused decoding in a shared vocabulary (pure).
+
+    The n-gram drafter drafts up to k events per sequence (none past its
+    ``max_new_tokens``); every member reads the pending event and the draft in one
+    forward pass over its cache; the members' distributions at the draft's k + 1
+    positions are fused (``spec.method``) and the drafts accepted while they equal
+    the fused argmax; the argmax where they stop is emitted after them. Each
+    member's cache is then cut back to the accepted text, and the emitted event
+    is pending. With ``k = 0`` a round is a plain fused step. The emitted events
+    are plain greedy fused decoding's (the finish rules: an end-of-sequence event,
+    the ``max_new_tokens``-th).
+
+    ``k`` (static) fixes the round's shapes; ``k_now`` (traced, at most k; default
+    k) is what this round drafts at most, so one program serves every k a
+    schedule picks.
+
+    ``groups`` (static): members that share weights, read as one batch: per group its
+    member indices; ``params``, ``reads`` and the state's caches and logits are then
+    per group (rows member-major). None: a group per member.
+
+    Returns:
+        (the new state, emitted int32 [B, k + 1] (-1 past a sequence's emitted
+        events), count int32 [B] (events emitted), drafted int32 [B], accepted
+        int32 [B] (drafts accepted, before the finish rules cut the round)).
+    """
+    dec = st.dec
+    B = dec.finished.shape[0]
+    live_B = ~dec.finished
+    if k > 0:
+        drafts_BxK, dlen_B = ngram_drafts(st.history, st.n_history, n=n, min_n=min_n, k=k,
+                                          control=control)
+        cap_B = jnp.maximum(spec.max_new_tokens - dec.n_events - 1, 0)
+        if k_now is not None:
+            cap_B = jnp.minimum(cap_B, k_now)
+        dlen_B = jnp.where(live_B, jnp.minimum(dlen_B, cap_B), 0)
+    else:
+        drafts_BxK, dlen_B = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
+    first_B = st.has_last.astype(jnp.int32)
+    seq_BxT = jnp.concatenate([st.last[:, None], drafts_BxK], axis=1)
+    shifted = jnp.concatenate([drafts_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    tokens_BxT = jnp.where(st.has_last[:, None], seq_BxT, shifted)
+    n_tok_B = jnp.where(live_B, first_B + dlen_B, 0)
+    valid_BxT = jnp.arange(k + 1)[None] < n_tok_B[:, None]
+    at_BxP = first_B[:, None] + jnp.arange(k + 1)[None]   # rows of [old, read...]
+    groups = tuple((i,) for i in range(len(spec.cfgs))) if groups is None else groups
+    tokens_BxT = jnp.where(valid_BxT, tokens_BxT, 0)
+
+    def read_and_fuse(width, caches):
+        """Every group reads the round's first ``width`` tokens and the members' logits
+        at the positions a row can reach (at most ``width + 1``) are fused: (caches,
+        the fused argmax [B, k + 1], -1 past those positions)."""
+        P = min(width + 1, k + 1)
+        rows = [None] * len(spec.cfgs)
+        new_caches = []
+        for g, idx in enumerate(groups):  # members that share weights read as one batch
+            r = len(idx)
+            out_RxWxV, new_L, write_at, meta = T._compute(
+                params[g], spec.cfgs[idx[0]], jnp.tile(tokens_BxT[:, :width], (r, 1)),
+                jnp.tile(valid_BxT[:, :width], (r, 1)), caches[g], jnp.dtype(spec.dtype),
+                "all", reads[g])
+            new_caches.append(T.ordered_write(caches[g], out_RxWxV, new_L, write_at, meta))
+            both = jnp.concatenate([dec.logits[g][:, None], out_RxWxV], axis=1)
+            at = jnp.tile(jnp.minimum(at_BxP[:, :P], width), (r, 1))
+            got = jnp.take_along_axis(both, at[:, :, None], axis=1)
+            for j, i in enumerate(idx):
+                rows[i] = got[j * B:(j + 1) * B]
+        V = rows[0].shape[-1]
+        logp = jnp.stack([jax.nn.log_softmax(x, axis=-1) for x in rows], axis=2)
+        logq, _ = _apply(logp.reshape(B * P, len(rows), V), tables.weights, None,
+                         tables.fusion, name=spec.method, static=spec.static)
+        top = _draw(None, logq, None, spec.sampler).reshape(B, P)
+        return tuple(new_caches), jnp.pad(top, ((0, 0), (0, k + 1 - P)), constant_values=-1)
+
+    # the narrowest of three compiled widths that holds every row's tokens (1, 1 + half
+    # of k, 1 + k): a round costs about the tokens it reads and fuses, and each width
+    # is a forward pass of every member to compile
+    widths = sorted({1, 1 + -(-k // 2), 1 + k})
+    pick = jnp.searchsorted(jnp.asarray(widths), jnp.max(n_tok_B), side="left")
+    caches, top_BxP = jax.lax.switch(jnp.minimum(pick, len(widths) - 1),
+                                     [functools.partial(read_and_fuse, w) for w in widths],
+                                     tuple(dec.caches))
+    caches, logits = list(caches), list(dec.logits)
+    match = (drafts_BxK == top_BxP[:, :k]) & (jnp.arange(k)[None] < dlen_B[:, None])
+    acc_B = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    event_B = jnp.take_along_axis(top_BxP, acc_B[:, None], axis=1)[:, 0]
+    P = jnp.arange(k + 1)[None]
+    emitted = jnp.where(P < acc_B[:, None], jnp.concatenate(
+        [drafts_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1), event_B[:, None])
+    # the finish rules, event by event: the first emitted event that ends the sequence
+    ends = (tables.eos[emitted] | (dec.n_events[:, None] + P + 1 >= spec.max_new_tokens))
+    ends = ends & (P <= acc_B[:, None])
+    end_B = live_B & jnp.any(ends, axis=1)
+    count_B = jnp.where(end_B, jnp.argmax(ends, axis=1) + 1, acc_B + 1)
+    count_B = jnp.where(live_B, count_B, 0).astype(jnp.int32)
+    emitted = jnp.where(P < count_B[:, None], emitted, -1)
+    kept_B = jnp.where(live_B, first_B + acc_B, 0)
+    caches = [_rolled_back(c, d["next_pos"] + jnp.tile(kept_B, len(idx)))
+              for c, d, idx in zip(caches, dec.caches, groups)]
+    H = st.history.shape[1]
+    at_BxP2 = jnp.clip(st.n_history[:, None] + P, 0, H - 1)
+    old_h = jnp.take_along_axis(st.history, at_BxP2, axis=1)
+    history = st.history.at[jnp.arange(B)[:, None], at_BxP2].set(
+        jnp.where(P < count_B[:, None], emitted, old_h))
+    new_dec = dec._replace(caches=tuple(caches), logits=tuple(logits), step=dec.step + 1,
+                           finished=dec.finished | end_B, n_events=dec.n_events + count_B)
+    new = RoundState(new_dec, jnp.where(live_B, event_B, st.last),
+                     st.has_last | live_B, history, st.n_history + count_B)
+    return new, emitted, count_B, dlen_B, acc_B
+
+
+class Schedule(NamedTuple):
+    """:class:`brf.drafting.KSchedule` while it drafts, followed on the device so a block
+    of rounds ends when the schedule would change its k (static parts: ``rule``).
+
+    Attributes:
+        hits, misses: float32 []: the faded counts of accepted and rejected drafts.
+        size: int32 []: the most a round may draft (adaptive schedules move it).
+    """
+    hits: jax.Array
+    misses: jax.Array
+    size: jax.Array
+
+
+def _next_k(sched: Schedule, drafted, accepted, rejected, rule):
+    """The schedule after a round, and the k it would draft next (``KSchedule.update``
+    while drafting; float32, where the host's schedule is float64)."""
+    decay, overhead, cost, never_pause, adaptive, k_max = rule
+    seen = (accepted > 0) | (rejected > 0)
+    hits = jnp.where(seen, decay * sched.hits + accepted, sched.hits)
+    misses = jnp.where(seen, decay * sched.misses + rejected, sched.misses)
+    size = sched.size
+    if adaptive:
+        size = jnp.where(drafted > 0, jnp.where(accepted == drafted,
+                                                jnp.minimum(k_max, size + 2),
+                                                jnp.maximum(1, size - 1)), size)
+    if never_pause:
+        return Schedule(hits, misses, size), size
+    a = hits / (hits + misses)
+    ks = jnp.arange(1, k_max + 1)
+    gain = jnp.stack([sum(a ** j for j in range(kk + 1)) / (1 + overhead + kk * cost)
+                      for kk in range(1, k_max + 1)])
+    gain = jnp.where(ks <= size, gain, -jnp.inf)
+    best = jnp.argmax(gain)
+    return Schedule(hits, misses, size), jnp.where(gain[best] > 1, ks[best], 0)
+
+
+def _run_rounds(spec, params, tables, st, control, sched, k_first, *, rounds, k, n, min_n,
+                rule, reads, spans, groups):
+    """Up to ``rounds`` speculative rounds in one while loop (see :func:`run_rounds`)."""
+    B = st.dec.finished.shape[0]
+
+    def cond(carry):
+        st, _, _, _, _, _, r, _, k_now = carry
+        room = jnp.bool_(True)
+        for i, span in enumerate(spans):
+            room = room & (st.dec.caches[i]["end"] + k + 1 <= span)
+        go = (r < rounds) & ~jnp.all(st.dec.finished) & room
+        return go & (k_now > 0) if k > 0 else go
+
+    def body(carry):
+        st, em, cnt, dra, acc, ks, r, sched, k_now = carry
+        live_B = ~st.dec.finished
+        st, e, c, d, a = spec_round(spec, params, tables, st, reads, k=k, n=n, min_n=min_n,
+                                    control=control, groups=groups, k_now=k_now)
+        ks = ks.at[r].set(k_now)
+        if rule is not None:
+            rejected = jnp.sum(live_B & ((a < d) | (d == 0)))
+            sched, k_now = _next_k(sched, jnp.sum(d), jnp.sum(a), rejected, rule)
+        return (st, em.at[r].set(e), cnt.at[r].set(c), dra.at[r].set(d), acc.at[r].set(a),
+                ks, r + 1, sched, k_now.astype(jnp.int32))
+
+    zeros = jnp.zeros((rounds, B), jnp.int32)
+    carry = (st, jnp.full((rounds, B, k + 1), -1, jnp.int32), zeros, zeros, zeros,
+             jnp.zeros((rounds,), jnp.int32), jnp.int32(0), sched,
+             jnp.asarray(k_first, jnp.int32))
+    st, em, cnt, dra, acc, ks, r, _, _ = jax.lax.while_loop(cond, body, carry)
+    ends = jnp.stack([c["end"] for c in st.dec.caches])
+    return st, em, cnt, dra, acc, ks, r, ends
+
+
+_run_rounds_jit = jax.jit(_run_rounds, static_argnames=(
+    "spec", "rounds", "k", "n", "min_n", "rule", "reads", "spans", "groups"),
+    donate_argnames=("st",))
+
+
+def run_rounds(spec: Spec, params: tuple, tables: Tables, st: RoundState, control,
+               sched: Schedule | None = None, k_first=None, *, rounds: int, k: int, n: int,
+               min_n: int, rule: tuple | None = None, reads: tuple, spans: tuple,
+               groups: tuple | None = None):
+    """Runs greedy speculative rounds (:func:`spec_round`) on the device until ``rounds``
+    are done, every sequence has finished, or a member's next round could pass its span.
+
+    Args:
+        spec, params, tables: as for :func:`fused_step` (mode 'fuse', identity space,
+            a greedy sampler).
+        st: the round state (donated: the caches are updated in place).
+        control: bool [V]: events a draft stops before, or None.
+        sched, rule: the drafting schedule's state and its static rule (decay,
+            overhead, cost per token, never_pause, adaptive, the spec's k): after
+            each round the schedule picks the next round's k, and the block ends
+            where it would pause (k = 0). None: every round drafts ``k_first``.
+        k_first: the first round's k (traced; default k).
+        rounds: the block's most rounds (static).
+        k: events a round drafts at most (static: the rounds' shapes; 0: plain steps).
+        n, min_n: the n-gram drafter's longest and shortest match.
+        reads, spans: per member (per group), as for :func:`run_block` (a round
+            writes up to k + 1 slots before it is cut back).
+        groups: as for :func:`spec_round`.
+
+    Returns:
+        (state, emitted [R, B, k + 1], count [R, B], drafted [R, B], accepted [R, B]
+        (as :func:`spec_round`, per round), each round's k [R], rounds run (int32 []),
+        each member's cache fill (int32 [n])).
+    """
+    k_first = k if k_first is None else k_first
+    return _run_rounds_jit(spec, params, tables, st, control, sched, k_first, rounds=rounds,
+                           k=k, n=n, min_n=min_n, rule=rule, reads=reads, spans=spans,
+                           groups=groups)
+
+
+__all__ = ["CHUNK", "DecodeState", "RoundState", "Schedule", "Spec", "Tables", "block_reads",
+           "block_room", "compiled_count", "fused_step", "ngram_drafts", "run_block", "run_rounds",
+           "spec_round"]
