@@ -230,6 +230,42 @@ def fused_pair(members: Sequence, *, batch: int, prompt_len: int, steps: int,
     return out
 
 
+def speculative_pair(members: Sequence, *, prompt_len: int, steps: int, phase: str,
+                     repeats: int, dtype=jnp.bfloat16,
+                     drafter: str = "ngram(n=3, k=4, cost=0)") -> dict:
+    """Greedy speculative fused generation (BRF) with its rounds on the host and as
+    compiled blocks on the device (``engine``), beside plain fused generation: each
+    run's best seconds of ``repeats`` after one untimed call, whether its text is
+    plain decoding's, and the drafts' acceptance (random weights: what is accepted
+    is what the greedy text repeats). ``cost=0``: the rounds draft throughout."""
+    from brf.ensemble import generate
+    from brf.ensemble.speculative import generate_speculative
+    prompt = [" ".join(f"w{i}" for i in range(2, 2 + prompt_len))]
+    kw = dict(weights=[m.weight for m in members], method="born",
+              method_params={"phase": phase}, sampler="greedy", max_new_tokens=steps,
+              dtype=dtype)
+    runs = {"plain": lambda: generate(members, prompt, aligner="identity", **kw)}
+    for engine in ("host", "device"):
+        runs[engine] = lambda engine=engine: generate_speculative(
+            members, prompt, drafter=drafter, engine=engine, **kw)
+    out: dict[str, Any] = {"drafter": drafter, "prompt_len": prompt_len, "steps": steps}
+    results = {k: f() for k, f in runs.items()}
+    for key, f in runs.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - t0)
+        out[f"{key}_s"] = best
+    for key in ("host", "device"):
+        stats = results[key][0].spec.summary()
+        out[f"{key}_same_text"] = results[key][0].text == results["plain"][0].text
+        out[f"{key}_of_plain"] = out["plain_s"] / out[f"{key}_s"]
+        out[f"{key}_acceptance"], out[f"{key}_per_round"] = stats["acceptance"], stats["per_round"]
+    out["device_of_host"] = out["host_s"] / out["device_s"]
+    return out
+
+
 def fuse_call(vocab: int, *, batch: int = 64, n: int = 2, phase: str, rounds: int = 5) -> dict:
     """brf.fuse('born') from Python (validated), a compiled fuser, and inside jit."""
     import brf
@@ -253,4 +289,5 @@ def bandwidth_bytes_per_s(n_bytes: int) -> float:
 
 __all__ = ["PEAK_FLOPS", "attention", "bandwidth_bytes_per_s", "decoding", "forward_flops", "fuse_call",
            "fused_pair", "peak_flops", "random_member", "random_params", "scoring",
+           "speculative_pair",
            "word_tokenizer"]

@@ -11,8 +11,9 @@ Parts: 'score' (teacher-forced tokens/s and MFU), 'decode' (steps/s at batch 1
 and 16 against the memory roofline: brf's per-step loop with full and bounded
 cache reads, and the step looped on the device), 'pair' (--pair fused with
 BRF through brf.ensemble.generate, host loop and compiled step, beside the
-members' own steps), 'fuse' (brf.fuse from Python and inside jit at batch 64),
-'attention' (brf's attention against jax.nn.dot_product_attention at each
+members' own steps; and greedy n-gram speculation with its rounds on the host
+and compiled on the device, beside plain fused generation), 'fuse' (brf.fuse
+from Python and inside jit at batch 64), 'attention' (brf's attention against jax.nn.dot_product_attention at each
 model's head shapes: one decoding query over --context keys, a causal prompt).
 """
 
@@ -99,6 +100,9 @@ def run(models, parts, pair, tiny: bool, s: dict) -> dict:
             perf.fused_pair(members, batch=b, prompt_len=s["pair_prompt"], steps=s["pair_steps"],
                             phase=s["phase"], repeats=s["repeats"], dtype=s["dtype"])
             for b in (1,)]}
+        out["pair"]["speculative"] = perf.speculative_pair(
+            members, prompt_len=s["pair_prompt"], steps=s["pair_steps"], phase=s["phase"],
+            repeats=s["repeats"], dtype=s["dtype"])
         print("pair", out["pair"], flush=True)
         del members
     if "fuse" in parts:
