@@ -13,8 +13,9 @@ cache reads, and the step looped on the device), 'pair' (--pair fused with
 BRF through brf.ensemble.generate, host loop and compiled step, beside the
 members' own steps; and greedy n-gram speculation with its rounds on the host
 and compiled on the device, beside plain fused generation), 'fuse' (brf.fuse
-from Python and inside jit at batch 64), 'attention' (brf's attention against jax.nn.dot_product_attention at each
-model's head shapes: one decoding query over --context keys, a causal prompt).
+from Python and inside jit at batch 64), 'attention' (brf's attention against
+jax.nn.dot_product_attention at each model's head shapes: one decoding query
+over --context keys, a causal prompt).
 """
 
 import json
