@@ -666,8 +666,14 @@ class _Loop:
                 # tokens read so far: the prompt and every emitted event but the pending last
                 n_read = [prompt_len[g][j * B + b] + max(self.gens[b].n_events - 1, 0)
                           for j in range(len(idx)) for b in live]
-                c, rd, span = dstep.block_room(members[idx[0]].cfg, st.dec.caches[g], ends[g],
-                                               n_read, horizon)
+                # grown only when two more rounds might not fit (the block stops where
+                # its next round might not: a cache grown for the whole horizon would be
+                # read whole by every step on a CPU); the reads promise the horizon
+                c = st.dec.caches[g]
+                if ends[g] + 2 * (k + 1) > c["pos"].shape[1]:
+                    c = model_cache.grow(c, catchup.bucket(ends[g] + horizon))
+                rd, span = dstep.block_reads(members[idx[0]].cfg, ends[g], c["pos"].shape[1],
+                                             n_read, horizon)
                 caches.append(c)
                 reads.append(rd)
                 spans.append(span)
