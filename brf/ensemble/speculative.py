@@ -652,8 +652,8 @@ class _Loop:
             k = self.spec.k if k_first else 0  # the rounds' shapes: one program for every k
             rounds = PAUSED_BLOCK if k == 0 else ROUND_BLOCK
             # drafting rounds read members that share weights as one batch; plain steps
-            # one cache per member (on a CPU a one-token step of two rows costs about
-            # two of one row, and the tiles of a group cost more: measured)
+            # one cache per member (on this CPU, paused generations of the prompt
+            # ensemble ran slower with the group's rows in one batch)
             want = groups if k else singles
             if want != form:
                 dec, ends = _regroup(st.dec, ends, form, want, B)
@@ -697,10 +697,9 @@ class _Loop:
                 self._replay_plain(em[:r, :, 0], r, live, on_piece)
             else:
                 for t in range(r):
-                    self._replay_round(int(ks[t]), [(b, [int(e) for e in em[t, b, :cnt[t, b]]],
-                                            int(dra[t, b]), int(acc[t, b]))
-                                           for b in live if cnt[t, b] > 0 and not self.done[b]],
-                                       on_piece)
+                    rows = [(b, em[t, b, :cnt[t, b]].tolist(), int(dra[t, b]), int(acc[t, b]))
+                            for b in live if cnt[t, b] > 0 and not self.done[b]]
+                    self._replay_round(int(ks[t]), rows, on_piece)
             stopped = [b for b in live if self.done[b]]
             if stopped:
                 st = st._replace(dec=st.dec._replace(

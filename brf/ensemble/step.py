@@ -574,24 +574,24 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
     match = (drafts_BxK == top_BxP[:, :k]) & (jnp.arange(k)[None] < dlen_B[:, None])
     acc_B = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     event_B = jnp.take_along_axis(top_BxP, acc_B[:, None], axis=1)[:, 0]
-    P = jnp.arange(k + 1)[None]
-    emitted = jnp.where(P < acc_B[:, None], jnp.concatenate(
+    j_1xP = jnp.arange(k + 1)[None]
+    emitted = jnp.where(j_1xP < acc_B[:, None], jnp.concatenate(
         [drafts_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1), event_B[:, None])
     # the finish rules, event by event: the first emitted event that ends the sequence
-    ends = (tables.eos[emitted] | (dec.n_events[:, None] + P + 1 >= spec.max_new_tokens))
-    ends = ends & (P <= acc_B[:, None])
+    ends = (tables.eos[emitted] | (dec.n_events[:, None] + j_1xP + 1 >= spec.max_new_tokens))
+    ends = ends & (j_1xP <= acc_B[:, None])
     end_B = live_B & jnp.any(ends, axis=1)
     count_B = jnp.where(end_B, jnp.argmax(ends, axis=1) + 1, acc_B + 1)
     count_B = jnp.where(live_B, count_B, 0).astype(jnp.int32)
-    emitted = jnp.where(P < count_B[:, None], emitted, -1)
+    emitted = jnp.where(j_1xP < count_B[:, None], emitted, -1)
     kept_B = jnp.where(live_B, first_B + acc_B, 0)
     caches = [_rolled_back(c, d["next_pos"] + jnp.tile(kept_B, len(idx)))
               for c, d, idx in zip(caches, dec.caches, groups)]
     H = st.history.shape[1]
-    at_BxP2 = jnp.clip(st.n_history[:, None] + P, 0, H - 1)
+    at_BxP2 = jnp.clip(st.n_history[:, None] + j_1xP, 0, H - 1)
     old_h = jnp.take_along_axis(st.history, at_BxP2, axis=1)
     history = st.history.at[jnp.arange(B)[:, None], at_BxP2].set(
-        jnp.where(P < count_B[:, None], emitted, old_h))
+        jnp.where(j_1xP < count_B[:, None], emitted, old_h))
     new_dec = dec._replace(caches=tuple(caches), logits=tuple(logits), step=dec.step + 1,
                            finished=dec.finished | end_B, n_events=dec.n_events + count_B)
     new = RoundState(new_dec, jnp.where(live_B, event_B, st.last),
@@ -600,8 +600,9 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
 
 
 class Schedule(NamedTuple):
-    """:class:`brf.drafting.KSchedule` while it drafts, followed on the device so a block
-    of rounds ends when the schedule would change its k (static parts: ``rule``).
+    """:class:`brf.drafting.KSchedule` while it drafts, followed on the device: it picks
+    each round's k there, and a block of rounds ends where it would pause (static
+    parts: ``rule`` of :func:`run_rounds`).
 
     Attributes:
         hits, misses: float32 []: the faded counts of accepted and rejected drafts.
