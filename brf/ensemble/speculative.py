@@ -76,6 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.ensemble import catchup
+from brf.ensemble import step as dstep
 from brf.ensemble.decode import (ENGINES, Generation, Piece, _check_method,
                                  _check_request, _with_unembeddings)
 from brf.ensemble.member import (EnsembleInputError, Member, check_prompt_fits,
@@ -122,14 +123,7 @@ def _log_softmax(x):
     return jax.nn.log_softmax(x, axis=-1)
 
 
-@jax.jit
-def _rollback_meta(pos_BxS, next_pos_B):
-    """Slots at or past each row's new length emptied; the first free slot after the
-    last one in use."""
-    pos = jnp.where(pos_BxS >= next_pos_B[:, None], -1, pos_BxS)
-    S = pos.shape[1]
-    last = jnp.max(jnp.where(pos >= 0, jnp.arange(S, dtype=jnp.int32)[None], -1))
-    return pos, last + 1
+_rollback_slots = jax.jit(dstep.rollback_slots)
 
 
 def rollback(state: catchup.MemberState, n_read: Sequence[int],
@@ -141,7 +135,7 @@ def rollback(state: catchup.MemberState, n_read: Sequence[int],
         return state._replace(pending=tuple(tuple(p) for p in pending))
     c = state.cache
     next_pos = jnp.asarray(np.asarray(n_read, np.int32))
-    pos, end = _rollback_meta(c["pos"], next_pos)
+    pos, end = _rollback_slots(c["pos"], next_pos)
     end_host = int(end)
     cache = dict(c, pos=pos, next_pos=next_pos, end=jnp.asarray(end_host, jnp.int32))
     return catchup.MemberState(cache, state.logits_BxV, tuple(tuple(p) for p in pending),
@@ -565,7 +559,6 @@ class _Loop:
         stay in the block's form (one cache per member) from block to block;
         :meth:`_merge` returns them to the rounds' (every emitted token read, nothing
         pending: a round reads that as a start with no pending token)."""
-        from brf.ensemble import step as dstep
         B, n = self.B, self.n
         spec, tables = self._device_plan()
         if self._dev is None:
@@ -621,7 +614,6 @@ class _Loop:
         the device: it picks each round's k there, and a drafting block ends where it
         would pause; the host's schedule, given the rounds one by one, picks the next
         block's first k."""
-        from brf.ensemble import step as dstep
         B, members = self.B, self.members
         spec, tables = self._device_plan()
         # the groups' states as started (rows member-major); their caches move to the device
@@ -717,14 +709,7 @@ class _Loop:
                 self.gens[b].members_run[i] += 1
             drafted, accepted = drafted + d, accepted + a
             rejected += a < d or not d
-            for j, e in enumerate(emitted):
-                piece, reason = self._advance(b, e)
-                if (piece or reason) and on_piece is not None:
-                    on_piece(Piece(b, piece, reason))
-                if reason is not None:
-                    self.done[b] = True
-                    self.gens[b].spec.discard(a - j)  # verified past the end
-                    break
+            self._emit(b, emitted, a + 1, on_piece)
         self.sched.update(drafted, accepted, rejected)
         self.round += 1
 
@@ -840,15 +825,21 @@ class _Loop:
             if self.dstate is not None:
                 self._d_start = (self.dstate.n_read, self.dstate.pending)
             for b, emitted, _ in self._round():
-                for j, e in enumerate(emitted):
-                    piece, reason = self._advance(b, e)
-                    if (piece or reason) and on_piece is not None:
-                        on_piece(Piece(b, piece, reason))
-                    if reason is not None:
-                        self.done[b] = True
-                        self.gens[b].spec.discard(len(emitted) - j - 1)  # past the end
-                        break
+                self._emit(b, emitted, len(emitted), on_piece)
         return self.gens
+
+    def _emit(self, b: int, emitted, verified: int, on_piece) -> None:
+        """Row b's events of a round, in order, up to the one that finishes it (text,
+        pieces streamed); the round's statistics counted ``verified`` events (the
+        accepted drafts and the one after), so those past the end are taken back."""
+        for j, e in enumerate(emitted):
+            piece, reason = self._advance(b, e)
+            if (piece or reason) and on_piece is not None:
+                on_piece(Piece(b, piece, reason))
+            if reason is not None:
+                self.done[b] = True
+                self.gens[b].spec.discard(verified - j - 1)  # past the end
+                return
 
     def _advance(self, b: int, e: int) -> tuple[str, str | None]:
         """One emitted token of row b: text, stop conditions (as decode._advance)."""

@@ -475,13 +475,19 @@ def ngram_drafts(history_BxH, n_history_B, *, n: int, min_n: int, k: int, contro
     return drafts.astype(jnp.int32), length.astype(jnp.int32)
 
 
-def _rolled_back(cache, keep_B):
-    """The cache cut back to each sequence's first ``keep_B[b]`` positions: later slots
-    emptied (never attended to again), the write pointer just past the last slot in use
-    (as :func:`brf.ensemble.speculative.rollback` on the host)."""
-    pos = jnp.where(cache["pos"] >= keep_B[:, None], -1, cache["pos"])
+def rollback_slots(pos_BxS, keep_B):
+    """A cache's slot positions cut back to each sequence's first ``keep_B[b]``
+    positions (later slots emptied: never attended to again), and the write pointer
+    just past the last slot still in use."""
+    pos = jnp.where(pos_BxS >= keep_B[:, None], -1, pos_BxS)
     S = pos.shape[1]
-    end = jnp.max(jnp.where(pos >= 0, jnp.arange(S, dtype=jnp.int32)[None], -1)) + 1
+    return pos, jnp.max(jnp.where(pos >= 0, jnp.arange(S, dtype=jnp.int32)[None], -1)) + 1
+
+
+def _rolled_back(cache, keep_B):
+    """The cache cut back to each sequence's first ``keep_B[b]`` positions
+    (:func:`rollback_slots`; :func:`brf.ensemble.speculative.rollback` on the host)."""
+    pos, end = rollback_slots(cache["pos"], keep_B)
     return dict(cache, pos=pos, next_pos=keep_B.astype(jnp.int32),
                 end=end.astype(cache["end"].dtype))
 
@@ -711,5 +717,5 @@ def run_rounds(spec: Spec, params: tuple, tables: Tables, st: RoundState, contro
 
 
 __all__ = ["CHUNK", "DecodeState", "RoundState", "Schedule", "Spec", "Tables", "block_reads",
-           "block_room", "compiled_count", "fused_step", "ngram_drafts", "run_block", "run_rounds",
-           "spec_round"]
+           "block_room", "compiled_count", "fused_step", "ngram_drafts", "rollback_slots", "run_block",
+           "run_rounds", "spec_round"]
