@@ -236,8 +236,9 @@ def speculative_pair(members: Sequence, *, prompt_len: int, steps: int, phase: s
     """Greedy speculative fused generation (BRF) with its rounds on the host and as
     compiled blocks on the device (``engine``), beside plain fused generation: each
     run's best seconds of ``repeats`` after one untimed call, whether its text is
-    plain decoding's, and the drafts' acceptance (random weights: what is accepted
-    is what the greedy text repeats). ``cost=0``: the rounds draft throughout."""
+    plain decoding's, and the drafts' acceptance (random weights: an n-gram draft is
+    accepted where the greedy text repeats, a member's where the fused argmax is
+    its own). ``cost=0``: the rounds draft throughout."""
     from brf.ensemble import generate
     from brf.ensemble.speculative import generate_speculative
     prompt = [" ".join(f"w{i}" for i in range(2, 2 + prompt_len))]

@@ -101,9 +101,12 @@ def run(models, parts, pair, tiny: bool, s: dict) -> dict:
             perf.fused_pair(members, batch=b, prompt_len=s["pair_prompt"], steps=s["pair_steps"],
                             phase=s["phase"], repeats=s["repeats"], dtype=s["dtype"])
             for b in (1,)]}
-        out["pair"]["speculative"] = perf.speculative_pair(
-            members, prompt_len=s["pair_prompt"], steps=s["pair_steps"], phase=s["phase"],
-            repeats=s["repeats"], dtype=s["dtype"])
+        # drafted by the n-gram drafter, and by the smallest member (the classic pairing)
+        for key, drafter in (("speculative", "ngram(n=3, k=4, cost=0)"),
+                             ("speculative_member", "member(k=4, cost=0)")):
+            out["pair"][key] = perf.speculative_pair(
+                members, prompt_len=s["pair_prompt"], steps=s["pair_steps"], phase=s["phase"],
+                repeats=s["repeats"], dtype=s["dtype"], drafter=drafter)
         print("pair", out["pair"], flush=True)
         del members
     if "fuse" in parts:

@@ -48,8 +48,8 @@ flags.DEFINE_string("prompt", "List the days of the week, then list them again i
                     "order.", "the prompt")
 flags.DEFINE_integer("seed", 0, "seed")
 flags.DEFINE_list("engines", ["auto"], "token-level speculative engines timed side by side: "
-                  "host (rounds on the host), device (greedy n-gram rounds compiled on the "
-                  "device; skipped for other drafters and samplers), auto")
+                  "host (rounds on the host), device (n-gram rounds compiled on the "
+                  "device; skipped for the member drafter), auto")
 
 FIRST: dict = {}  # each row's first, untimed call: seconds (compilation included)
 BORN = dict(method="born", method_params={"phase": "tanh(rate=0.5, offset=[0, 0.5])"})
@@ -124,11 +124,9 @@ def prompts_case(drafters):
             ("plain fused (BRF)", lambda: generate(members, prompts, aligner="identity",
                                                   **common))]
     from brf.drafting import parse_drafter
-    from brf.fusion import Sampler
-    greedy = Sampler.parse(FLAGS.sampler).greedy
     for d in drafters:
         for engine in FLAGS.engines:
-            if engine == "device" and not (greedy and parse_drafter(d).kind == "ngram"):
+            if engine == "device" and parse_drafter(d).kind != "ngram":
                 continue
             label = f"speculative {d}" + ("" if FLAGS.engines == ["auto"] else f", {engine}")
             rows.append((label, lambda d=d, engine=engine: generate_speculative(

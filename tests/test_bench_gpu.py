@@ -36,10 +36,11 @@ def test_tiny_run_covers_every_part():
     run = out["pair"]["runs"][0]
     assert run["same_text"]  # both engines generate the same text
     assert run["host_s"] > 0 and run["device_s"] > 0
-    spec = out["pair"]["speculative"]
-    assert spec["host_same_text"] and spec["device_same_text"]  # greedy: plain's text
-    assert spec["host_acceptance"] == spec["device_acceptance"]  # the same rounds
-    assert spec["device_of_host"] == pytest.approx(spec["host_s"] / spec["device_s"])
+    for key in ("speculative", "speculative_member"):  # n-gram and member drafters
+        spec = out["pair"][key]
+        assert spec["host_same_text"] and spec["device_same_text"]  # greedy: plain's text
+        assert spec["host_acceptance"] == spec["device_acceptance"]  # the same rounds
+        assert spec["device_of_host"] == pytest.approx(spec["host_s"] / spec["device_s"])
     assert out["fuse"]["python"] > 0 and out["fuse"]["inside_jit"] > 0
     for row in out["models"]["gemma-3-270m"]["attention"]:
         assert row["prompt_max_abs_diff"] < 1e-4  # the library call computes the same

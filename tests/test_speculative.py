@@ -566,13 +566,17 @@ def _a_stop_string(members, kw):
 
 @pytest.mark.parametrize("ensemble,drafter", [("pair", "ngram(n=2, k=4)"),
                                               ("prompt_pair", "ngram(n=3, k=5, adaptive=True)"),
-                                              ("pair", "ngram(n=1, k=3, cost=0)")])
+                                              ("pair", "ngram(n=1, k=3, cost=0)"),
+                                              ("pair", "member(k=3)"),
+                                              ("prompt_pair",
+                                               "member(index=1, k=4, adaptive=True, cost=0)")])
 def test_rounds_on_the_device_are_the_host_rounds(request, ensemble, drafter):
-    """Greedy n-gram speculation as compiled blocks of rounds (engine 'device': drafts,
+    """Greedy speculation as compiled blocks of rounds (engine 'device': drafts,
     verification and the caches' rollback on the device, the schedule followed there)
     gives plain decoding's text and exactly the host rounds' statistics: every round's
     k, drafts and acceptances, pauses included; with a stop string ending a sequence
-    inside a round."""
+    inside a round. A member drafter drafts with its own cache on the device, rolled
+    back there; paused, it is given the emitted tokens to read when it drafts again."""
     members = request.getfixturevalue(ensemble)
     kw = dict(weights=[0.4, 0.6], method="born", method_params={"phase": "tanh(rate=0.5)"},
               sampler="greedy", max_new_tokens=48)
@@ -587,12 +591,200 @@ def test_rounds_on_the_device_are_the_host_rounds(request, ensemble, drafter):
         assert g.spec.emitted == g.n_events
 
 
+@pytest.mark.parametrize("engine", ["host", "device"])
+@pytest.mark.parametrize("ensemble,drafter", [("pair", "member(k=3, cost=0)"),
+                                              ("pair", "member(k=3)"),
+                                              ("prompt_pair", "member(index=1, k=4, cost=0)")])
+def test_the_member_drafter_reads_exactly_the_accepted_text(request, ensemble, drafter,
+                                                            engine, monkeypatch):
+    """After a greedy speculative generation the member drafter's state, its pending
+    tokens read, gives the logits of a cache-free pass over its prompt and every
+    emitted token: its rollback kept exactly the accepted text (no rejected draft, no
+    accepted one lost), on both engines, with rounds whose drafts were all accepted
+    and rounds with rejections; with pauses (default cost: plain steps between
+    probes, the emitted tokens given to the drafter to read)."""
+    members = request.getfixturevalue(ensemble)
+    loops = []
+    run = spec_lib._Loop.run
+    monkeypatch.setattr(spec_lib._Loop, "run",
+                        lambda self, on_piece: (loops.append(self), run(self, on_piece))[1])
+    got = generate_speculative(members, PROMPTS, drafter=drafter, weights=[0.5, 0.5],
+                               method="linear", sampler="greedy", max_new_tokens=44,
+                               engine=engine)  # (prompt and text within REF_LEN)
+    loop = loops[0]
+    d = members[loop.d_index]
+    st = catchup.catch_up(d, loop.dstate)
+    # rows the length limit ended (the drafts were cut to it: the last round's accepted
+    # text is all emitted; an end-of-sequence event is not in the text)
+    rows = [b for b, g in enumerate(got) if g.finish_reason == "length"]
+    assert rows
+    for b in rows:
+        want = _last_logp(d, list(got[b].member_ids[loop.d_index]))
+        np.testing.assert_allclose(jax.nn.log_softmax(st.logits_BxV[b]), want, atol=2e-4)
+    total = got[0].spec.merge(got[1].spec)
+    assert 0 < total.accepted < total.drafted
+    assert (total.by_k.get(0) is not None) == ("cost=0" not in drafter)  # paused, or never
+
+
+def test_device_acceptance_follows_the_rules_law():
+    """`brf.ensemble.step.accept_sampled` (the device's accept / resample step) against
+    the exact law of the host's rule (`emitted_law`), for the sampler's filtered target:
+    chi-square over (drafts accepted, event) from 200,000 keys, alpha 0.01; and the
+    same test's power against resampling from q after a rejection instead of the
+    residual (the mistake `test_a_wrong_acceptance_rule_fails_the_test` makes)."""
+    from brf.ensemble.step import accept_sampled
+    rng = np.random.default_rng(7)
+    V, K, N = 7, 3, 200_000
+    sampler = brf.Sampler.parse("temperature=0.8,top_k=5")
+    logq = np.log(rng.dirichlet(np.full(V, 0.8), size=K + 1))
+    q = np.exp(np.asarray(brf.fusion.filter_logprobs(jnp.asarray(logq), sampler), np.float64))
+    q /= q.sum(axis=1, keepdims=True)
+    # drafts: likely, unlikely and filtered-out events (q = 0: always rejected)
+    draft = [int(np.argmax(q[0])), int(np.argsort(q[1])[-3]), int(np.argmin(q[2]))]
+    assert q[2, draft[2]] == 0
+    for m in (3, 2):  # all three drafts; two of them (the bonus after accepting both)
+        f = jax.jit(jax.vmap(lambda key: accept_sampled(
+            key, jnp.asarray(logq[None], jnp.float32), jnp.asarray([draft], jnp.int32),
+            jnp.asarray([m], jnp.int32), sampler)))
+        acc, ev = (np.asarray(x)[:, 0] for x in f(jax.random.split(jax.random.PRNGKey(m), N)))
+        law = {(i, e): w[e] for i, w in rule.emitted_law(q[:m + 1], draft[:m])
+               for e in range(V) if w[e] > 0}
+        counts: dict = {}
+        for a, e in zip(acc.tolist(), ev.tolist()):
+            counts[(a, e)] = counts.get((a, e), 0) + 1
+        stat, df, pval = _chi2_cells(counts, law, N)
+        assert df >= 10 and pval > 0.01, (m, stat, df, pval)
+        # the wrong rule's law: after a rejection, q itself
+        wrong = {}
+        for i, w in rule.emitted_law(q[:m + 1], draft[:m]):
+            w = w.sum() * q[i] if i < m else w
+            for e in range(V):
+                if w[e] > 0:
+                    wrong[(i, e)] = wrong.get((i, e), 0.0) + w[e]
+        # (it puts mass where the right law has none: capped, where ncx2 is finite)
+        lam = min(_noncentrality(law, wrong, N), 1e4)
+        assert stats.ncx2.sf(stats.chi2.isf(0.01, df), df, lam) > 0.99
+
+
+def _canonical_first_two(ids, finish, eos):
+    """(t1, t2) of a generation's first two events, an end-of-sequence event as 'eos'
+    (t2 = -1 when t1 ended it)."""
+    ev = [("eos" if t in eos else t) for t in ids[:2]]
+    if len(ev) < 2 and finish == "eos":
+        ev.append("eos")
+    return (ev[0], ev[1] if len(ev) > 1 and ev[0] != "eos" else -1)
+
+
+def _device_oracle(members, w, method, params, monkeypatch):
+    """`_oracle_ngram` for the device's drafter (`brf.ensemble.step.ngram_drafts`): the
+    target's most likely first token after the prompt, then the most likely second
+    one after the first, then nothing. Returns (the law's cells, its eos ids)."""
+    from brf.ensemble import step as dstep
+    eos = {members[0].tokenizer.eos_token_id} | set(members[0].cfg.eos_ids)
+    n_prompt = len(members[0].prompt_ids(PROMPTS[0]))
+    q1 = _target_probs(members, PROMPTS[0], [], w, method, params, SAMPLER)
+    best2 = np.full(len(q1), -1, np.int32)
+    cells: dict = {}
+    for t1 in np.flatnonzero(q1 > 1e-7):
+        if int(t1) in eos:
+            cells[("eos", -1)] = cells.get(("eos", -1), 0.0) + q1[t1]
+            continue
+        q2 = _target_probs(members, PROMPTS[0], [int(t1)], w, method, params, SAMPLER)
+        best2[t1] = int(np.argmax(q2))
+        for t2 in np.flatnonzero(q2 > 1e-9):
+            c = (int(t1), "eos" if int(t2) in eos else int(t2))
+            cells[c] = cells.get(c, 0.0) + q1[t1] * q2[t2]
+    first, table = int(np.argmax(q1)), jnp.asarray(best2)
+
+    def drafts(history_BxH, n_history_B, *, n, min_n, k, control=None):
+        e_B = n_history_B - n_prompt
+        last_B = jnp.take_along_axis(history_BxH, (n_history_B - 1)[:, None], axis=1)[:, 0]
+        d_B = jnp.where(e_B == 0, first, table[last_B])
+        length = ((e_B == 0) | ((e_B == 1) & (d_B >= 0))).astype(jnp.int32)
+        out = jnp.zeros((history_BxH.shape[0], k), jnp.int32).at[:, 0].set(
+            jnp.maximum(d_B, 0))
+        return out, length
+    monkeypatch.setattr(dstep, "ngram_drafts", drafts)
+    # a program of its own, traced with the oracle (the real one's programs are kept)
+    monkeypatch.setattr(dstep, "_run_rounds_jit", jax.jit(dstep._run_rounds, static_argnames=(
+        "spec", "rounds", "k", "n", "min_n", "rule", "reads", "spans", "groups"),
+        donate_argnames=("st",)))
+    return cells, eos
+
+
+def _canonical_cells(cells: dict, eos) -> dict:
+    """`_joint_reference`'s cells with every end-of-sequence event as 'eos'."""
+    out: dict = {}
+    for (t1, t2), p in cells.items():
+        c = ("eos", -1) if t1 in eos else (t1, "eos" if t2 in eos else t2)
+        out[c] = out.get(c, 0.0) + p
+    return out
+
+
+@pytest.mark.parametrize("ensemble,drafter,method,params", [
+    ("pair", "ngram(n=2, k=2, cost=0)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
+    ("prompt_pair", "ngram(n=2, k=2, cost=0)", "linear", {}),
+    ("pair", "member(k=2, cost=0)", "born", {"phase": "tanh(rate=0.5, offset=[0, 1.0])"}),
+    ("prompt_pair", "member(index=1, k=2, cost=0)", "linear", {}),
+])
+def test_sampled_rounds_on_the_device_follow_the_fused_distribution(
+        request, ensemble, drafter, method, params, monkeypatch):
+    """Sampled speculation as compiled rounds (engine 'device'): 4000 sequences of 3
+    tokens, the joint law of the first two tokens against the enumerated
+    fused-and-filtered law (chi-square, alpha 0.01), drafts both accepted and
+    rejected. The n-gram drafter is replaced by an oracle on the device (random tiny
+    models copy nothing, so the real n-gram drafts are all rejected); a member
+    drafter samples its drafts on the device, so the statistic must also tell the
+    fused law from the drafter's own."""
+    members = request.getfixturevalue(ensemble)
+    w = [0.3, 0.7]
+    if drafter.startswith("ngram"):
+        cells, eos = _device_oracle(members, w, method, params, monkeypatch)
+    else:
+        eos = {members[0].tokenizer.eos_token_id} | set(members[0].cfg.eos_ids)
+        cells = _canonical_cells(_joint_reference(members, PROMPTS[0], w, method, params,
+                                                  SAMPLER, eos), eos)
+    res = generate_speculative(members, [PROMPTS[0]] * N_DRAWS, drafter=drafter,
+                               weights=w, method=method, method_params=params, sampler=SAMPLER,
+                               max_new_tokens=3, seed=11, engine="device")
+    n_prompt = len(members[0].prompt_ids(PROMPTS[0]))
+    counts: dict = {}
+    for g in res:
+        c = _canonical_first_two(list(g.member_ids[0][n_prompt:]), g.finish_reason, eos)
+        counts[c] = counts.get(c, 0) + 1
+    stat, df, pval = _chi2_cells(counts, cells, N_DRAWS)
+    assert df >= 5, df
+    assert pval > 0.01, (stat, df, pval)
+    t = SpecSummary(res).total
+    assert 0 < t.accepted < t.drafted  # drafts were both accepted and rejected
+    if drafter.startswith("member"):
+        from brf.drafting import drafter_index, param_count
+        d = members[drafter_index(parse_drafter(drafter), [param_count(m.params)
+                                                           for m in members],
+                                  [m.name for m in members])]
+        alt = _canonical_cells(_joint_reference([d, d], PROMPTS[0], [0.5, 0.5], "linear", {},
+                                                SAMPLER, eos), eos)
+        lam = _noncentrality(cells, alt, N_DRAWS)
+        assert stats.ncx2.sf(stats.chi2.isf(0.01, df), df, lam) > 0.99
+
+
+@pytest.mark.parametrize("ensemble", ["pair", "prompt_pair"])
+def test_a_sampled_device_generation_that_never_drafts_is_plain_decoding(request, ensemble):
+    """A drafter that cannot pay never drafts: the device's rounds are then plain fused
+    steps drawing with plain decoding's keys, so the text is plain sampled decoding's
+    for the same seed, token for token."""
+    members = request.getfixturevalue(ensemble)
+    kw = dict(weights=[0.4, 0.6], method="born", method_params={"phase": "tanh(rate=0.5)"},
+              sampler=SAMPLER, max_new_tokens=24, seed=5, engine="device")
+    got = _speculative_as_plain(members, "ngram(n=2, k=2, cost=0.99)", kw)
+    assert all(g.spec.drafted == 0 and g.spec.rounds == g.n_events for g in got)
+
+
 def test_the_device_engine_is_refused_where_it_does_not_apply(pair):
     kw = dict(method="linear", max_new_tokens=4)
-    for bad in (dict(sampler="temperature=1.0", drafter="ngram(n=2)"),
-                dict(sampler="greedy", drafter="member(k=2)"),
+    for bad in (dict(sampler="temperature=1.0", drafter="member(k=2)", trace=True),
                 dict(sampler="greedy", drafter="ngram(n=2)", trace=True)):
-        with pytest.raises(EnsembleInputError, match="engine='device' runs greedy"):
+        with pytest.raises(EnsembleInputError, match="engine='device' runs speculative"):
             generate_speculative(pair, PROMPTS, engine="device", **kw, **bad)
     with pytest.raises(EnsembleInputError, match="unknown engine 'gpu'"):
         generate_speculative(pair, PROMPTS, drafter="ngram(n=2)", engine="gpu", **kw)

@@ -51,11 +51,14 @@ prompts) are read as one batch by default (``group=True``): one verification
 call per model, not per member.
 
 **Engines.** The rounds run on the host (a dispatch per stage, the verdicts read
-back), or, for greedy decoding with the n-gram drafter, as compiled blocks of
-rounds on the device (``engine='device'``, :func:`brf.ensemble.step.run_rounds`:
-drafting, verification, rollback and the schedule's choice of k, with nothing
-read back until the block ends). ``engine='auto'`` uses the device's rounds
-when the members are on an accelerator; on a CPU the host's measured as fast.
+back), or as compiled blocks of rounds on the device (``engine='device'``,
+:func:`brf.ensemble.step.run_rounds`: drafting (a member drafter's steps too),
+verification, rollback and the schedule's choice of k, with nothing read back
+until the block ends). Both engines follow the same law; sampled, they draw
+different random numbers (the host a NumPy generator, the device JAX keys
+``fold_in(PRNGKey(seed), round)``), so the same seed gives different texts; greedy,
+the same text and statistics. ``engine='auto'`` uses the device's rounds when the
+members are on an accelerator; on a CPU the host's measured as fast.
 
 Token level only for members that share one vocabulary (``aligner='identity'``);
 members with different tokenizers speculate on bytes (:mod:`brf.bytes.speculative`).
@@ -94,7 +97,7 @@ from brf.text import TextStream
 # Plain steps a paused generation runs per compiled block (brf.drafting.KSchedule): the
 # schedule looks at what the block emitted before the next one.
 PAUSED_BLOCK = 16
-# Drafting rounds a compiled block runs at most (greedy n-gram rounds on the device); it
+# Drafting rounds a compiled block runs at most (n-gram rounds on the device); it
 # ends sooner where the schedule would pause.
 ROUND_BLOCK = 16
 
@@ -253,10 +256,11 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
         trace: record every emitted token's fused distribution.
         on_piece: called with every piece of text as it becomes final.
         engine: 'device' (every round compiled and looped on the device,
-            :func:`brf.ensemble.step.run_rounds`: greedy, the n-gram drafter, no
-            trace, the members on one device), 'host' (rounds on the host, paused
-            steps as compiled blocks), or 'auto' (the device where it applies and
-            the members are on an accelerator; the host on a CPU).
+            :func:`brf.ensemble.step.run_rounds`: no trace, the members on one
+            device; sampled, its own random stream), 'host'
+            (rounds on the host, paused steps as compiled blocks), or 'auto' (the
+            device where it applies and the members are on an accelerator; the
+            host on a CPU).
 
     Returns:
         One :class:`SpecGeneration` per prompt.
@@ -288,11 +292,11 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
                                 [m.name for m in members])
     loop = _Loop(members, prompts, spec, w, method, method_params, sampler, max_new_tokens,
                  tuple(stop), seed, dtype, group, trace, space, prompt_ids, d_index)
-    device = loop.blocks and spec.kind == "ngram" and sampler.greedy
+    device = loop.blocks
     if engine == "device" and not device:
-        raise EnsembleInputError("engine='device' runs greedy speculative decoding with the "
-                                 "n-gram drafter, without trace, with every member on one "
-                                 "device; use engine='host' or 'auto'")
+        raise EnsembleInputError("engine='device' runs speculative decoding without trace, "
+                                 "with every member on one device; use engine='host' or "
+                                 "'auto'")
     # 'auto': compiled rounds on an accelerator, where each host round's read-backs cost
     # most of a small model's step; on a CPU the host rounds measured as fast and compile
     # in less time (BENCHMARKS.md, "Speculative rounds on the device")
@@ -606,14 +610,15 @@ class _Loop:
 
     def _run_on_device(self, on_piece) -> list[SpecGeneration]:
         """The whole generation as blocks of compiled rounds (``brf.ensemble.step.
-        run_rounds``): greedy, the n-gram drafter, no trace. A round drafts on the
-        device, verifies and cuts the caches back there; a paused block is rounds that
-        draft nothing (plain fused steps). Members that share weights are read as one
-        batch (``group``), as in the host rounds. Between blocks the host replays the
-        emitted events (text, stop strings, statistics). The schedule is followed on
-        the device: it picks each round's k there, and a drafting block ends where it
-        would pause; the host's schedule, given the rounds one by one, picks the next
-        block's first k."""
+        run_rounds``): no trace. A round drafts on the device, verifies and cuts the
+        caches back there; a paused block is rounds that draft nothing (plain fused
+        steps). Members that share weights are read as one batch (``group``), as in
+        the host rounds. A member drafter's state joins each drafting block and
+        leaves it after (:meth:`_drafter_to_device`). Between blocks the host replays
+        the emitted events (text, stop strings, statistics). The schedule is followed
+        on the device: it picks each round's k there, and a drafting block ends where
+        it would pause; the host's schedule, given the rounds one by one, picks the
+        next block's first k."""
         B, members = self.B, self.members
         spec, tables = self._device_plan()
         # the groups' states as started (rows member-major); their caches move to the device
@@ -676,17 +681,26 @@ class _Loop:
                 sched = dstep.Schedule(jnp.float32(s.hits), jnp.float32(s.misses),
                                        jnp.int32(s.size))
                 rule = (DECAY, s.overhead, s.cost, s.never_pause, s.adaptive, s.k_max)
+            draft = self.d_index if k else None
+            dreads = dspan = dparams = None
+            if draft is not None:
+                st, dreads, dspan = self._drafter_to_device(st, k, live, horizon)
+                dparams = members[draft].params
             st, em, cnt, dra, acc, ks, r, fill = dstep.run_rounds(
-                spec, params, tables, st, control, sched, k_first, rounds=rounds, k=k,
-                n=self.spec.n, min_n=self.spec.min_n, rule=rule, reads=tuple(reads),
-                spans=tuple(spans), groups=form)
+                spec, params, tables, st, control, sched, k_first, dparams, rounds=rounds,
+                k=k, n=self.spec.n, min_n=self.spec.min_n, rule=rule, reads=tuple(reads),
+                spans=tuple(spans), groups=form, draft=draft, dreads=dreads, dspan=dspan)
+            if draft is not None:
+                st = self._drafter_from_device(st)
             em, cnt, dra, acc, ks, r = (np.asarray(em), np.asarray(cnt), np.asarray(dra),
                                         np.asarray(acc), np.asarray(ks), int(r))
             ends = [int(x) for x in np.asarray(fill)]
             if r == 0:
                 raise RuntimeError("a block of speculative rounds made no progress")
             if k == 0:
-                self._replay_plain(em[:r, :, 0], r, live, on_piece)
+                emitted = self._replay_plain(em[:r, :, 0], r, live, on_piece)
+                if self.dstate is not None:  # the member drafter reads them when it drafts
+                    self.dstate = catchup.add_pending(self.dstate, emitted)
             else:
                 for t in range(r):
                     rows = [(b, em[t, b, :cnt[t, b]].tolist(), int(dra[t, b]), int(acc[t, b]))
@@ -697,6 +711,35 @@ class _Loop:
                 st = st._replace(dec=st.dec._replace(
                     finished=st.dec.finished.at[jnp.asarray(stopped)].set(True)))
         return self.gens
+
+    def _drafter_to_device(self, st, k: int, live: list[int], horizon: int):
+        """The member drafter's state into a drafting block's round state: started if it
+        has not drafted yet, every pending token read (on the host), its cache grown
+        when two more rounds might not fit. Returns (state, its reads, its span)."""
+        self._ensure_drafter()
+        m = self.members[self.d_index]
+        ds = catchup.catch_up(m, self.dstate, dtype=self.dtype)
+        self.dstate = None  # its cache now lives in the round state, which donates it
+        c = ds.cache
+        if ds.end + 2 * (k + 1) > c["pos"].shape[1]:
+            c = model_cache.grow(c, catchup.bucket(ds.end + horizon))
+        rd, span = dstep.block_reads(m.cfg, ds.end, c["pos"].shape[1],
+                                     [ds.n_read[b] for b in live], horizon)
+        B = self.B
+        drafter = dstep.DrafterState(c, ds.logits_BxV, jnp.zeros((B, 2), jnp.int32),
+                                     jnp.zeros((B,), jnp.int32))
+        return st._replace(drafter=drafter), rd, span
+
+    def _drafter_from_device(self, st):
+        """The member drafter's state back from a block's round state (its pending
+        tokens, its fill and positions read back)."""
+        ds = st.drafter
+        pend, n_pend = np.asarray(ds.pending), np.asarray(ds.n_pending)
+        self.dstate = catchup.MemberState(
+            ds.cache, ds.logits, tuple(tuple(int(t) for t in pend[b, :n_pend[b]])
+                                       for b in range(self.B)),
+            int(ds.cache["end"]), tuple(int(x) for x in np.asarray(ds.cache["next_pos"])))
+        return st._replace(drafter=None)
 
     def _replay_round(self, k: int, rows, on_piece) -> None:
         """The host's side of one drafting round run on the device: per row (b, the

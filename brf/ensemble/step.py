@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from brf.align import topk_union_logprobs, union_logprobs
 from brf.fusion.api import _apply
 from brf.fusion.mixture import select_member
-from brf.fusion.sampling import Sampler
+from brf.fusion.sampling import Sampler, filter_logprobs
 from brf.fusion.sampling import sample as _sample
 from brf.ensemble.catchup import bucket
 from brf.models import cache as model_cache
@@ -421,6 +421,23 @@ def block_room(cfg, cache: dict, end: int, n_read, horizon: int):
 
 # ----------------------------------------------------------------------------- speculative rounds
 
+class DrafterState(NamedTuple):
+    """A member drafter's own state on the device (a pytree): its cache and logits for
+    B sequences, and per sequence the accepted tokens it has not read yet (at most
+    two after a round: the last draft when every draft was accepted, and the event
+    emitted after them).
+
+    Attributes:
+        cache: its KV cache (its next position per sequence: ``cache['next_pos']``).
+        logits: float32 [B, V]: its logits after the last token it read.
+        pending: int32 [B, 2]: tokens to read first; ``n_pending`` int32 [B] how many.
+    """
+    cache: dict
+    logits: jax.Array
+    pending: jax.Array
+    n_pending: jax.Array
+
+
 class RoundState(NamedTuple):
     """A speculative decoding's state on the device (a pytree): the decode state with
     the last emitted event not yet read, and the n-gram drafter's context.
@@ -434,12 +451,15 @@ class RoundState(NamedTuple):
         history: int32 [B, H]: per sequence its prompt's ids and the emitted events
             (the n-gram drafter's context).
         n_history: int32 [B]: how many of ``history`` are filled.
+        drafter: a member drafter's state (:class:`DrafterState`), or None (the
+            n-gram drafter).
     """
     dec: DecodeState
     last: jax.Array
     has_last: jax.Array
     history: jax.Array
     n_history: jax.Array
+    drafter: DrafterState | None = None
 
 
 def ngram_drafts(history_BxH, n_history_B, *, n: int, min_n: int, k: int, control=None):
@@ -492,20 +512,116 @@ def _rolled_back(cache, keep_B):
                 end=end.astype(cache["end"].dtype))
 
 
+def member_drafts(cfg, params, ds: DrafterState, live_B, n_steps, key, *, k: int,
+                  sampler: Sampler, dtype, reads):
+    """A member drafter's drafts on the device: it reads its pending tokens, then draws
+    ``n_steps`` (traced, at most k) tokens one after another from its own distribution
+    with the sampler applied (greedy: its argmax), reading each draft but the last.
+    Draw j uses the key ``fold_in(key, j)``. Rows not in ``live_B`` read nothing.
+
+    Returns:
+        (drafts int32 [B, k], their log-probs [B, k, V] (None when greedy), the
+        state: pending emptied, the last draft not read).
+    """
+    B = live_B.shape[0]
+    valid = (jnp.arange(2)[None] < ds.n_pending[:, None]) & live_B[:, None]
+    out, cache = _read(cfg, params, ds.cache, ds.pending, valid, dtype, reads)
+    logits = jnp.where(jnp.any(valid, axis=1)[:, None], out, ds.logits)
+
+    def body(carry):
+        cache, logits, drafts, logp, j = carry
+        if sampler.greedy:
+            d_B = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            lp = filter_logprobs(jax.nn.log_softmax(logits, axis=-1), sampler)
+            d_B = jax.random.categorical(jax.random.fold_in(key, j), lp, axis=-1)
+            d_B = d_B.astype(jnp.int32)
+            logp = logp.at[:, j].set(lp)
+        drafts = drafts.at[:, j].set(d_B)
+
+        def read(c_l):
+            out, c = _read(cfg, params, c_l[0], d_B[:, None], live_B[:, None], dtype, reads)
+            return c, jnp.where(live_B[:, None], out, c_l[1])
+        cache, logits = jax.lax.cond(j + 1 < n_steps, read, lambda c_l: c_l, (cache, logits))
+        return cache, logits, drafts, logp, j + 1
+
+    V = logits.shape[-1]
+    logp = None if sampler.greedy else jnp.full((B, k, V), -jnp.inf, jnp.float32)
+    cache, logits, drafts, logp, _ = jax.lax.while_loop(
+        lambda c: c[-1] < n_steps, body,
+        (cache, logits, jnp.zeros((B, k), jnp.int32), logp, jnp.int32(0)))
+    return drafts, logp, ds._replace(cache=cache, logits=logits,
+                                     n_pending=jnp.where(live_B, 0, ds.n_pending))
+
+
+def accept_sampled(key, logq_BxPxV, drafts_BxK, dlen_B, sampler: Sampler, logp_BxKxV=None):
+    """The accept / resample step of speculative sampling on the device
+    (:func:`brf.fusion.speculative.verify`).
+
+    The target at each position is the sampler's distribution of the fused one
+    (``q = filter_logprobs(logq)``); ``p`` is the draft's (``logp_BxKxV``; None: a
+    deterministic drafter, p one-hot at each draft). Drafts are accepted in order
+    while a uniform u has ``u p_j(x_j) < q_j(x_j)``; at the first rejection the
+    event is drawn from ``max(0, q_j - p_j)`` (for a deterministic drafter: ``q_j``
+    without ``x_j``), and after every draft from ``q`` at the next position.
+
+    ``key`` is the round's (``fold_in(base key, step)``), split as a plain step
+    splits it: the uniforms come from its first half, the event's draw from its
+    second (a round that drafts nothing draws exactly what the plain step
+    :func:`fused_step` draws with the same key).
+
+    Args:
+        logq_BxPxV: the fused log-probs at the drafted positions and the one after
+            (positions past ``dlen_B[b]`` are never read).
+        drafts_BxK: int32 [B, K] the drafts; ``dlen_B`` int32 [B] their lengths.
+
+    Returns:
+        (accepted int32 [B], event int32 [B]).
+    """
+    B, K = drafts_BxK.shape
+    k_uniform, k_token = jax.random.split(key)
+    logt = filter_logprobs(logq_BxPxV, sampler)
+    q_x = jnp.exp(jnp.take_along_axis(logt[:, :K], drafts_BxK[:, :, None], axis=2)[..., 0])
+    p_x = 1.0 if logp_BxKxV is None else jnp.exp(
+        jnp.take_along_axis(logp_BxKxV, drafts_BxK[:, :, None], axis=2)[..., 0])
+    u = jax.random.uniform(k_uniform, (B, K))
+    ok = (u * p_x < q_x) & (p_x > 0) & (jnp.arange(K)[None] < dlen_B[:, None])
+    acc_B = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    row = jnp.take_along_axis(logt, acc_B[:, None, None], axis=1)[:, 0]
+    rejected = acc_B < dlen_B
+    if K:
+        at = jnp.minimum(acc_B, K - 1)[:, None]
+        if logp_BxKxV is None:
+            x_B = jnp.take_along_axis(drafts_BxK, at, axis=1)[:, 0]
+            cut = rejected[:, None] & (jnp.arange(row.shape[-1])[None] == x_B[:, None])
+            residual = jnp.where(cut, -jnp.inf, row)
+        else:
+            p_row = jnp.take_along_axis(logp_BxKxV, at[:, :, None], axis=1)[:, 0]
+            r = jnp.maximum(jnp.exp(row) - jnp.exp(p_row), 0.0)
+            residual = jnp.where(rejected[:, None], jnp.log(r), row)
+        # no mass left only if x was rejected by rounding: draw from q
+        row = jnp.where(jnp.any(residual > -jnp.inf, axis=-1, keepdims=True), residual, row)
+    return acc_B, jax.random.categorical(k_token, row, axis=-1).astype(jnp.int32)
+
+
 def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads: tuple, *,
                k: int, n: int = 3, min_n: int = 1, control=None, groups: tuple | None = None,
-               k_now=None):
-    """One round of greedy speculative fused decoding in a shared vocabulary (pure).
+               k_now=None, dparams=None, draft: int | None = None, dreads=None):
+    """One round of speculative fused decoding in a shared vocabulary (pure).
 
-    The n-gram drafter drafts up to k events per sequence (none past its
-    ``max_new_tokens``); every member reads the pending event and the draft in one
+    The drafter drafts up to k events per sequence (none past its
+    ``max_new_tokens``): the n-gram drafter, or with ``draft`` member ``draft``'s
+    model (:func:`member_drafts`; ``dparams`` its weights, ``dreads`` its reads,
+    its state ``st.drafter``); every member reads the pending event and the draft in one
     forward pass over its cache; the members' distributions at the draft's k + 1
-    positions are fused (``spec.method``) and the drafts accepted while they equal
-    the fused argmax; the argmax where they stop is emitted after them. Each
-    member's cache is then cut back to the accepted text, and the emitted event
-    is pending. With ``k = 0`` a round is a plain fused step. The emitted events
-    are plain greedy fused decoding's (the finish rules: an end-of-sequence event,
-    the ``max_new_tokens``-th).
+    positions are fused (``spec.method``) and the drafts verified. Greedy: they are
+    accepted while they equal the fused argmax, and the argmax where they stop is
+    emitted after them (plain greedy fused decoding's events). Sampled: the accept /
+    resample step (:func:`accept_sampled`, the round's key ``fold_in(key, step)``),
+    so the events follow plain sampled fused decoding's law. Each member's cache
+    is then cut back to the accepted text, and the emitted event is pending. With
+    ``k = 0`` a round is a plain fused step. The finish rules apply: an
+    end-of-sequence event, the ``max_new_tokens``-th.
 
     ``k`` (static) fixes the round's shapes; ``k_now`` (traced, at most k; default
     k) is what this round drafts at most, so one program serves every k a
@@ -515,6 +631,9 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
     member indices; ``params``, ``reads`` and the state's caches and logits are then
     per group (rows member-major). None: a group per member.
 
+    A member drafter keeps what it read of the accepted text; the rest of it (the
+    emitted event, and the last draft when every draft was accepted) is pending.
+
     Returns:
         (the new state, emitted int32 [B, k + 1] (-1 past a sequence's emitted
         events), count int32 [B] (events emitted), drafted int32 [B], accepted
@@ -523,13 +642,24 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
     dec = st.dec
     B = dec.finished.shape[0]
     live_B = ~dec.finished
+    key = jax.random.fold_in(dec.key, dec.step)
+    dlogp, ds = None, st.drafter
     if k > 0:
-        drafts_BxK, dlen_B = ngram_drafts(st.history, st.n_history, n=n, min_n=min_n, k=k,
-                                          control=control)
         cap_B = jnp.maximum(spec.max_new_tokens - dec.n_events - 1, 0)
         if k_now is not None:
             cap_B = jnp.minimum(cap_B, k_now)
-        dlen_B = jnp.where(live_B, jnp.minimum(dlen_B, cap_B), 0)
+        if draft is None:
+            drafts_BxK, dlen_B = ngram_drafts(st.history, st.n_history, n=n, min_n=min_n,
+                                              k=k, control=control)
+            dlen_B = jnp.where(live_B, jnp.minimum(dlen_B, cap_B), 0)
+        else:  # every drafting row drafts as many as the longest may (its own cut after)
+            drafting_B = live_B & (cap_B > 0)
+            n_steps = jnp.max(jnp.where(drafting_B, cap_B, 0))
+            drafts_BxK, dlogp, ds = member_drafts(
+                spec.cfgs[draft], dparams, st.drafter, drafting_B, n_steps,
+                jax.random.fold_in(key, 1), k=k, sampler=spec.sampler,
+                dtype=jnp.dtype(spec.dtype), reads=dreads)
+            dlen_B = jnp.where(drafting_B, cap_B, 0)
     else:
         drafts_BxK, dlen_B = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
     first_B = st.has_last.astype(jnp.int32)
@@ -565,6 +695,9 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
         logp = jnp.stack([jax.nn.log_softmax(x, axis=-1) for x in rows], axis=2)
         logq, _ = _apply(logp.reshape(B * P, len(rows), V), tables.weights, None,
                          tables.fusion, name=spec.method, static=spec.static)
+        if not spec.sampler.greedy:  # the fused distributions (never read past P)
+            return tuple(new_caches), jnp.pad(logq.reshape(B, P, V),
+                                              ((0, 0), (0, k + 1 - P), (0, 0)))
         top = _draw(None, logq, None, spec.sampler).reshape(B, P)
         return tuple(new_caches), jnp.pad(top, ((0, 0), (0, k + 1 - P)), constant_values=-1)
 
@@ -573,13 +706,16 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
     # is a forward pass of every member to compile
     widths = sorted({1, 1 + -(-k // 2), 1 + k})
     pick = jnp.searchsorted(jnp.asarray(widths), jnp.max(n_tok_B), side="left")
-    caches, top_BxP = jax.lax.switch(jnp.minimum(pick, len(widths) - 1),
-                                     [functools.partial(read_and_fuse, w) for w in widths],
-                                     tuple(dec.caches))
+    caches, fused = jax.lax.switch(jnp.minimum(pick, len(widths) - 1),
+                                   [functools.partial(read_and_fuse, w) for w in widths],
+                                   tuple(dec.caches))
     caches, logits = list(caches), list(dec.logits)
-    match = (drafts_BxK == top_BxP[:, :k]) & (jnp.arange(k)[None] < dlen_B[:, None])
-    acc_B = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    event_B = jnp.take_along_axis(top_BxP, acc_B[:, None], axis=1)[:, 0]
+    if spec.sampler.greedy:  # fused: the argmax at each position [B, k + 1]
+        match = (drafts_BxK == fused[:, :k]) & (jnp.arange(k)[None] < dlen_B[:, None])
+        acc_B = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        event_B = jnp.take_along_axis(fused, acc_B[:, None], axis=1)[:, 0]
+    else:  # fused: the fused log-probs at each position [B, k + 1, V]
+        acc_B, event_B = accept_sampled(key, fused, drafts_BxK, dlen_B, spec.sampler, dlogp)
     j_1xP = jnp.arange(k + 1)[None]
     emitted = jnp.where(j_1xP < acc_B[:, None], jnp.concatenate(
         [drafts_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1), event_B[:, None])
@@ -600,8 +736,22 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
         jnp.where(j_1xP < count_B[:, None], emitted, old_h))
     new_dec = dec._replace(caches=tuple(caches), logits=tuple(logits), step=dec.step + 1,
                            finished=dec.finished | end_B, n_events=dec.n_events + count_B)
+    if draft is not None and k > 0:
+        # it read its pending tokens and the drafts but the last: it keeps what of those
+        # the accepted text holds; pending: the rest (the event, after the last draft
+        # when every draft was accepted)
+        read_B = jnp.where(drafting_B, jnp.minimum(jnp.maximum(n_steps - 1, 0), acc_B), 0)
+        two_B = acc_B > read_B
+        prev_B = jnp.take_along_axis(drafts_BxK, jnp.clip(acc_B - 1, 0, k - 1)[:, None],
+                                     axis=1)[:, 0]
+        pend = jnp.stack([jnp.where(two_B, prev_B, event_B),
+                          jnp.where(two_B, event_B, 0)], axis=1)
+        kept_B = jnp.where(drafting_B, st.drafter.n_pending + read_B, 0)
+        ds = DrafterState(_rolled_back(ds.cache, st.drafter.cache["next_pos"] + kept_B),
+                          ds.logits, jnp.where(drafting_B[:, None], pend, ds.pending),
+                          jnp.where(drafting_B, 1 + two_B, ds.n_pending).astype(jnp.int32))
     new = RoundState(new_dec, jnp.where(live_B, event_B, st.last),
-                     st.has_last | live_B, history, st.n_history + count_B)
+                     st.has_last | live_B, history, st.n_history + count_B, ds)
     return new, emitted, count_B, dlen_B, acc_B
 
 
@@ -642,8 +792,8 @@ def _next_k(sched: Schedule, drafted, accepted, rejected, rule):
     return Schedule(hits, misses, size), jnp.where(gain[best] > 1, ks[best], 0)
 
 
-def _run_rounds(spec, params, tables, st, control, sched, k_first, *, rounds, k, n, min_n,
-                rule, reads, spans, groups):
+def _run_rounds(spec, params, tables, st, control, sched, k_first, dparams, *, rounds, k, n,
+                min_n, rule, reads, spans, groups, draft, dreads, dspan):
     """Up to ``rounds`` speculative rounds in one while loop (see :func:`run_rounds`)."""
     B = st.dec.finished.shape[0]
 
@@ -652,6 +802,8 @@ def _run_rounds(spec, params, tables, st, control, sched, k_first, *, rounds, k,
         room = jnp.bool_(True)
         for i, span in enumerate(spans):
             room = room & (st.dec.caches[i]["end"] + k + 1 <= span)
+        if draft is not None:
+            room = room & (st.drafter.cache["end"] + k + 1 <= dspan)
         go = (r < rounds) & ~jnp.all(st.dec.finished) & room
         return go & (k_now > 0) if k > 0 else go
 
@@ -659,7 +811,8 @@ def _run_rounds(spec, params, tables, st, control, sched, k_first, *, rounds, k,
         st, em, cnt, dra, acc, ks, r, sched, k_now = carry
         live_B = ~st.dec.finished
         st, e, c, d, a = spec_round(spec, params, tables, st, reads, k=k, n=n, min_n=min_n,
-                                    control=control, groups=groups, k_now=k_now)
+                                    control=control, groups=groups, k_now=k_now,
+                                    dparams=dparams, draft=draft, dreads=dreads)
         ks = ks.at[r].set(k_now)
         if rule is not None:
             rejected = jnp.sum(live_B & ((a < d) | (d == 0)))
@@ -676,21 +829,21 @@ def _run_rounds(spec, params, tables, st, control, sched, k_first, *, rounds, k,
     return st, em, cnt, dra, acc, ks, r, ends
 
 
-_run_rounds_jit = jax.jit(_run_rounds, static_argnames=(
-    "spec", "rounds", "k", "n", "min_n", "rule", "reads", "spans", "groups"),
-    donate_argnames=("st",))
+ROUND_STATICS = ("spec", "rounds", "k", "n", "min_n", "rule", "reads", "spans", "groups",
+                 "draft", "dreads", "dspan")
+_run_rounds_jit = jax.jit(_run_rounds, static_argnames=ROUND_STATICS, donate_argnames=("st",))
 
 
 def run_rounds(spec: Spec, params: tuple, tables: Tables, st: RoundState, control,
-               sched: Schedule | None = None, k_first=None, *, rounds: int, k: int, n: int,
-               min_n: int, rule: tuple | None = None, reads: tuple, spans: tuple,
-               groups: tuple | None = None):
-    """Runs greedy speculative rounds (:func:`spec_round`) on the device until ``rounds``
-    are done, every sequence has finished, or a member's next round could pass its span.
+               sched: Schedule | None = None, k_first=None, dparams=None, *, rounds: int,
+               k: int, n: int, min_n: int, rule: tuple | None = None, reads: tuple,
+               spans: tuple, groups: tuple | None = None, draft: int | None = None,
+               dreads=None, dspan: int | None = None):
+    """Runs speculative rounds (:func:`spec_round`) on the device until ``rounds`` are
+    done, every sequence has finished, or a member's next round could pass its span.
 
     Args:
-        spec, params, tables: as for :func:`fused_step` (mode 'fuse', identity space,
-            a greedy sampler).
+        spec, params, tables: as for :func:`fused_step` (mode 'fuse', identity space).
         st: the round state (donated: the caches are updated in place).
         control: bool [V]: events a draft stops before, or None.
         sched, rule: the drafting schedule's state and its static rule (decay,
@@ -704,6 +857,9 @@ def run_rounds(spec: Spec, params: tuple, tables: Tables, st: RoundState, contro
         reads, spans: per member (per group), as for :func:`run_block` (a round
             writes up to k + 1 slots before it is cut back).
         groups: as for :func:`spec_round`.
+        dparams, draft, dreads, dspan: a member drafter (``st.drafter`` its state):
+            its weights, its member index (static; None: the n-gram drafter), its
+            reads and span (a round writes up to k + 1 of its slots).
 
     Returns:
         (state, emitted [R, B, k + 1], count [R, B], drafted [R, B], accepted [R, B]
@@ -711,11 +867,12 @@ def run_rounds(spec: Spec, params: tuple, tables: Tables, st: RoundState, contro
         each member's cache fill (int32 [n])).
     """
     k_first = k if k_first is None else k_first
-    return _run_rounds_jit(spec, params, tables, st, control, sched, k_first, rounds=rounds,
-                           k=k, n=n, min_n=min_n, rule=rule, reads=reads, spans=spans,
-                           groups=groups)
+    return _run_rounds_jit(spec, params, tables, st, control, sched, k_first, dparams,
+                           rounds=rounds, k=k, n=n, min_n=min_n, rule=rule, reads=reads,
+                           spans=spans, groups=groups, draft=draft, dreads=dreads, dspan=dspan)
 
 
-__all__ = ["CHUNK", "DecodeState", "RoundState", "Schedule", "Spec", "Tables", "block_reads",
-           "block_room", "compiled_count", "fused_step", "ngram_drafts", "rollback_slots", "run_block",
+__all__ = ["CHUNK", "DecodeState", "DrafterState", "RoundState", "Schedule", "Spec",
+           "Tables", "accept_sampled", "block_reads", "block_room", "compiled_count",
+           "fused_step", "member_drafts", "ngram_drafts", "rollback_slots", "run_block",
            "run_rounds", "spec_round"]
