@@ -94,6 +94,9 @@ def get_config(arg=None):
     c.prompts_file = ""           # one prompt a line, or JSONL {"prompt": ...}; replaces prompts
     c.output = ""                 # '' prints each prompt's text; a path writes JSONL ('-': to stdout)
     c.stream = False              # True: print the text as it comes (tagged pieces for several prompts)
+    # JAX's persistent compilation cache ($BRF_CACHE/jax_cache): a second run loads
+    # the compiled programs (prefill, decoding blocks, speculative rounds)
+    c.compilation_cache = True
     # Devices (brf/sharding.py): each member's weights split over 'model', the
     # prompts over 'data'; placement="apart" gives each member its own devices
     # (members run at the same time; data/model then size each member's mesh).

@@ -29,6 +29,9 @@ def main(argv):
     del argv
     c = _CONFIG.value
     req = Request.from_config(c)  # every setting checked before any model loads
+    if c.get("compilation_cache"):
+        from brf.runtime import enable_compilation_cache
+        enable_compilation_cache()
     to_file = c.output not in ("", "-")
     if to_file:
         cli.check_writable(c.output, "config.output")

@@ -414,6 +414,7 @@ SCHEMA = {
     "prompts_file": S.text(check=check_file),
     "output": S.text(),
     "stream": S.flag(),
+    "compilation_cache": S.flag(),
     "level": S.text(choices=LEVELS),
     "speculative": S.text(check=_drafter_check),
     "beam": S.integer(1, 2**16),
