@@ -125,6 +125,13 @@ def get_config(arg=None):
     # acceptance statistics come with the output. Tokens: the members must share one
     # vocabulary.
     c.speculative = ""
+    # Where the token level's steps (and speculative rounds) run: 'device' (compiled
+    # and looped on the device, nothing read back until a block ends), 'host' (a
+    # dispatch per member and stage, each step's result read back), or 'auto' (the
+    # device where it applies; speculative rounds on the host on a CPU, where both
+    # measured alike). The text is the same either way (sampled speculation: the
+    # same law, different random numbers).
+    c.engine = "auto"
     c.beam = DEFAULT_BEAM
     c.threshold = DEFAULT_THRESHOLD
     c.max_new_bytes = 192

@@ -63,6 +63,14 @@ CASES = [
     (G + ["--config.speculative=member(k=2)",
           "--config.members=random:smollm2-135m-instruct:0, random:gemma3-270m:1"],
      "must share one vocabulary"),
+    # generate: where the steps run
+    (G + ["--config.engine=gpu"], "config.engine must be one of"),
+    (G + ["--config.level=bytes", "--config.engine=device"],
+     "config.engine='device' is token-level only"),
+    (G + ["--config.engine=device", "--config.mode=mixture_exact", "--config.method=linear",
+          "--config.sampler=", "--config.aligner=union",
+          "--config.members=random:smollm2-135m-instruct:0, random:gemma3-270m:1"],
+     "engine='device' runs mode 'fuse', or a mixture mode in a shared vocabulary"),
     # generate: model, method, phase map, sampler, weighting, member fields
     (G + ["--config.members=no-such-model, random:smollm2-135m-instruct:1"], "no-such-model"),
     (G + ["--config.method=nope"], "unknown fusion method 'nope'"),
@@ -274,6 +282,23 @@ def test_generate_prints_each_prompts_assembled_text(tmp_path):
                        for b, r in enumerate(rows))
     assert [r["prompt"] for r in rows] == ["hi", "sea"]
     assert shown.stdout == expected
+
+
+def test_generate_runs_on_either_engine(tmp_path):
+    """Greedy speculative generation gives the same rows with its rounds on the host
+    and compiled on the device (config.engine; that it reaches the decoder: the
+    device engine's refusal in CASES)."""
+    args = ["experiments/generate.py", "--config=configs/generate.py:tiny",
+            "--config.max_new_tokens=6", "--config.sampler=greedy", "--config.output=-",
+            "--config.speculative=member(index=1, k=3, cost=0)"]
+    texts = {}
+    for engine in ("host", "device"):
+        res = _run(args + [f"--config.engine={engine}"], tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+        rows = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+        texts[engine] = [(r["text"], r["n_events"], r["speculative"]["drafted"]) for r in rows]
+    assert texts["host"] == texts["device"] and len(texts["host"]) == 2
+    assert sum(d for _, _, d in texts["host"]) > 0  # it drafted
 
 
 def test_a_bug_keeps_its_traceback(tmp_path):

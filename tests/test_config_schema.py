@@ -120,6 +120,7 @@ ACCEPTS = {
         "phase": "empty", "method_params": "", "weighting": "empty", "sampler": "empty",
         "choice": "", "max_new_tokens": "", "stop": "empty", "seed": "zero", "dtype": "",
         "prompts": "", "prompts_file": "empty", "output": "empty name", "stream": "",
+        "compilation_cache": "", "engine": "",
         "level": "", "speculative": "empty", "beam": "", "threshold": "zero",
         "max_new_bytes": "", "utf8": "", "check_precision": "",
         "mesh.data": "neg", "mesh.model": "neg", "mesh.placement": "",

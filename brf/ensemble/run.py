@@ -20,7 +20,7 @@ import numpy as np
 
 from brf import schema as S
 from brf import sharding
-from brf.ensemble.decode import CHOICES, MODES, Generation, Piece, generate
+from brf.ensemble.decode import CHOICES, ENGINES, MODES, Generation, Piece, generate
 from brf.ensemble.member import EnsembleInputError, Member, check_template, same_vocabulary
 from brf.errors import UserError
 from brf.specs import parse_list, parse_spec
@@ -417,6 +417,7 @@ SCHEMA = {
     "compilation_cache": S.flag(),
     "level": S.text(choices=LEVELS),
     "speculative": S.text(check=_drafter_check),
+    "engine": S.text(choices=ENGINES),
     "beam": S.integer(1, 2**16),
     "threshold": S.number(0, 1, high_open=True),
     "max_new_bytes": S.integer(1, 10**6),
@@ -473,6 +474,7 @@ class Request:
       beam, threshold, utf8, check_precision: the byte level's.
       speculative: the drafter of speculative fused decoding (`brf.drafting.DraftSpec`;
         None: plain fused decoding), on either level.
+      engine: where the token level's steps run ('auto', 'host', 'device').
     """
     level: str
     members: tuple
@@ -496,6 +498,7 @@ class Request:
     utf8: bool = True
     check_precision: bool = False
     speculative: Any = None
+    engine: str = "auto"
 
     @classmethod
     def from_config(cls, c) -> "Request":
@@ -526,7 +529,11 @@ class Request:
             return cls(**common, max_new=c.max_new_tokens, aligner=c.aligner,
                        aligner_params=dict(c.aligner_params), choice=c.choice,
                        weighting=c.weighting, temperature=weighting_spec(c.weighting),
-                       mesh=c.mesh)
+                       mesh=c.mesh, engine=c.engine)
+        if c.engine != "auto":
+            raise EnsembleInputError(f"config.engine={c.engine!r} is token-level only (the "
+                                     "byte level runs its own loop); set it to 'auto' with "
+                                     "level='bytes'")
         from brf.bytes.generate import check_request
         from brf.fusion import Sampler
         check_request(mode=c.mode, method=method, method_params=params,
@@ -576,7 +583,7 @@ def _run_tokens(req: Request, on_piece: Callable[[Piece], None] | None) -> list[
                   sampler=req.sampler, max_new_tokens=req.max_new, stop=req.stop,
                   seed=req.seed, aligner=aligner,
                   aligner_params=aligner_params(aligner, req.aligner_params),
-                  choice=req.choice, dtype=req.dtype)
+                  choice=req.choice, dtype=req.dtype, engine=req.engine)
     t0 = time.perf_counter()
     nll = None
     if req.temperature is None:
