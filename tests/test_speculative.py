@@ -706,9 +706,8 @@ def _device_oracle(members, w, method, params, monkeypatch):
         return out, length
     monkeypatch.setattr(dstep, "ngram_drafts", drafts)
     # a program of its own, traced with the oracle (the real one's programs are kept)
-    monkeypatch.setattr(dstep, "_run_rounds_jit", jax.jit(dstep._run_rounds, static_argnames=(
-        "spec", "rounds", "k", "n", "min_n", "rule", "reads", "spans", "groups"),
-        donate_argnames=("st",)))
+    monkeypatch.setattr(dstep, "_run_rounds_jit", jax.jit(
+        dstep._run_rounds, static_argnames=dstep.ROUND_STATICS, donate_argnames=("st",)))
     return cells, eos
 
 
