@@ -529,8 +529,8 @@ class Request:
             return cls(**common, max_new=c.max_new_tokens, aligner=c.aligner,
                        aligner_params=dict(c.aligner_params), choice=c.choice,
                        weighting=c.weighting, temperature=weighting_spec(c.weighting),
-                       mesh=c.mesh, engine=c.engine)
-        if c.engine != "auto":
+                       mesh=c.mesh, engine=c.get("engine", "auto"))
+        if c.get("engine", "auto") != "auto":
             raise EnsembleInputError(f"config.engine={c.engine!r} is token-level only (the "
                                      "byte level runs its own loop); set it to 'auto' with "
                                      "level='bytes'")
