@@ -286,8 +286,7 @@ def test_generate_prints_each_prompts_assembled_text(tmp_path):
 
 def test_generate_runs_on_either_engine(tmp_path):
     """Greedy speculative generation gives the same rows with its rounds on the host
-    and compiled on the device (config.engine; that it reaches the decoder: the
-    device engine's refusal in CASES)."""
+    and compiled on the device (config.engine, reported in each row)."""
     args = ["experiments/generate.py", "--config=configs/generate.py:tiny",
             "--config.max_new_tokens=6", "--config.sampler=greedy", "--config.output=-",
             "--config.speculative=member(index=1, k=3, cost=0)"]
@@ -296,6 +295,7 @@ def test_generate_runs_on_either_engine(tmp_path):
         res = _run(args + [f"--config.engine={engine}"], tmp_path)
         assert res.returncode == 0, res.stderr[-2000:]
         rows = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+        assert [r["speculative"]["engine"] for r in rows] == [engine] * 2
         texts[engine] = [(r["text"], r["n_events"], r["speculative"]["drafted"]) for r in rows]
     assert texts["host"] == texts["device"] and len(texts["host"]) == 2
     assert sum(d for _, _, d in texts["host"]) > 0  # it drafted

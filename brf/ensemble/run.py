@@ -607,7 +607,7 @@ def _run_tokens(req: Request, on_piece: Callable[[Piece], None] | None) -> list[
                    **_method_fields(req), weights=weights_B[b], sampler=req.sampler,
                    seed=req.seed, seconds_batch=round(seconds, 3))
         if req.speculative is not None:
-            row["speculative"] = g.spec.summary()
+            row["speculative"] = dict(g.spec.summary(), engine=g.engine)
         if nll is not None:
             row["weighting"] = req.weighting
             row["prompt_nll"] = [round(float(x), 4) for x in nll[b]]
@@ -712,7 +712,8 @@ def speculative_line(summary: Mapping[str, Any], index: int | None = None) -> st
             f"(acceptance {'-' if acc is None else f'{acc:.2f}'}), "
             f"{summary['per_round'] or 0:.2f} {unit} per round"
             + (f", {summary['paused']} paused (drafting did not pay)"
-               if summary.get("paused") else ""))
+               if summary.get("paused") else "")
+            + (f"; rounds on the {summary['engine']}" if summary.get("engine") else ""))
 
 
 def print_texts(rows: Sequence[Mapping[str, Any]], out=None) -> None:

@@ -208,9 +208,10 @@ class SpecGeneration(Generation):
 
     ``trace`` rows (``trace=True``): per emitted token 'logq' (the fused
     distribution before the sampler), 'event', 'round', 'drafted' (whether it was
-    an accepted draft token).
+    an accepted draft token). ``engine``: where the rounds ran ('host', 'device').
     """
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)
+    engine: str = ""
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -856,6 +857,8 @@ class _Loop:
                                                  n_read)
 
     def run(self, on_piece) -> list[SpecGeneration]:
+        for g in self.gens:
+            g.engine = "device" if self.on_device else "host"
         if self.on_device:
             return self._run_on_device(on_piece)
         while not all(self.done):
