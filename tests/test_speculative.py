@@ -421,17 +421,20 @@ def _noncentrality(p0: dict, p1: dict, n: int) -> float:
 def test_a_wrong_acceptance_rule_fails_the_test(pair, monkeypatch):
     """The test above can fail: resampling from q instead of the residual max(0, q - p)
     after a rejection (a common mistake) is detected at p < 1e-6."""
-    def wrong(rng, q_rows, draft, p_rows=None):
-        q_at = q_rows if callable(q_rows) else q_rows.__getitem__
-        for i, x in enumerate(draft):
-            q = q_at(i)
-            px = 1.0 if p_rows is None else float(p_rows[i][x])
-            if rng.random() * px < q[x]:
-                continue
-            return rule.Verdict(i, rule.draw(rng, q))  # should be the residual
-        return rule.Verdict(len(draft), rule.draw(rng, q_at(len(draft))))
+    def wrong(key, logq_BxPxV, drafts_BxK, dlen_B, sampler, logp_BxKxV=None):
+        B, K = drafts_BxK.shape
+        k_uniform, k_token = jax.random.split(key)
+        logt = brf.fusion.filter_logprobs(logq_BxPxV, sampler)
+        q_x = jnp.exp(jnp.take_along_axis(logt[:, :K], drafts_BxK[:, :, None], axis=2)[..., 0])
+        p_x = 1.0 if logp_BxKxV is None else jnp.exp(  # None: no drafts this round
+            jnp.take_along_axis(logp_BxKxV, drafts_BxK[:, :, None], axis=2)[..., 0])
+        ok = ((jax.random.uniform(k_uniform, (B, K)) * p_x < q_x)
+              & (jnp.arange(K)[None] < dlen_B[:, None]))
+        acc_B = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        row = jnp.take_along_axis(logt, acc_B[:, None, None], axis=1)[:, 0]  # no residual
+        return acc_B, jax.random.categorical(k_token, row, axis=-1)
 
-    monkeypatch.setattr(spec_lib, "verify", wrong)
+    monkeypatch.setattr(spec_lib, "_accept_sampled", jax.jit(wrong, static_argnames="sampler"))
     ensemble, drafter, method, params = SAMPLED_CASES[0]
     w = [0.3, 0.7]
     eos = {pair[0].tokenizer.eos_token_id} | set(pair[0].cfg.eos_ids)
@@ -626,6 +629,32 @@ def test_the_member_drafter_reads_exactly_the_accepted_text(request, ensemble, d
     assert (total.by_k.get(0) is not None) == ("cost=0" not in drafter)  # paused, or never
 
 
+@pytest.mark.parametrize("ensemble,drafter", [("pair", "member(k=3, cost=0)"),
+                                              ("pair", "ngram(n=1, k=3, cost=0)"),
+                                              ("pair", "member(k=3)"),
+                                              ("prompt_pair", "member(index=1, k=4, "
+                                                              "adaptive=True, cost=0)"),
+                                              ("prompt_pair", "ngram(n=2, k=4)")])
+def test_sampled_rounds_are_the_same_on_both_engines(request, ensemble, drafter):
+    """Sampled speculation: the host's rounds and the device's draw the same random
+    numbers with the same functions (round t's key fold_in(PRNGKey(seed), t), paused
+    steps counted), so one seed gives the same text and the same statistics on both
+    engines: drafts, acceptances, pauses."""
+    members = request.getfixturevalue(ensemble)
+    kw = dict(drafter=drafter, weights=[0.4, 0.6], method="born",
+              method_params={"phase": "tanh(rate=0.5)"}, sampler=SAMPLER, max_new_tokens=40,
+              seed=7)
+    host = generate_speculative(members, PROMPTS, engine="host", **kw)
+    dev = generate_speculative(members, PROMPTS, engine="device", **kw)
+    assert [(g.text, g.finish_reason) for g in dev] == [(g.text, g.finish_reason) for g in host]
+    assert [g.spec.summary() for g in dev] == [g.spec.summary() for g in host]
+    assert [g.engine for g in host + dev] == ["host"] * 2 + ["device"] * 2
+    total = host[0].spec.merge(host[1].spec)
+    assert total.drafted > 0
+    other = generate_speculative(members, PROMPTS, engine="host", **dict(kw, seed=8))
+    assert [g.text for g in other] != [g.text for g in host]  # the seed matters
+
+
 def test_device_acceptance_follows_the_rules_law():
     """`brf.ensemble.step.accept_sampled` (the device's accept / resample step) against
     the exact law of the host's rule (`emitted_law`), for the sampler's filtered target:
@@ -767,14 +796,15 @@ def test_sampled_rounds_on_the_device_follow_the_fused_distribution(
         assert stats.ncx2.sf(stats.chi2.isf(0.01, df), df, lam) > 0.99
 
 
-@pytest.mark.parametrize("ensemble", ["pair", "prompt_pair"])
-def test_a_sampled_device_generation_that_never_drafts_is_plain_decoding(request, ensemble):
-    """A drafter that cannot pay never drafts: the device's rounds are then plain fused
-    steps drawing with plain decoding's keys, so the text is plain sampled decoding's
-    for the same seed, token for token."""
+@pytest.mark.parametrize("ensemble,engine", [("pair", "device"), ("prompt_pair", "device"),
+                                             ("pair", "host")])
+def test_a_sampled_generation_that_never_drafts_is_plain_decoding(request, ensemble, engine):
+    """A drafter that cannot pay never drafts: the rounds are then plain fused steps
+    drawing with plain decoding's keys, so the text is plain sampled decoding's for
+    the same seed, token for token, on either engine."""
     members = request.getfixturevalue(ensemble)
     kw = dict(weights=[0.4, 0.6], method="born", method_params={"phase": "tanh(rate=0.5)"},
-              sampler=SAMPLER, max_new_tokens=24, seed=5, engine="device")
+              sampler=SAMPLER, max_new_tokens=24, seed=5, engine=engine)
     got = _speculative_as_plain(members, "ngram(n=2, k=2, cost=0.99)", kw)
     assert all(g.spec.drafted == 0 and g.spec.rounds == g.n_events for g in got)
 

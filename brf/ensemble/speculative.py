@@ -54,23 +54,25 @@ call per model, not per member.
 back), or as compiled blocks of rounds on the device (``engine='device'``,
 :func:`brf.ensemble.step.run_rounds`: drafting (a member drafter's steps too),
 verification, rollback and the schedule's choice of k, with nothing read back
-until the block ends). Both engines follow the same law; sampled, they draw
-different random numbers (the host a NumPy generator, the device JAX keys
-``fold_in(PRNGKey(seed), round)``), so the same seed gives different texts; greedy,
-the same text and statistics. ``engine='auto'`` uses the device's rounds when the
-members are on an accelerator; on a CPU the host's measured as fast.
+until the block ends). Both engines verify with the same functions and draw
+the same random numbers (round t, paused steps counted, draws with the key
+``fold_in(PRNGKey(seed), t)``), so for one seed they give the same text and
+statistics, sampled as greedy (up to float rounding between their forward
+passes). ``engine='auto'`` uses the device's rounds when the members are on an
+accelerator; on a CPU the host's measured as fast.
 
 Token level only for members that share one vocabulary (``aligner='identity'``);
 members with different tokenizers speculate on bytes (:mod:`brf.bytes.speculative`).
-Randomness: one ``numpy.random.Generator(PCG64(seed))`` per call, so the same
-seed gives the same text; the text follows the same law as plain fused decoding,
-not the same draws.
+Randomness: JAX keys, round t (a paused plain step is a round) drawing with
+``fold_in(PRNGKey(seed), t)`` split as plain decoding's step t splits it, so the
+same seed gives the same text on either engine; the text follows the same law as
+plain fused decoding, not the same draws (a generation that never drafts is plain
+decoding's text for the seed).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 from typing import Any, Callable, Mapping, Sequence
 
@@ -88,8 +90,7 @@ from brf.ensemble.space import IdentitySpace
 from brf.drafting import (DECAY, DraftSpec, KSchedule, SpecStats, drafter_index, ngram_draft,
                           param_count, parse_drafter)
 from brf.fusion import Sampler, fuse
-from brf.fusion.sampling import filter_logprobs
-from brf.fusion.speculative import draw, verify, verify_greedy
+from brf.fusion.speculative import Verdict, verify_greedy
 from brf.models import cache as model_cache
 from brf.models.transformer import prefill_donated
 from brf.text import TextStream
@@ -103,10 +104,10 @@ ROUND_BLOCK = 16
 
 # ----------------------------------------------------------------------------- device pieces
 
-@functools.partial(jax.jit, static_argnames=("sampler",))
-def _draft_probs(logits_BxV, sampler):
-    """The member drafter's distribution: the sampler applied to its own."""
-    return jnp.exp(filter_logprobs(jax.nn.log_softmax(logits_BxV, axis=-1), sampler))
+# the member drafter's draw and the accept / resample step: the device rounds' own
+# functions, so both engines draw the same random numbers
+_draft_draw = jax.jit(dstep.draft_draw, static_argnames=("sampler",))
+_accept_sampled = jax.jit(dstep.accept_sampled, static_argnames=("sampler",))
 
 
 @jax.jit
@@ -114,11 +115,6 @@ def _gather_rows(old_RxV, all_RxTxV, idx_RxK):
     """Rows idx of concat(old[:, None], all) along T: [R, K, V]."""
     both = jnp.concatenate([old_RxV[:, None], all_RxTxV], axis=1)
     return jnp.take_along_axis(both, idx_RxK[:, :, None], axis=1)
-
-
-@functools.partial(jax.jit, static_argnames=("sampler",))
-def _target(fused_XV, sampler):
-    return filter_logprobs(fused_XV, sampler)
 
 
 @jax.jit
@@ -258,10 +254,9 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
         on_piece: called with every piece of text as it becomes final.
         engine: 'device' (every round compiled and looped on the device,
             :func:`brf.ensemble.step.run_rounds`: no trace, the members on one
-            device; sampled, its own random stream), 'host'
-            (rounds on the host, paused steps as compiled blocks), or 'auto' (the
-            device where it applies and the members are on an accelerator; the
-            host on a CPU).
+            device), 'host' (rounds on the host, paused steps as compiled blocks),
+            or 'auto' (the device where it applies and the members are on an
+            accelerator; the host on a CPU). Either gives the same text for a seed.
 
     Returns:
         One :class:`SpecGeneration` per prompt.
@@ -356,7 +351,7 @@ class _Loop:
         self.dtype, self.trace, self.space, self.d_index = dtype, trace, space, d_index
         self.B, self.n = len(prompts), len(members)
         self.w_dev = jnp.asarray(w, jnp.float32)
-        self.rng = np.random.default_rng(seed)
+        self.key = jax.random.PRNGKey(seed)
         self.gens = [SpecGeneration(prompt=p, members_run=[0] * self.n,
                                     spec=SpecStats(drafter=spec.text)) for p in prompts]
         self.streams = [TextStream(stop) for _ in prompts]
@@ -392,11 +387,13 @@ class _Loop:
         self.dstate = None
         self._slots, self._prompt_ids = slots, prompt_ids
         self.round = 0
+        # rounds and paused steps taken: round t (plain step t) draws with the key
+        # fold_in(PRNGKey(seed), t), as the device's rounds and plain decoding do
+        self.key_step = 0
         self.seed = seed
         self.blocks = self._device_ready()
         self._plan = None
         self._dev = None  # the members in a paused block's form (_split)
-        self.device_steps = 0
         self.on_device = False  # every round on the device (_run_on_device)
 
     # -- drafting
@@ -406,46 +403,41 @@ class _Loop:
         return _before_control(ngram_draft(self.history[b], self.spec.n, self.spec.min_n,
                                            k), self.control)
 
-    def _draft(self, caps: list[int]) -> tuple[list[list[int]], list[np.ndarray | None]]:
-        """Per row, its draft (at most caps[b] tokens) and its draft distributions."""
+    def _draft(self, caps: list[int], key) -> tuple[list[list[int]], Any]:
+        """Per row, its draft (at most caps[b] tokens); and for a sampled member drafter
+        the log-probs its drafts were drawn from, [B, spec k, V] (else None). The
+        member drafter's draw j uses ``fold_in(key, j)``, as the device's rounds."""
         k = self.sched.k
         live = [b for b in range(self.B) if not self.done[b] and caps[b] > 0]
         drafts: list[list[int]] = [[] for _ in range(self.B)]
-        p_rows: list[Any] = [None] * self.B
         if not live:
-            return drafts, p_rows
+            return drafts, None
         if self.spec.kind == "ngram":
             for b in live:
                 drafts[b] = self._ngram(b, min(k, caps[b]))
-            return drafts, p_rows
+            return drafts, None
         steps = min(k, max(caps[b] for b in live))
         m = self.members[self.d_index]
-        probs_rows: list[list[np.ndarray]] = [[] for _ in range(self.B)]
+        lps = []
         st = self.dstate
         for s in range(steps):
             st = catchup.catch_up(m, st, dtype=self.dtype)
-            if self.sampler.greedy:
-                top = np.asarray(jnp.argmax(st.logits_BxV, axis=-1))
-                new = [[int(top[b])] if b in live else [] for b in range(self.B)]
-            else:
-                probs = np.asarray(_draft_probs(st.logits_BxV, self.sampler), np.float64)
-                probs /= probs.sum(axis=-1, keepdims=True)
-                new = []
-                for b in range(self.B):
-                    if b in live:
-                        new.append([draw(self.rng, probs[b])])
-                        probs_rows[b].append(probs[b])
-                    else:
-                        new.append([])
+            top, lp = _draft_draw(st.logits_BxV, jax.random.fold_in(key, s),
+                                  sampler=self.sampler)
+            top = np.asarray(top)
+            lps.append(lp)
+            new = [[int(top[b])] if b in live else [] for b in range(self.B)]
             for b in live:
                 drafts[b].append(new[b][0])
             st = catchup.add_pending(st, new)
         self.dstate = st
         for b in live:
             drafts[b] = drafts[b][:caps[b]]
-            if not self.sampler.greedy:
-                p_rows[b] = np.stack(probs_rows[b][:caps[b]]) if drafts[b] else None
-        return drafts, p_rows
+        if self.sampler.greedy:
+            return drafts, None
+        V = lps[0].shape[-1]
+        pad = jnp.full((self.B, self.spec.k - len(lps), V), -jnp.inf, lps[0].dtype)
+        return drafts, jnp.concatenate([jnp.stack(lps, axis=1), pad], axis=1)
 
     # -- one round
     def _round(self) -> list[tuple[int, list[int], int]]:
@@ -453,7 +445,9 @@ class _Loop:
         B = self.B
         caps = [max(0, self.max_new - g.n_events - 1) for g in self.gens]
         k_round = self.sched.k
-        drafts, p_rows = self._draft(caps)
+        key = jax.random.fold_in(self.key, self.key_step)
+        self.key_step += 1
+        drafts, dlogp = self._draft(caps, jax.random.fold_in(key, 1))
         live = [b for b in range(B) if not self.done[b]]
         # paused (k = 0): the n-gram drafter's would-be first token, checked for free
         # against the emitted one (brf.drafting.KSchedule)
@@ -486,17 +480,22 @@ class _Loop:
         fused_np = np.asarray(fused, np.float64) if self.trace else None
         if self.sampler.greedy:
             top = np.asarray(jnp.argmax(fused, axis=-1))
-            q = None
-        else:
-            q = np.exp(np.asarray(_target(fused, self.sampler), np.float64))
-            q /= q.sum(axis=-1, keepdims=True)
+        else:  # the device rounds' accept / resample step, with their shapes and key
+            K = self.spec.k
+            d_BxK = np.zeros((B, K), np.int32)
+            for b in live:
+                d_BxK[b, :len(drafts[b])] = drafts[b]
+            acc_B, event_B = (np.asarray(x) for x in _accept_sampled(
+                key, jnp.pad(fused, ((0, 0), (0, K + 1 - fused.shape[1]), (0, 0))),
+                jnp.asarray(d_BxK), jnp.asarray([len(d) for d in drafts], jnp.int32),
+                sampler=self.sampler, logp_BxKxV=dlogp))
         out = []
         keep = [0] * B
         drafted = accepted = rejected = checked = hits = 0
         for b in live:
             d = drafts[b]
-            v = (verify_greedy(top[b], d) if q is None
-                 else verify(self.rng, q[b, :len(d) + 1], d, p_rows[b]))
+            v = (verify_greedy(top[b], d) if self.sampler.greedy
+                 else Verdict(int(acc_B[b]), int(event_B[b])))
             emitted = d[:v.accepted] + [v.event]
             keep[b] = len(self.pending[b]) + v.accepted
             self.gens[b].spec.add(k_round, len(d), v.accepted)
@@ -580,7 +579,7 @@ class _Loop:
             reads.append(rd)
             spans.append(span)
         state = dstep.DecodeState(
-            tuple(caches), tuple(dev["logits"]), jnp.int32(self.device_steps),
+            tuple(caches), tuple(dev["logits"]), jnp.int32(self.key_step),
             jnp.asarray(np.asarray(self.done, bool)),
             jnp.asarray(np.asarray([g.n_events for g in self.gens], np.int32)),
             jax.random.PRNGKey(self.seed))
@@ -588,7 +587,7 @@ class _Loop:
             spec, tuple(m.params for m in self.members), tables, state, steps=PAUSED_BLOCK,
             reads=tuple(reads), spans=tuple(spans))
         events_KxB, k, fill = np.asarray(events_KxB), int(k), np.asarray(fill)
-        self.device_steps += k
+        self.key_step += k
         dev["caches"], dev["logits"] = list(state.caches), list(state.logits)
         dev["ends"] = [int(x) for x in fill]
         if k == 0:
@@ -637,7 +636,7 @@ class _Loop:
             dstep.DecodeState(tuple(s.cache for s in states),
                               tuple(s.logits_BxV for s in states), jnp.int32(0),
                               jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32),
-                              jax.random.PRNGKey(self.seed)),
+                              jax.random.PRNGKey(self.seed)),  # (donated: a fresh copy)
             jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), jnp.asarray(history),
             jnp.asarray([len(h) for h in self.history], jnp.int32))
         ends = [s.end for s in states]

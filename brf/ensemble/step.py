@@ -512,6 +512,16 @@ def _rolled_back(cache, keep_B):
                 end=end.astype(cache["end"].dtype))
 
 
+def draft_draw(logits_BxV, key, sampler: Sampler):
+    """A member drafter's draw: (tokens int32 [B], the log-probs [B, V] they were drawn
+    from: its distribution with the sampler applied; greedy: its argmax, log-probs
+    None). The host's rounds and :func:`member_drafts` draw with this one function."""
+    if sampler.greedy:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), None
+    lp = filter_logprobs(jax.nn.log_softmax(logits_BxV, axis=-1), sampler)
+    return jax.random.categorical(key, lp, axis=-1).astype(jnp.int32), lp
+
+
 def member_drafts(cfg, params, ds: DrafterState, live_B, n_steps, key, *, k: int,
                   sampler: Sampler, dtype, reads):
     """A member drafter's drafts on the device: it reads its pending tokens, then draws
@@ -530,12 +540,8 @@ def member_drafts(cfg, params, ds: DrafterState, live_B, n_steps, key, *, k: int
 
     def body(carry):
         cache, logits, drafts, logp, j = carry
-        if sampler.greedy:
-            d_B = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        else:
-            lp = filter_logprobs(jax.nn.log_softmax(logits, axis=-1), sampler)
-            d_B = jax.random.categorical(jax.random.fold_in(key, j), lp, axis=-1)
-            d_B = d_B.astype(jnp.int32)
+        d_B, lp = draft_draw(logits, jax.random.fold_in(key, j), sampler)
+        if lp is not None:
             logp = logp.at[:, j].set(lp)
         drafts = drafts.at[:, j].set(d_B)
 
@@ -874,5 +880,5 @@ def run_rounds(spec: Spec, params: tuple, tables: Tables, st: RoundState, contro
 
 __all__ = ["CHUNK", "DecodeState", "DrafterState", "RoundState", "Schedule", "Spec",
            "Tables", "accept_sampled", "block_reads", "block_room", "compiled_count",
-           "fused_step", "member_drafts", "ngram_drafts", "rollback_slots", "run_block",
-           "run_rounds", "spec_round"]
+           "draft_draw", "fused_step", "member_drafts", "ngram_drafts", "rollback_slots",
+           "run_block", "run_rounds", "spec_round"]
