@@ -166,6 +166,16 @@ def read_all(member, state: catchup.MemberState, tokens: Sequence[Sequence[int]]
                                        state.end + T, n_read)
 
 
+def _round_room(cfg, cache: dict, end: int, n_read, k: int, horizon: int):
+    """``(cache, reads, span)`` of a cache for a block of device rounds drafting up to k:
+    grown only when two more rounds might not fit (the block stops where its next
+    round might not; a cache grown for the whole horizon would be read whole by every
+    step on a CPU), the reads promising the horizon."""
+    if end + 2 * (k + 1) > cache["pos"].shape[1]:
+        cache = model_cache.grow(cache, catchup.bucket(end + horizon))
+    return (cache, *dstep.block_reads(cfg, end, cache["pos"].shape[1], n_read, horizon))
+
+
 def _regroup(dec, ends: list[int], old: tuple, new: tuple, B: int):
     """The decode state's caches and logits from one grouping of the members into
     another (per group its member indices; a group's rows are member-major, B each):
@@ -592,9 +602,7 @@ class _Loop:
         dev["ends"] = [int(x) for x in fill]
         if k == 0:
             raise RuntimeError("a paused block made no progress")
-        emitted = self._replay_plain(events_KxB, k, live, on_piece, dev["n_read"])
-        if self.dstate is not None:
-            self.dstate = catchup.add_pending(self.dstate, emitted)
+        self._replay_plain(events_KxB, k, live, on_piece, dev["n_read"])
 
     def _device_plan(self):
         """The compiled step's static spec and device tables (as plain decoding's)."""
@@ -663,14 +671,8 @@ class _Loop:
                 # tokens read so far: the prompt and every emitted event but the pending last
                 n_read = [prompt_len[g][j * B + b] + max(self.gens[b].n_events - 1, 0)
                           for j in range(len(idx)) for b in live]
-                # grown only when two more rounds might not fit (the block stops where
-                # its next round might not: a cache grown for the whole horizon would be
-                # read whole by every step on a CPU); the reads promise the horizon
-                c = st.dec.caches[g]
-                if ends[g] + 2 * (k + 1) > c["pos"].shape[1]:
-                    c = model_cache.grow(c, catchup.bucket(ends[g] + horizon))
-                rd, span = dstep.block_reads(members[idx[0]].cfg, ends[g], c["pos"].shape[1],
-                                             n_read, horizon)
+                c, rd, span = _round_room(members[idx[0]].cfg, st.dec.caches[g], ends[g],
+                                          n_read, k, horizon)
                 caches.append(c)
                 reads.append(rd)
                 spans.append(span)
@@ -698,9 +700,7 @@ class _Loop:
             if r == 0:
                 raise RuntimeError("a block of speculative rounds made no progress")
             if k == 0:
-                emitted = self._replay_plain(em[:r, :, 0], r, live, on_piece)
-                if self.dstate is not None:  # the member drafter reads them when it drafts
-                    self.dstate = catchup.add_pending(self.dstate, emitted)
+                self._replay_plain(em[:r, :, 0], r, live, on_piece)
             else:
                 for t in range(r):
                     rows = [(b, em[t, b, :cnt[t, b]].tolist(), int(dra[t, b]), int(acc[t, b]))
@@ -715,16 +715,14 @@ class _Loop:
     def _drafter_to_device(self, st, k: int, live: list[int], horizon: int):
         """The member drafter's state into a drafting block's round state: started if it
         has not drafted yet, every pending token read (on the host), its cache grown
-        when two more rounds might not fit. Returns (state, its reads, its span)."""
+        as the members' are (:func:`_round_room`). Returns (state, its reads, its
+        span)."""
         self._ensure_drafter()
         m = self.members[self.d_index]
         ds = catchup.catch_up(m, self.dstate, dtype=self.dtype)
         self.dstate = None  # its cache now lives in the round state, which donates it
-        c = ds.cache
-        if ds.end + 2 * (k + 1) > c["pos"].shape[1]:
-            c = model_cache.grow(c, catchup.bucket(ds.end + horizon))
-        rd, span = dstep.block_reads(m.cfg, ds.end, c["pos"].shape[1],
-                                     [ds.n_read[b] for b in live], horizon)
+        c, rd, span = _round_room(m.cfg, ds.cache, ds.end, [ds.n_read[b] for b in live], k,
+                                  horizon)
         B = self.B
         drafter = dstep.DrafterState(c, ds.logits_BxV, jnp.zeros((B, 2), jnp.int32),
                                      jnp.zeros((B,), jnp.int32))
@@ -757,13 +755,14 @@ class _Loop:
         self.round += 1
 
     def _replay_plain(self, events_KxB, k: int, live: list[int], on_piece,
-                      n_read: list | None = None) -> list[list[int]]:
+                      n_read: list | None = None) -> None:
         """The host's side of k plain steps run on the device: each emitted event
         replayed as a round's (text, stop strings, the finish rules), the n-gram
         drafter's would-be draft before it checked against the events from it on
-        (``KSchedule.observe``) and the schedule updated once for the block.
-        ``n_read``: per member per row, tokens read (an event that does not finish
-        its row is read by every member). Returns per row the events emitted."""
+        (``KSchedule.observe``), the schedule updated once for the block, and a member
+        drafter given the events to read when it next drafts. ``n_read``: per member
+        per row, tokens read (an event that does not finish its row is read by every
+        member)."""
         B, n = self.B, self.n
         emitted = [[] for _ in range(B)]
         would = []  # (row, where in its emitted tokens, the n-gram drafter's draft there)
@@ -799,7 +798,8 @@ class _Loop:
             rejected += m < min(len(d), len(after))
         self.sched.observe(ok, rejected)
         self.sched.update(0, 0, steps=k)
-        return emitted
+        if self.dstate is not None:  # the member drafter reads them when it drafts
+            self.dstate = catchup.add_pending(self.dstate, emitted)
 
     def _ensure_drafter(self) -> None:
         """Starts the member drafter's state on its prompts, with what has been emitted
