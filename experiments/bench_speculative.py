@@ -18,8 +18,9 @@ Every row is run once untimed (compilation), then all rows are timed in turn
 (``repeats`` rounds, best kept), so a shared machine's drift hits every row alike.
 Greedy decoding by default, so each speculative row must give exactly the plain
 row's text (checked and printed); with ``--sampler`` the texts follow the same law,
-not the same draws ("same text" reads "sampled"), so each row times its own text. Prints a markdown table per case: the first call's seconds
-(compilation included, of the programs no earlier row compiled), tokens (bytes) per second,
+not the same draws ("same text" reads "sampled"), so each row times its own text.
+Prints a markdown table per case: the first call's seconds (compilation included, of
+the programs no earlier row compiled), tokens (bytes) per second,
 speedup over plain fused decoding, acceptance (accepted / drafted) and the mean
 number of units emitted per verification round.
 """

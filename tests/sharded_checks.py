@@ -228,6 +228,71 @@ def generation_apart() -> None:
     print("ok", ref)
 
 
+def _speculative_config(drafter: str, sampler: str):
+    """The tiny pair without a chat template (so a prompt that repeats ends in text the
+    n-gram drafter continues), four prompts, 10 tokens, speculating with ``drafter``."""
+    c = _generate_config()
+    c.members = ("random:smollm2-135m-instruct:0(weight=0.6), "
+                 "random:smollm2-135m-instruct:1(weight=0.4)")
+    c.speculative, c.sampler, c.max_new_tokens = drafter, sampler, 10
+    c.prompts = ("a b a b a b a b a b", "What is the capital of France?",
+                 "one two one two one two", "Count to three.")
+    return c
+
+
+_SPECULATIVE = (("ngram(n=2, k=4, cost=0)", "greedy"),
+                ("member(k=3, cost=0)", "temperature=0.8"))
+
+
+def _spec_rows(rows):
+    return [(r["text"], {k: v for k, v in r["speculative"].items() if k != "engine"})
+            for r in rows]
+
+
+def speculative_data_parallel() -> None:
+    """Speculative decoding with the prompts over 'data' and the weights over 'model'
+    runs its rounds on the device (the batch split over the data shards), with the
+    text and statistics of one device's, for both drafters, greedy and sampled."""
+    from brf.ensemble.run import run
+
+    for drafter, sampler in _SPECULATIVE:
+        c = _speculative_config(drafter, sampler)
+        c.mesh.data, c.mesh.model, c.engine = 1, 1, "host"
+        ref = run(c)
+        c.mesh.data, c.mesh.model, c.engine = 4, 2, "device"
+        got = run(c)
+        assert [r["speculative"]["engine"] for r in got] == ["device"] * 4, got
+        assert _spec_rows(got) == _spec_rows(ref), (drafter, _spec_rows(got), _spec_rows(ref))
+        assert sum(r["speculative"]["drafted"] for r in ref) > 0, ref
+    print("ok")
+
+
+def speculative_apart() -> None:
+    """Speculative decoding with members apart (each on its own 4 devices) fuses their
+    rows on member 0's devices in host rounds, with one device's text and statistics;
+    compiled rounds, which hold every member in one program, are refused by name."""
+    from brf.ensemble.member import EnsembleInputError
+    from brf.ensemble.run import run
+
+    for drafter, sampler in _SPECULATIVE:
+        c = _speculative_config(drafter, sampler)
+        c.mesh.data, c.mesh.model = 1, 1
+        ref = run(c)
+        c.mesh.data, c.mesh.model, c.mesh.placement = -1, 2, "apart"
+        got = run(c)
+        assert [r["speculative"]["engine"] for r in got] == ["host"] * 4, got
+        assert _spec_rows(got) == _spec_rows(ref), (drafter, _spec_rows(got), _spec_rows(ref))
+        assert sum(r["speculative"]["drafted"] for r in ref) > 0, ref
+    c.engine = "device"
+    try:
+        run(c)
+    except EnsembleInputError as e:
+        assert "same devices" in str(e), e
+    else:
+        raise AssertionError("engine='device' with members apart was not refused")
+    print("ok")
+
+
 def scoring_apart() -> None:
     """The validation's scoring with members apart (two members, each on a 2x2
     mesh of its own 4 devices, scored at the same time) equals one device, store

@@ -51,6 +51,8 @@ SHARDED_CHECKS = {
     "logit_dump_with_the_weights_split": "dump_on_mesh()",
     "members_apart_generate": "generation_apart()",
     "members_apart_scored_at_once": "scoring_apart()",
+    "speculative_rounds_with_prompts_over_data": "speculative_data_parallel()",
+    "speculative_with_members_apart": "speculative_apart()",
 }
 
 

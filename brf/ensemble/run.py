@@ -525,13 +525,14 @@ class Request:
                       method_params=params, sampler=c.sampler, stop=tuple(c.stop),
                       seed=c.seed, dtype=jnp.dtype(c.dtype), speculative=drafter,
                       prompts=tuple(read_prompts(c.prompts, c.prompts_file)))
+        engine = c.get("engine", "auto")  # configs written before it: 'auto'
         if level == "tokens":
             return cls(**common, max_new=c.max_new_tokens, aligner=c.aligner,
                        aligner_params=dict(c.aligner_params), choice=c.choice,
                        weighting=c.weighting, temperature=weighting_spec(c.weighting),
-                       mesh=c.mesh, engine=c.get("engine", "auto"))
-        if c.get("engine", "auto") != "auto":
-            raise EnsembleInputError(f"config.engine={c.engine!r} is token-level only (the "
+                       mesh=c.mesh, engine=engine)
+        if engine != "auto":
+            raise EnsembleInputError(f"config.engine={engine!r} is token-level only (the "
                                      "byte level runs its own loop); set it to 'auto' with "
                                      "level='bytes'")
         from brf.bytes.generate import check_request

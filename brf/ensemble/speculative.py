@@ -83,7 +83,7 @@ import numpy as np
 from brf.ensemble import catchup
 from brf.ensemble import step as dstep
 from brf.ensemble.decode import (ENGINES, Generation, Piece, _check_method,
-                                 _check_request, _with_unembeddings)
+                                 _check_request, _colocated, _gatherer, _with_unembeddings)
 from brf.ensemble.member import (EnsembleInputError, Member, check_prompt_fits,
                                  normalised_weights)
 from brf.ensemble.space import IdentitySpace
@@ -176,22 +176,23 @@ def _round_room(cfg, cache: dict, end: int, n_read, k: int, horizon: int):
     return (cache, *dstep.block_reads(cfg, end, cache["pos"].shape[1], n_read, horizon))
 
 
-def _regroup(dec, ends: list[int], old: tuple, new: tuple, B: int):
-    """The decode state's caches and logits from one grouping of the members into
-    another (per group its member indices; a group's rows are member-major, B each):
-    a member's rows sliced out of its group, a group's members' rows joined (caches
-    grown to the largest, the write pointer the largest: every slot past a cache's
-    own pointer is empty). Returns (the decode state, per group its cache fill)."""
+def _regroup(caches_G, logits_G, ends: list[int], old: tuple, new: tuple, B: int):
+    """Caches and logits from one grouping of the members into another (per group its
+    member indices; a group's rows are member-major, B each): a member's rows sliced
+    out of its group (a copy of the scalar 'end' each: caches are donated), a group's
+    members' rows joined (caches grown to the largest, the write pointer the largest:
+    every slot past a cache's own pointer is empty). Returns (caches, logits, fills),
+    per group of ``new``."""
     caches, logits, fill = {}, {}, {}
     for g, idx in enumerate(old):
         for j, i in enumerate(idx):
             if len(idx) == 1:
-                caches[i], logits[i] = dec.caches[g], dec.logits[g]
+                caches[i], logits[i] = caches_G[g], logits_G[g]
             else:
                 caches[i] = jax.tree_util.tree_map(
                     lambda a, j=j: jnp.array(a) if a.ndim == 0 else a[j * B:(j + 1) * B],
-                    dec.caches[g])
-                logits[i] = dec.logits[g][j * B:(j + 1) * B]
+                    caches_G[g])
+                logits[i] = logits_G[g][j * B:(j + 1) * B]
             fill[i] = ends[g]
     out_c, out_l, out_e = [], [], []
     for idx in new:
@@ -203,7 +204,7 @@ def _regroup(dec, ends: list[int], old: tuple, new: tuple, B: int):
         out_c.append(dict(cache, end=jnp.asarray(end, jnp.int32)))
         out_l.append(jnp.concatenate([logits[i] for i in idx]))
         out_e.append(end)
-    return dec._replace(caches=tuple(out_c), logits=tuple(out_l)), out_e
+    return out_c, out_l, out_e
 
 
 # ----------------------------------------------------------------------------- results
@@ -263,8 +264,10 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
         trace: record every emitted token's fused distribution.
         on_piece: called with every piece of text as it becomes final.
         engine: 'device' (every round compiled and looped on the device,
-            :func:`brf.ensemble.step.run_rounds`: no trace, the members on one
-            device), 'host' (rounds on the host, paused steps as compiled blocks),
+            :func:`brf.ensemble.step.run_rounds`: no trace, every member on the
+            same devices: one device, or one mesh whose 'data' axis may split
+            the batch), 'host' (rounds on the host, paused steps as compiled
+            blocks where the members are on the same devices),
             or 'auto' (the device where it applies and the members are on an
             accelerator; the host on a CPU). Either gives the same text for a seed.
 
@@ -301,8 +304,8 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
     device = loop.blocks
     if engine == "device" and not device:
         raise EnsembleInputError("engine='device' runs speculative decoding without trace, "
-                                 "with every member on one device; use engine='host' or "
-                                 "'auto'")
+                                 "with every member on the same devices; use engine='host' "
+                                 "or 'auto'")
     # 'auto': compiled rounds on an accelerator, where each host round's read-backs cost
     # most of a small model's step; on a CPU the host rounds measured as fast and compile
     # in less time (BENCHMARKS.md, "Speculative rounds on the device")
@@ -401,6 +404,12 @@ class _Loop:
         # fold_in(PRNGKey(seed), t), as the device's rounds and plain decoding do
         self.key_step = 0
         self.seed = seed
+        # members apart (each on its own devices): the rows to fuse go to member 0's, and
+        # softmax-bottleneck fusion reads every member's output head there
+        self.gather = _gatherer(members)
+        if method_params.get("unembeddings") is not None:
+            self.method_params = dict(method_params, unembeddings=[
+                self.gather(u) for u in method_params["unembeddings"]])
         self.blocks = self._device_ready()
         self._plan = None
         self._dev = None  # the members in a paused block's form (_split)
@@ -447,7 +456,7 @@ class _Loop:
             return drafts, None
         V = lps[0].shape[-1]
         pad = jnp.full((self.B, self.spec.k - len(lps), V), -jnp.inf, lps[0].dtype)
-        return drafts, jnp.concatenate([jnp.stack(lps, axis=1), pad], axis=1)
+        return drafts, self.gather(jnp.concatenate([jnp.stack(lps, axis=1), pad], axis=1))
 
     # -- one round
     def _round(self) -> list[tuple[int, list[int], int]]:
@@ -481,7 +490,7 @@ class _Loop:
                 rows = _gather_rows(old, logits, jnp.asarray(ix, jnp.int32))
             self.states[g] = st
             for r, i in enumerate(idx):
-                per_member[i] = rows[r * B:(r + 1) * B]
+                per_member[i] = self.gather(rows[r * B:(r + 1) * B])
             for i in idx:
                 for b in live:
                     self.gens[b].members_run[i] += 1
@@ -557,11 +566,10 @@ class _Loop:
 
     # -- paused: plain steps on the device
     def _device_ready(self) -> bool:
-        """Paused rounds can run as compiled blocks: no trace asked for (a block keeps
-        no distributions), every member on one device (no data mesh to slice)."""
-        return not self.trace and all(
-            catchup._data_mesh(self.members[idx[0]].params, len(idx) * self.B) is None
-            for idx in self.groups)
+        """Rounds and paused steps can run as compiled programs: no trace asked for (they
+        keep no distributions), every member on the same devices (one program holds
+        them: one device, or one mesh, whose 'data' axis may split the batch)."""
+        return not self.trace and _colocated(self.members)
 
     def _plain_block(self, on_piece) -> None:
         """While drafting is paused: up to :data:`PAUSED_BLOCK` plain fused steps as one
@@ -661,8 +669,11 @@ class _Loop:
             # ensemble ran slower with the group's rows in one batch)
             want = groups if k else singles
             if want != form:
-                dec, ends = _regroup(st.dec, ends, form, want, B)
-                st, form = st._replace(dec=dec), want
+                caches, logits, ends = _regroup(st.dec.caches, st.dec.logits, ends, form,
+                                                want, B)
+                st = st._replace(dec=st.dec._replace(caches=tuple(caches),
+                                                     logits=tuple(logits)))
+                form = want
             prompt_len = [[len(p) for i in idx for p in self._prompt_ids[i]] for idx in form]
             params = tuple(members[idx[0]].params for idx in form)
             horizon = rounds * (k + 1) + k + 1
@@ -813,30 +824,22 @@ class _Loop:
 
     def _split(self) -> dict:
         """The members in a block's form: every group's last emitted token read (logits
-        ready), then one cache, logits and fill per member (rows of a group that shares
-        weights are member-major)."""
+        ready), then one cache, logits and fill per member (:func:`_regroup`)."""
         B = self.B
-        for g, idx in enumerate(self.groups):
-            self.states[g] = catchup.catch_up(self.members[idx[0]], self.states[g],
-                                              dtype=self.dtype)
+        states = [catchup.catch_up(self.members[idx[0]], st, dtype=self.dtype)
+                  for idx, st in zip(self.groups, self.states)]
         self.pending = [()] * B
-        dev = {"caches": [], "logits": [], "ends": [], "n_read": []}
+        groups = tuple(tuple(idx) for idx in self.groups)
+        caches, logits, ends = _regroup([st.cache for st in states],
+                                        [st.logits_BxV for st in states],
+                                        [st.end for st in states], groups,
+                                        tuple((i,) for i in range(self.n)), B)
+        n_read = [None] * self.n
         for i in range(self.n):
             g, r = self.where[i]
-            st = self.states[g]
-            if len(self.groups[g]) == 1:
-                c, lg = st.cache, st.logits_BxV
-            else:
-                c = jax.tree_util.tree_map(  # (a copy of 'end' each: both are donated)
-                    lambda a: jnp.array(a) if a.ndim == 0 else a[r * B:(r + 1) * B],
-                    st.cache)
-                lg = st.logits_BxV[r * B:(r + 1) * B]
-            dev["caches"].append(c)
-            dev["logits"].append(lg)
-            dev["ends"].append(st.end)
-            dev["n_read"].append(list(st.n_read[r * B:(r + 1) * B]))
+            n_read[i] = list(states[g].n_read[r * B:(r + 1) * B])
         self.states = [None] * len(self.groups)  # their caches now live in the block form
-        return dev
+        return {"caches": caches, "logits": logits, "ends": ends, "n_read": n_read}
 
     def _merge(self) -> None:
         """The block form back into the rounds' group states (after :meth:`_split`)."""
@@ -844,16 +847,13 @@ class _Loop:
         if dev is None:
             return
         B = self.B
-        for g, idx in enumerate(self.groups):
-            parts = [dev["caches"][i] for i in idx]
-            cache = parts[0] if len(parts) == 1 else jax.tree_util.tree_map(
-                lambda *a: a[0] if a[0].ndim == 0 else jnp.concatenate(a), *parts)
-            end = max(dev["ends"][i] for i in idx)
-            cache = dict(cache, end=jnp.asarray(end, jnp.int32))
-            lg = jnp.concatenate([dev["logits"][i] for i in idx])
+        groups = tuple(tuple(idx) for idx in self.groups)
+        caches, logits, ends = _regroup(dev["caches"], dev["logits"], dev["ends"],
+                                        tuple((i,) for i in range(self.n)), groups, B)
+        for g, idx in enumerate(groups):
             n_read = tuple(x for i in idx for x in dev["n_read"][i])
-            self.states[g] = catchup.MemberState(cache, lg, ((),) * (len(idx) * B), end,
-                                                 n_read)
+            self.states[g] = catchup.MemberState(caches[g], logits[g],
+                                                 ((),) * (len(idx) * B), ends[g], n_read)
 
     def run(self, on_piece) -> list[SpecGeneration]:
         for g in self.gens:

@@ -560,6 +560,11 @@ def member_drafts(cfg, params, ds: DrafterState, live_B, n_steps, key, *, k: int
                                      n_pending=jnp.where(live_B, 0, ds.n_pending))
 
 
+def _leading(ok_BxK):
+    """Per row, how many of its first entries are all True (drafts accepted in order)."""
+    return jnp.sum(jnp.cumprod(ok_BxK.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
 def accept_sampled(key, logq_BxPxV, drafts_BxK, dlen_B, sampler: Sampler, logp_BxKxV=None):
     """The accept / resample step of speculative sampling on the device
     (:func:`brf.fusion.speculative.verify`).
@@ -592,7 +597,7 @@ def accept_sampled(key, logq_BxPxV, drafts_BxK, dlen_B, sampler: Sampler, logp_B
         jnp.take_along_axis(logp_BxKxV, drafts_BxK[:, :, None], axis=2)[..., 0])
     u = jax.random.uniform(k_uniform, (B, K))
     ok = (u * p_x < q_x) & (p_x > 0) & (jnp.arange(K)[None] < dlen_B[:, None])
-    acc_B = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    acc_B = _leading(ok)
     row = jnp.take_along_axis(logt, acc_B[:, None, None], axis=1)[:, 0]
     rejected = acc_B < dlen_B
     if K:
@@ -718,7 +723,7 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
     caches, logits = list(caches), list(dec.logits)
     if spec.sampler.greedy:  # fused: the argmax at each position [B, k + 1]
         match = (drafts_BxK == fused[:, :k]) & (jnp.arange(k)[None] < dlen_B[:, None])
-        acc_B = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        acc_B = _leading(match)
         event_B = jnp.take_along_axis(fused, acc_B[:, None], axis=1)[:, 0]
     else:  # fused: the fused log-probs at each position [B, k + 1, V]
         acc_B, event_B = accept_sampled(key, fused, drafts_BxK, dlen_B, spec.sampler, dlogp)
