@@ -72,18 +72,18 @@ def test_the_step_updates_the_caches_in_place(pair, monkeypatch):
     from brf.models import transformer as T
     members = [dataclasses.replace(m, params=T.unstack_layers(m.params)) for m in pair]
     seen = {}
-    real = dstep._run_block_jit
+    real = dstep._run_rounds_jit
 
-    def spy(spec, params, tables, state, **kw):
-        seen.update(args=(spec, params, tables, state), kw=kw)
-        return real(spec, params, tables, state, **kw)
+    def spy(*args, **kw):
+        seen.update(args=args, kw=kw)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(dstep, "_run_block_jit", spy)
+    monkeypatch.setattr(dstep, "_run_rounds_jit", spy)
     generate(members, PROMPTS[:1], max_new_tokens=2, sampler="greedy", method="linear")
-    spec, params, tables, state = seen["args"]
-    shapes = {tuple(a.shape) for c in state.caches for a in c["k"] + c["v"]}
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    hlo = real.lower(spec, params, tables, abstract, **seen["kw"]).compile().as_text()
+    spec, params, tables, st, *rest = seen["args"]
+    shapes = {tuple(a.shape) for c in st.dec.caches for a in c["k"] + c["v"]}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
+    hlo = real.lower(spec, params, tables, abstract, *rest, **seen["kw"]).compile().as_text()
     copied = [m.group(1) for m in re.finditer(r"= f32\[([0-9,]+)\]\{[0-9,]*\} copy\(", hlo)]
     assert not [c for c in copied if tuple(int(d) for d in c.split(",")) in shapes]
 
@@ -116,3 +116,31 @@ def test_event_tokens_are_each_events_own_encoding_and_survive_the_disk(cross_pa
                 continue
             assert got == want, (u, data)
     assert len(list(tmp_path.rglob("events-*.npz"))) == 2
+
+
+def test_sliding_window_reads_on_the_device_follow_the_pending_event(tok):
+    """Members with sliding-window layers (a window of 4) and prompts of very different
+    lengths (padding slots among the shorter one's): the device reads each local
+    layer's window from the tokens really read (the pending event is not), and gives
+    the host loop's text; a window short by one slot would change the logits."""
+    import jax
+
+    from brf.ensemble.member import Member
+    from brf.models import ModelConfig, init_params
+    cfgs = [ModelConfig(arch="gemma3", vocab_size=len(tok), d_model=32, n_layers=3,
+                        n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48, norm_eps=1e-6,
+                        rope_theta=10000.0, rope_local_theta=1000.0, sliding_window=4,
+                        layer_types=("local", "local", "global"), query_pre_attn_scalar=8,
+                        act="gelu_tanh", embed_scale=True, max_seq_len=256, bos_id=1,
+                        eos_ids=(tok.eos_token_id,), pad_id=0) for _ in range(2)]
+    members = []
+    for seed, cfg in enumerate(cfgs):
+        params = init_params(cfg, jax.random.PRNGKey(seed))
+        params["final_norm"] = params["final_norm"] * 20.0
+        members.append(Member(name=f"g{seed}", cfg=cfg, params=params, tokenizer=tok))
+    prompts = ["the cat sat on the mat in a hat the cat sat on the mat in a hat the cat",
+               "a"]
+    kw = dict(method="linear", sampler="greedy", max_new_tokens=40, block_steps=6)
+    host, device = (generate(members, prompts, engine=e, **kw) for e in ("host", "device"))
+    _same(host, device)
+    assert all(g.n_events == 40 for g in device)

@@ -493,14 +493,19 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
         jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(job.seed),
         tuple(jnp.zeros((B, slots), jnp.int32) for _ in range(n)) if mixture else (),
         tuple(jnp.zeros((B,), jnp.int32) for _ in range(n)) if mixture else ())
+    if not mixture:  # fused: rounds that draft nothing; the last event drawn is pending
+        state = dstep.RoundState(state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
+                                 jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32))
     n_read = [list(st.n_read) for st in states]
+    unread = [[0] * B for _ in range(n)]  # fused: the pending event's tokens, per sequence
     pending = [[[] for _ in range(B)] for _ in range(n)]
     ends = [st.end for st in states]
     views = [_Read(n_read[i], pending[i]) for i in range(n)]
     done = [False] * B
     while not all(done):
         live = [b for b in range(B) if not done[b]]
-        caches, reads, spans = list(state.caches), [], []
+        dec = state if mixture else state.dec
+        caches, reads, spans = list(dec.caches), [], []
         for i, m in enumerate(members):
             if mixture:  # a catch-up may read every pending event, in chunks
                 per_step = dstep.CHUNK
@@ -508,15 +513,23 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
             else:
                 per_step = spec.slots_per_step(i)
                 horizon = block_steps * min(per_step, 2) + per_step
-            caches[i], r, span = dstep.block_room(m.cfg, caches[i], ends[i],
-                                                  [n_read[i][b] for b in live], horizon)
+            caches[i], r, span = dstep.block_room(
+                m.cfg, caches[i], ends[i], [n_read[i][b] - unread[i][b] for b in live],
+                horizon)
             reads.append(r)
             spans.append(span)
-        state = state._replace(caches=tuple(caches))
-        state, events_KxB, ran_KxN, k, fill = dstep.run_block(
-            spec, params, tables, state, steps=block_steps, reads=tuple(reads),
-            spans=tuple(spans))
-        events_KxB, ran_KxN, k = np.asarray(events_KxB), np.asarray(ran_KxN), int(k)
+        dec = dec._replace(caches=tuple(caches))
+        if mixture:
+            state, events_KxB, ran_KxN, k, fill = dstep.run_block(
+                spec, params, tables, dec, steps=block_steps, reads=tuple(reads),
+                spans=tuple(spans))
+            ran_KxN = np.asarray(ran_KxN)
+        else:
+            state, em, _, _, _, _, k, fill = dstep.run_rounds(
+                spec, params, tables, state._replace(dec=dec), None, rounds=block_steps, k=0,
+                n=1, min_n=1, reads=tuple(reads), spans=tuple(spans))
+            events_KxB, ran_KxN = em[:, :, 0], np.ones((block_steps, n), bool)
+        events_KxB, k = np.asarray(events_KxB), int(k)
         ends = [int(e) for e in np.asarray(fill)]
         stopped = []
         for t in range(k):
@@ -543,15 +556,18 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
                                            f"re-encoding gives {n_retract} retracted, {new}")
                     if mixture:
                         pending[i][b].extend(new)
-                    else:
+                    else:  # read at the next step's start
                         n_read[i][b] += len(new)
+                        unread[i][b] = len(new)
                 done[b] = reason is not None
                 if reason == "stop":
                     stopped.append(b)
                 if piece or reason:
                     yield Piece(b, piece, reason)
         if stopped:
-            state = state._replace(finished=state.finished.at[jnp.asarray(stopped)].set(True))
+            dec = state if mixture else state.dec
+            dec = dec._replace(finished=dec.finished.at[jnp.asarray(stopped)].set(True))
+            state = dec if mixture else state._replace(dec=dec)
         if k == 0 and not all(done):
             raise RuntimeError("a device block made no progress")
 

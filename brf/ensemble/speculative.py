@@ -573,14 +573,14 @@ class _Loop:
 
     def _plain_block(self, on_piece) -> None:
         """While drafting is paused: up to :data:`PAUSED_BLOCK` plain fused steps as one
-        compiled block (:mod:`brf.ensemble.step`, the program plain decoding runs), so a
-        paused generation decodes at plain decoding's speed. Each emitted token is
-        replayed on the host as a round's (text, stop strings, the finish rules), the
-        n-gram drafter's would-be draft before it checked against the tokens from it on
-        (``KSchedule.observe``), and the member drafter given it to read. The members
-        stay in the block's form (one cache per member) from block to block;
-        :meth:`_merge` returns them to the rounds' (every emitted token read, nothing
-        pending: a round reads that as a start with no pending token)."""
+        compiled block (rounds that draft nothing, :func:`brf.ensemble.step.run_rounds`
+        with ``k=0``: the program plain decoding runs), so a paused generation decodes
+        at plain decoding's speed. Each emitted token is replayed on the host as a
+        round's (text, stop strings, the finish rules), the n-gram drafter's would-be
+        draft before it checked against the tokens from it on (``KSchedule.observe``),
+        and the member drafter given it to read. The members stay in the block's form
+        (one cache per member, the last emitted token pending) from block to block;
+        :meth:`_merge` returns them to the rounds' (the same token pending)."""
         B, n = self.B, self.n
         spec, tables = self._device_plan()
         if self._dev is None:
@@ -596,21 +596,32 @@ class _Loop:
             caches.append(c)
             reads.append(rd)
             spans.append(span)
-        state = dstep.DecodeState(
-            tuple(caches), tuple(dev["logits"]), jnp.int32(self.key_step),
-            jnp.asarray(np.asarray(self.done, bool)),
-            jnp.asarray(np.asarray([g.n_events for g in self.gens], np.int32)),
-            jax.random.PRNGKey(self.seed))
-        state, events_KxB, _, k, fill = dstep.run_block(
-            spec, tuple(m.params for m in self.members), tables, state, steps=PAUSED_BLOCK,
-            reads=tuple(reads), spans=tuple(spans))
-        events_KxB, k, fill = np.asarray(events_KxB), int(k), np.asarray(fill)
+        st = dstep.RoundState(
+            dstep.DecodeState(tuple(caches), tuple(dev["logits"]), jnp.int32(self.key_step),
+                              jnp.asarray(np.asarray(self.done, bool)),
+                              jnp.asarray(np.asarray([g.n_events for g in self.gens],
+                                                     np.int32)),
+                              jax.random.PRNGKey(self.seed)),
+            jnp.asarray(np.asarray([p[0] if p else 0 for p in self.pending], np.int32)),
+            jnp.asarray(np.asarray([len(p) > 0 for p in self.pending], bool)),
+            jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32))
+        st, em, _, _, _, _, k, fill = dstep.run_rounds(
+            spec, tuple(m.params for m in self.members), tables, st, None,
+            rounds=PAUSED_BLOCK, k=0, n=1, min_n=1, reads=tuple(reads), spans=tuple(spans))
+        events_KxB, k = np.asarray(em)[:, :, 0], int(k)
         self.key_step += k
-        dev["caches"], dev["logits"] = list(state.caches), list(state.logits)
-        dev["ends"] = [int(x) for x in fill]
+        dev["caches"], dev["logits"] = list(st.dec.caches), list(st.dec.logits)
+        dev["ends"] = [int(x) for x in np.asarray(fill)]
         if k == 0:
             raise RuntimeError("a paused block made no progress")
-        self._replay_plain(events_KxB, k, live, on_piece, dev["n_read"])
+        self._replay_plain(events_KxB, k, live, on_piece)
+        # the last token emitted is pending: every member has read the rest
+        last, has_last = np.asarray(st.last), np.asarray(st.has_last)
+        self.pending = [(int(last[b]),) if has_last[b] and not self.done[b] else ()
+                        for b in range(B)]
+        for i in range(n):
+            dev["n_read"][i] = [len(self._prompt_ids[i][b]) + self.gens[b].n_events
+                                - len(self.pending[b]) for b in range(B)]
 
     def _device_plan(self):
         """The compiled step's static spec and device tables (as plain decoding's)."""
@@ -823,26 +834,24 @@ class _Loop:
             self.history[b][len(self._prompt_ids[0][b]):] for b in range(self.B)])
 
     def _split(self) -> dict:
-        """The members in a block's form: every group's last emitted token read (logits
-        ready), then one cache, logits and fill per member (:func:`_regroup`)."""
+        """The members in a block's form: one cache, logits and fill per member
+        (:func:`_regroup`); the last emitted token stays pending (``self.pending``)."""
         B = self.B
-        states = [catchup.catch_up(self.members[idx[0]], st, dtype=self.dtype)
-                  for idx, st in zip(self.groups, self.states)]
-        self.pending = [()] * B
         groups = tuple(tuple(idx) for idx in self.groups)
-        caches, logits, ends = _regroup([st.cache for st in states],
-                                        [st.logits_BxV for st in states],
-                                        [st.end for st in states], groups,
+        caches, logits, ends = _regroup([st.cache for st in self.states],
+                                        [st.logits_BxV for st in self.states],
+                                        [st.end for st in self.states], groups,
                                         tuple((i,) for i in range(self.n)), B)
         n_read = [None] * self.n
         for i in range(self.n):
             g, r = self.where[i]
-            n_read[i] = list(states[g].n_read[r * B:(r + 1) * B])
+            n_read[i] = list(self.states[g].n_read[r * B:(r + 1) * B])
         self.states = [None] * len(self.groups)  # their caches now live in the block form
         return {"caches": caches, "logits": logits, "ends": ends, "n_read": n_read}
 
     def _merge(self) -> None:
-        """The block form back into the rounds' group states (after :meth:`_split`)."""
+        """The block form back into the rounds' group states (after :meth:`_split`),
+        each row's pending token (``self.pending``) pending in them too."""
         dev, self._dev = self._dev, None
         if dev is None:
             return
@@ -852,8 +861,9 @@ class _Loop:
                                         tuple((i,) for i in range(self.n)), groups, B)
         for g, idx in enumerate(groups):
             n_read = tuple(x for i in idx for x in dev["n_read"][i])
-            self.states[g] = catchup.MemberState(caches[g], logits[g],
-                                                 ((),) * (len(idx) * B), ends[g], n_read)
+            self.states[g] = catchup.MemberState(
+                caches[g], logits[g], tuple(self.pending[b] for _ in idx for b in range(B)),
+                ends[g], n_read)
 
     def run(self, on_piece) -> list[SpecGeneration]:
         for g in self.gens:

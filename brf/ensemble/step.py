@@ -1,41 +1,46 @@
-"""Decoding as one compiled step, and a block of steps looped on the device.
+"""Decoding as one compiled step, and blocks of steps looped on the device.
 
 The decoding loop of :mod:`brf.ensemble.decode` in the shape serving codebases
-give it: a :class:`DecodeState` pytree (every member's KV cache and last
-logits, the step counter, the base random key, per sequence its finished flag
-and event count) and one pure function, :func:`fused_step`, that maps
-``(params, tables, state)`` to ``(state, events)``:
+give it: a :class:`RoundState` pytree (a :class:`DecodeState`: every member's
+KV cache and last logits, the step counter, the base random key, per sequence
+its finished flag and event count; and each sequence's last event, not read
+yet) and one pure function, :func:`spec_round`, that maps ``(params, tables,
+state)`` to ``(state, events)``. With ``k = 0`` it is plain fused decoding's
+step, in any event space:
 
-1. the step's keys: ``fold_in(PRNGKey(seed), step)`` split into a member key
+1. every member reads the pending event's tokens into its cache (one token in
+   a shared vocabulary; in aligned spaces the event's canonical tokens from
+   :func:`brf.ensemble.aligned.event_tokens`, in chunks of a few tokens when an
+   event is longer than one);
+2. the step's keys: ``fold_in(PRNGKey(seed), step)`` split into a member key
    and a token key, as the host loop draws them;
-2. every member's logits aligned onto the event space (identity: log-softmax;
+3. every member's logits aligned onto the event space (identity: log-softmax;
    'union' / 'topk_union': ``brf.align``'s maps, their index tables passed as
    device arrays);
-3. the fusion method (``brf.fusion.Fuser.fn``), and the sampler's draw,
+4. the fusion method (``brf.fusion.Fuser.fn``), and the sampler's draw,
    restricted to the events every member can read;
-4. the finish rules the host applies (an end-of-sequence event, the
-   ``max_new_tokens``-th event, a member's context full);
-5. every member reads the drawn event's tokens into its cache (one token in a
-   shared vocabulary; in aligned spaces the event's canonical tokens from
-   :func:`brf.ensemble.aligned.event_tokens`, in chunks of a few tokens when
-   an event is longer than one), so the next step's logits are ready.
+5. the finish rules the host applies (an end-of-sequence event, the
+   ``max_new_tokens``-th event, a member's context full); the event drawn is
+   the new pending one.
 
-:func:`run_block` runs up to ``steps`` of them in one ``lax.while_loop`` with
+With ``k > 0`` (a shared vocabulary) it is a speculative round: the drafter's
+k events are read with the pending one in one pass and verified (greedy or
+sampled, the n-gram drafter or a member drafter, :func:`ngram_drafts`,
+:func:`member_drafts`, :func:`accept_sampled`), the caches cut back to the
+accepted text.
+
+:func:`run_rounds` runs up to ``rounds`` of them in one ``lax.while_loop`` with
 the state donated (the caches are updated in place) and stops early once every
 sequence has finished or a cache's read span is full; the host reads back only
 the block's events and each cache's fill. What needs the host stays there,
 between blocks: text and stop strings, the members' re-encoding of the text
-(checked against the tokens the device read), growing a cache. Nothing in a
-step reads a value back to Python.
+(checked against the tokens the device reads), growing a cache. Nothing in a
+step reads a value back to Python. Mixture sampling in a shared vocabulary
+has its own step (:func:`run_block` loops it): a member is picked per
+sequence, and the others only queue the event.
 
 Which cache slots the attention reads is fixed per block (``Reads``): the
 slots written by the block's end, and for sliding-window layers their window.
-
-Greedy speculative decoding with the n-gram drafter has its round here too
-(:func:`spec_round`, looped by :func:`run_rounds` over a :class:`RoundState`):
-the draft made on the device (:func:`ngram_drafts`), read by every member in
-one pass, verified against the fused argmax, the caches cut back to the
-accepted text; a round that drafts nothing is a plain fused step.
 """
 
 from __future__ import annotations
@@ -223,54 +228,6 @@ def _read_event(spec: Spec, i: int, params, cache, logits_BxV, event_B, reading_
     return logits_BxV, cache
 
 
-def fused_step(spec: Spec, params: tuple, tables: Tables, state: DecodeState, reads: tuple
-               ) -> tuple[DecodeState, jax.Array]:
-    """One step of fused decoding for every sequence (pure; see the module docstring).
-
-    Args:
-        spec: the static description.
-        params: per member its params pytree.
-        tables: the device tables.
-        state: the decode state.
-        reads: per member its ``Reads`` (static) or None.
-
-    Returns:
-        (the new state, event_B int32: the event drawn, -1 for a sequence that
-        had already finished, ran_n bool: which members ran a forward pass).
-    """
-    if spec.mode != "fuse":
-        return _mixture_step(spec, params, tables, state, reads)
-    _, k_token = jax.random.split(jax.random.fold_in(state.key, state.step))
-    logp_BxnxE, events = _aligned(spec, tables, state.logits)
-    logq_BxE, _ = _apply(logp_BxnxE, tables.weights, None, tables.fusion, name=spec.method,
-                         static=spec.static)
-    mask = tables.mask
-    if mask is not None and events is not None:
-        mask = jnp.where(events >= 0, mask[jnp.maximum(events, 0)], False)
-    col_B = _draw(k_token, logq_BxE, mask, spec.sampler)
-    event_B = col_B if events is None else jnp.take_along_axis(events, col_B[:, None], 1)[:, 0]
-    live_B = ~state.finished
-    n_events = state.n_events + live_B.astype(jnp.int32)
-    end_B = tables.eos[event_B] | (n_events >= spec.max_new_tokens)
-    for i, cfg in enumerate(spec.cfgs):  # a member's context would be full
-        if spec.space == "identity":
-            need_B = jnp.ones_like(event_B)
-        else:
-            need_B = tables.tokens[i][1][event_B]
-            end_B = end_B | (need_B < 0)  # unreadable: the host raises as reencode does
-        end_B = end_B | (state.caches[i]["next_pos"] + need_B >= cfg.max_seq_len)
-    reading_B = live_B & ~end_B
-    caches, logits = [], []
-    for i in range(len(spec.cfgs)):
-        l, c = _read_event(spec, i, params[i], state.caches[i], state.logits[i], event_B,
-                           reading_B, tables, reads[i])
-        caches.append(c)
-        logits.append(l)
-    new = DecodeState(tuple(caches), tuple(logits), state.step + 1, state.finished | end_B,
-                      n_events, state.key)
-    return new, jnp.where(live_B, event_B, -1), jnp.ones((len(spec.cfgs),), bool)
-
-
 def _mixture_step(spec: Spec, params, tables: Tables, state: DecodeState, reads):
     """One step of mixture sampling in a shared vocabulary, as the host loop takes it.
 
@@ -332,19 +289,16 @@ def _mixture_step(spec: Spec, params, tables: Tables, state: DecodeState, reads)
 
 
 def _run_block(spec: Spec, params, tables, state, *, steps: int, reads: tuple, spans: tuple):
-    """Up to ``steps`` fused steps in one while loop (see :func:`run_block`)."""
+    """Up to ``steps`` mixture steps in one while loop (see :func:`run_block`)."""
     B = state.finished.shape[0]
 
     def room(state):
         ok = jnp.bool_(True)
         for i, span in enumerate(spans):
-            if spec.mode == "fuse":
-                need = spec.slots_per_step(i)
-            else:  # the next step may catch up on every pending event at once
-                need = _chunked(jnp.max(state.n_pending[i]))
-            cap = jnp.bool_(True) if spec.mode == "fuse" else (
-                jnp.max(state.n_pending[i]) < state.pending[i].shape[1])
-            ok = ok & (state.caches[i]["end"] + need <= span) & cap
+            # the next step may catch up on every pending event at once
+            most = jnp.max(state.n_pending[i])
+            ok = (ok & (state.caches[i]["end"] + _chunked(most) <= span)
+                  & (most < state.pending[i].shape[1]))
         return ok
 
     def cond(carry):
@@ -353,7 +307,7 @@ def _run_block(spec: Spec, params, tables, state, *, steps: int, reads: tuple, s
 
     def body(carry):
         state, events_KxB, ran_KxN, k = carry
-        state, event_B, ran_N = fused_step(spec, params, tables, state, reads)
+        state, event_B, ran_N = _mixture_step(spec, params, tables, state, reads)
         return state, events_KxB.at[k].set(event_B), ran_KxN.at[k].set(ran_N), k + 1
 
     events_KxB = jnp.full((steps, B), -1, jnp.int32)
@@ -370,11 +324,15 @@ _run_block_jit = jax.jit(_run_block, static_argnames=("spec", "steps", "reads", 
 
 def run_block(spec: Spec, params: tuple, tables: Tables, state: DecodeState, *, steps: int,
               reads: tuple, spans: tuple):
-    """Runs fused steps on the device until ``steps`` are done, every sequence has
-    finished, or a member's next read could pass its span.
+    """Runs mixture steps (:func:`_mixture_step`; ``spec.mode`` a mixture mode) on the
+    device until ``steps`` are done, every sequence has finished, or a member's next
+    read could pass its span. Fused decoding's steps are rounds that draft nothing
+    (:func:`run_rounds` with ``k=0``).
 
     Args:
-        spec, params, tables: as for :func:`fused_step`.
+        spec: the static description.
+        params: per member its params pytree.
+        tables: the device tables.
         state: the decode state (donated: its caches are updated in place).
         steps: the block's length (static).
         reads: per member ``Reads`` or None (static; exact for the whole block).
@@ -390,8 +348,8 @@ def run_block(spec: Spec, params: tuple, tables: Tables, state: DecodeState, *, 
 
 
 def compiled_count() -> int:
-    """Programs :func:`run_block` has compiled (retrace checks)."""
-    return _run_block_jit._cache_size()
+    """Programs :func:`run_block` and :func:`run_rounds` have compiled (retrace checks)."""
+    return _run_block_jit._cache_size() + _run_rounds_jit._cache_size()
 
 
 def block_reads(cfg, end: int, slots: int, n_read, horizon: int):
@@ -579,7 +537,7 @@ def accept_sampled(key, logq_BxPxV, drafts_BxK, dlen_B, sampler: Sampler, logp_B
     ``key`` is the round's (``fold_in(base key, step)``), split as a plain step
     splits it: the uniforms come from its first half, the event's draw from its
     second (a round that drafts nothing draws exactly what the plain step
-    :func:`fused_step` draws with the same key).
+    :func:`spec_round` with ``k=0`` draws with the same key).
 
     Args:
         logq_BxPxV: the fused log-probs at the drafted positions and the one after
@@ -618,21 +576,30 @@ def accept_sampled(key, logq_BxPxV, drafts_BxK, dlen_B, sampler: Sampler, logp_B
 def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads: tuple, *,
                k: int, n: int = 3, min_n: int = 1, control=None, groups: tuple | None = None,
                k_now=None, dparams=None, draft: int | None = None, dreads=None):
-    """One round of speculative fused decoding in a shared vocabulary (pure).
+    """One round of fused decoding (pure): a plain step, or a speculative round.
 
-    The drafter drafts up to k events per sequence (none past its
-    ``max_new_tokens``): the n-gram drafter, or with ``draft`` member ``draft``'s
-    model (:func:`member_drafts`; ``dparams`` its weights, ``dreads`` its reads,
-    its state ``st.drafter``); every member reads the pending event and the draft in one
-    forward pass over its cache; the members' distributions at the draft's k + 1
-    positions are fused (``spec.method``) and the drafts verified. Greedy: they are
-    accepted while they equal the fused argmax, and the argmax where they stop is
-    emitted after them (plain greedy fused decoding's events). Sampled: the accept /
-    resample step (:func:`accept_sampled`, the round's key ``fold_in(key, step)``),
-    so the events follow plain sampled fused decoding's law. Each member's cache
-    is then cut back to the accepted text, and the emitted event is pending. With
-    ``k = 0`` a round is a plain fused step. The finish rules apply: an
-    end-of-sequence event, the ``max_new_tokens``-th.
+    With ``k = 0`` the round is a plain fused step, in any event space: every member
+    reads the pending event (:func:`_plain_read_and_draw`), the members' logits are
+    aligned, fused (``spec.method``) and the sampler draws the next event. This is
+    the one step plain fused decoding (:mod:`brf.ensemble.decode`) and speculative
+    decoding's paused blocks run.
+
+    With ``k > 0`` (a shared vocabulary): the drafter drafts up to k events per
+    sequence (none past its ``max_new_tokens``): the n-gram drafter, or with
+    ``draft`` member ``draft``'s model (:func:`member_drafts`; ``dparams`` its
+    weights, ``dreads`` its reads, its state ``st.drafter``); every member reads the
+    pending event and the draft in one forward pass over its cache; the members'
+    distributions at the draft's k + 1 positions are fused and the drafts verified.
+    Greedy: they are accepted while they equal the fused argmax, and the argmax
+    where they stop is emitted after them (plain greedy fused decoding's events).
+    Sampled: the accept / resample step (:func:`accept_sampled`, the round's key
+    ``fold_in(key, step)``), so the events follow plain sampled fused decoding's
+    law. Each member's cache is then cut back to the accepted text. A round that
+    drafts nothing draws what the plain step draws with the same key.
+
+    Either way the emitted event is pending (read at the next round's start), and
+    the finish rules apply event by event: an end-of-sequence event, the
+    ``max_new_tokens``-th, an event some member could not read (its context full).
 
     ``k`` (static) fixes the round's shapes; ``k_now`` (traced, at most k; default
     k) is what this round drafts at most, so one program serves every k a
@@ -650,29 +617,93 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
         events), count int32 [B] (events emitted), drafted int32 [B], accepted
         int32 [B] (drafts accepted, before the finish rules cut the round)).
     """
+    B = st.dec.finished.shape[0]
+    key = jax.random.fold_in(st.dec.key, st.dec.step)
+    drafting = None
+    if k == 0:  # a plain fused step, in any event space
+        if groups is not None and any(len(idx) > 1 for idx in groups):
+            raise ValueError("a round that drafts nothing reads one cache per member")
+        caches, logits, event_B, full_B = _plain_read_and_draw(spec, params, tables, st,
+                                                                 reads, key)
+        drafts_BxK = jnp.zeros((B, 0), jnp.int32)
+        dlen_B = acc_B = jnp.zeros((B,), jnp.int32)
+        ds = st.drafter
+    else:
+        if spec.space != "identity":
+            raise ValueError("drafts are read as the members' shared token ids: identity "
+                             "space only")
+        caches, logits, drafts_BxK, dlen_B, acc_B, event_B, ds, drafting = _draft_and_verify(
+            spec, params, tables, st, reads, key, k=k, n=n, min_n=min_n, control=control,
+            groups=groups, k_now=k_now, dparams=dparams, draft=draft, dreads=dreads)
+        full_B = jnp.zeros((B,), bool)
+    return _end_round(spec, tables, st, caches, logits, drafts_BxK, dlen_B, acc_B, event_B,
+                      full_B, ds, k=k, groups=groups, drafting=drafting)
+
+
+def _plain_read_and_draw(spec: Spec, params, tables: Tables, st: RoundState, reads, key):
+    """A plain fused step (a round that drafts nothing): every member reads the
+    pending event's tokens (one token in a shared vocabulary; in aligned spaces its
+    table row, in chunks), the logits are aligned onto the events and fused, and the
+    sampler draws the event, limited to the events every member can read. Key: the
+    round's, split as every step splits it (member key, token key).
+
+    Returns:
+        (caches, logits, event_B, full_B: a member could not read the event: its
+        context would be full, or it has no tokens for it).
+    """
+    dec = st.dec
+    _, k_token = jax.random.split(key)
+    reading_B = st.has_last & ~dec.finished
+    caches, logits = [], []
+    for i in range(len(spec.cfgs)):
+        l, c = _read_event(spec, i, params[i], dec.caches[i], dec.logits[i], st.last,
+                           reading_B, tables, reads[i])
+        caches.append(c)
+        logits.append(l)
+    logp_BxnxE, events = _aligned(spec, tables, tuple(logits))
+    logq_BxE, _ = _apply(logp_BxnxE, tables.weights, None, tables.fusion, name=spec.method,
+                         static=spec.static)
+    mask = tables.mask
+    if mask is not None and events is not None:
+        mask = jnp.where(events >= 0, mask[jnp.maximum(events, 0)], False)
+    col_B = _draw(k_token, logq_BxE, mask, spec.sampler)
+    event_B = col_B if events is None else jnp.take_along_axis(events, col_B[:, None], 1)[:, 0]
+    full_B = jnp.zeros_like(reading_B)
+    for i, cfg in enumerate(spec.cfgs):
+        if spec.space == "identity":
+            need_B = jnp.ones_like(event_B)
+        else:
+            need_B = tables.tokens[i][1][event_B]
+            full_B = full_B | (need_B < 0)  # unreadable: the host raises as reencode does
+        full_B = full_B | (caches[i]["next_pos"] + need_B >= cfg.max_seq_len)
+    return caches, logits, event_B.astype(jnp.int32), full_B
+
+
+def _draft_and_verify(spec: Spec, params, tables: Tables, st: RoundState, reads, key, *,
+                      k, n, min_n, control, groups, k_now, dparams, draft, dreads):
+    """A drafting round's drafts, one read of the pending event and them by every
+    member, and their verification (see :func:`spec_round`). ``drafting`` (returned):
+    a member drafter's drafting rows and steps, else None."""
     dec = st.dec
     B = dec.finished.shape[0]
     live_B = ~dec.finished
-    key = jax.random.fold_in(dec.key, dec.step)
     dlogp, ds = None, st.drafter
-    if k > 0:
-        cap_B = jnp.maximum(spec.max_new_tokens - dec.n_events - 1, 0)
-        if k_now is not None:
-            cap_B = jnp.minimum(cap_B, k_now)
-        if draft is None:
-            drafts_BxK, dlen_B = ngram_drafts(st.history, st.n_history, n=n, min_n=min_n,
-                                              k=k, control=control)
-            dlen_B = jnp.where(live_B, jnp.minimum(dlen_B, cap_B), 0)
-        else:  # every drafting row drafts as many as the longest may (its own cut after)
-            drafting_B = live_B & (cap_B > 0)
-            n_steps = jnp.max(jnp.where(drafting_B, cap_B, 0))
-            drafts_BxK, dlogp, ds = member_drafts(
-                spec.cfgs[draft], dparams, st.drafter, drafting_B, n_steps,
-                jax.random.fold_in(key, 1), k=k, sampler=spec.sampler,
-                dtype=jnp.dtype(spec.dtype), reads=dreads)
-            dlen_B = jnp.where(drafting_B, cap_B, 0)
-    else:
-        drafts_BxK, dlen_B = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
+    drafting_B = n_steps = None
+    cap_B = jnp.maximum(spec.max_new_tokens - dec.n_events - 1, 0)
+    if k_now is not None:
+        cap_B = jnp.minimum(cap_B, k_now)
+    if draft is None:
+        drafts_BxK, dlen_B = ngram_drafts(st.history, st.n_history, n=n, min_n=min_n,
+                                          k=k, control=control)
+        dlen_B = jnp.where(live_B, jnp.minimum(dlen_B, cap_B), 0)
+    else:  # every drafting row drafts as many as the longest may (its own cut after)
+        drafting_B = live_B & (cap_B > 0)
+        n_steps = jnp.max(jnp.where(drafting_B, cap_B, 0))
+        drafts_BxK, dlogp, ds = member_drafts(
+            spec.cfgs[draft], dparams, st.drafter, drafting_B, n_steps,
+            jax.random.fold_in(key, 1), k=k, sampler=spec.sampler,
+            dtype=jnp.dtype(spec.dtype), reads=dreads)
+        dlen_B = jnp.where(drafting_B, cap_B, 0)
     first_B = st.has_last.astype(jnp.int32)
     seq_BxT = jnp.concatenate([st.last[:, None], drafts_BxK], axis=1)
     shifted = jnp.concatenate([drafts_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -727,19 +758,37 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
         event_B = jnp.take_along_axis(fused, acc_B[:, None], axis=1)[:, 0]
     else:  # fused: the fused log-probs at each position [B, k + 1, V]
         acc_B, event_B = accept_sampled(key, fused, drafts_BxK, dlen_B, spec.sampler, dlogp)
+    drafting = None if draft is None else (drafting_B, n_steps)
+    return caches, logits, drafts_BxK, dlen_B, acc_B, event_B, ds, drafting
+
+
+def _end_round(spec: Spec, tables: Tables, st: RoundState, caches, logits, drafts_BxK, dlen_B,
+               acc_B, event_B, full_B, ds, *, k: int, groups, drafting):
+    """A round's end (see :func:`spec_round`): the events emitted (the accepted drafts,
+    then the event), the finish rules event by event (an end-of-sequence event, the
+    ``max_new_tokens``-th; ``full_B``: the first event cannot be read), the caches
+    cut back to the accepted text (drafting rounds), the n-gram context, the member
+    drafter's state; the emitted event pending."""
+    dec = st.dec
+    B = dec.finished.shape[0]
+    live_B = ~dec.finished
+    first_B = st.has_last.astype(jnp.int32)
     j_1xP = jnp.arange(k + 1)[None]
     emitted = jnp.where(j_1xP < acc_B[:, None], jnp.concatenate(
         [drafts_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1), event_B[:, None])
     # the finish rules, event by event: the first emitted event that ends the sequence
-    ends = (tables.eos[emitted] | (dec.n_events[:, None] + j_1xP + 1 >= spec.max_new_tokens))
+    ends = (tables.eos[emitted] | (dec.n_events[:, None] + j_1xP + 1 >= spec.max_new_tokens)
+            | ((j_1xP == acc_B[:, None]) & full_B[:, None]))
     ends = ends & (j_1xP <= acc_B[:, None])
     end_B = live_B & jnp.any(ends, axis=1)
     count_B = jnp.where(end_B, jnp.argmax(ends, axis=1) + 1, acc_B + 1)
     count_B = jnp.where(live_B, count_B, 0).astype(jnp.int32)
     emitted = jnp.where(j_1xP < count_B[:, None], emitted, -1)
-    kept_B = jnp.where(live_B, first_B + acc_B, 0)
-    caches = [_rolled_back(c, d["next_pos"] + jnp.tile(kept_B, len(idx)))
-              for c, d, idx in zip(caches, dec.caches, groups)]
+    if k > 0:  # every member read the pending event and the drafts: cut back
+        groups = tuple((i,) for i in range(len(spec.cfgs))) if groups is None else groups
+        kept_B = jnp.where(live_B, first_B + acc_B, 0)
+        caches = [_rolled_back(c, d["next_pos"] + jnp.tile(kept_B, len(idx)))
+                  for c, d, idx in zip(caches, dec.caches, groups)]
     H = st.history.shape[1]
     at_BxP2 = jnp.clip(st.n_history[:, None] + j_1xP, 0, H - 1)
     old_h = jnp.take_along_axis(st.history, at_BxP2, axis=1)
@@ -747,7 +796,8 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
         jnp.where(j_1xP < count_B[:, None], emitted, old_h))
     new_dec = dec._replace(caches=tuple(caches), logits=tuple(logits), step=dec.step + 1,
                            finished=dec.finished | end_B, n_events=dec.n_events + count_B)
-    if draft is not None and k > 0:
+    if drafting is not None:
+        drafting_B, n_steps = drafting
         # it read its pending tokens and the drafts but the last: it keeps what of those
         # the accepted text holds; pending: the rest (the event, after the last draft
         # when every draft was accepted)
@@ -811,8 +861,9 @@ def _run_rounds(spec, params, tables, st, control, sched, k_first, dparams, *, r
     def cond(carry):
         st, _, _, _, _, _, r, _, k_now = carry
         room = jnp.bool_(True)
-        for i, span in enumerate(spans):
-            room = room & (st.dec.caches[i]["end"] + k + 1 <= span)
+        for i, span in enumerate(spans):  # a plain step reads one event (chunks of tokens)
+            need = k + 1 if k else spec.slots_per_step(i)
+            room = room & (st.dec.caches[i]["end"] + need <= span)
         if draft is not None:
             room = room & (st.drafter.cache["end"] + k + 1 <= dspan)
         go = (r < rounds) & ~jnp.all(st.dec.finished) & room
@@ -854,7 +905,8 @@ def run_rounds(spec: Spec, params: tuple, tables: Tables, st: RoundState, contro
     done, every sequence has finished, or a member's next round could pass its span.
 
     Args:
-        spec, params, tables: as for :func:`fused_step` (mode 'fuse', identity space).
+        spec, params, tables: the static description (mode 'fuse'; drafting rounds:
+            the identity space), per member (per group) its params, the device tables.
         st: the round state (donated: the caches are updated in place).
         control: bool [V]: events a draft stops before, or None.
         sched, rule: the drafting schedule's state and its static rule (decay,
@@ -885,5 +937,5 @@ def run_rounds(spec: Spec, params: tuple, tables: Tables, st: RoundState, contro
 
 __all__ = ["CHUNK", "DecodeState", "DrafterState", "RoundState", "Schedule", "Spec",
            "Tables", "accept_sampled", "block_reads", "block_room", "compiled_count",
-           "draft_draw", "fused_step", "member_drafts", "ngram_drafts", "rollback_slots",
+           "draft_draw", "member_drafts", "ngram_drafts", "rollback_slots",
            "run_block", "run_rounds", "spec_round"]
