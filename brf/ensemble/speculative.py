@@ -776,15 +776,12 @@ class _Loop:
         self.sched.update(drafted, accepted, rejected)
         self.round += 1
 
-    def _replay_plain(self, events_KxB, k: int, live: list[int], on_piece,
-                      n_read: list | None = None) -> None:
+    def _replay_plain(self, events_KxB, k: int, live: list[int], on_piece) -> None:
         """The host's side of k plain steps run on the device: each emitted event
         replayed as a round's (text, stop strings, the finish rules), the n-gram
         drafter's would-be draft before it checked against the events from it on
         (``KSchedule.observe``), the schedule updated once for the block, and a member
-        drafter given the events to read when it next drafts. ``n_read``: per member
-        per row, tokens read (an event that does not finish its row is read by every
-        member)."""
+        drafter given the events to read when it next drafts."""
         B, n = self.B, self.n
         emitted = [[] for _ in range(B)]
         would = []  # (row, where in its emitted tokens, the n-gram drafter's draft there)
@@ -806,9 +803,6 @@ class _Loop:
                     on_piece(Piece(b, piece, reason))
                 if reason is not None:
                     self.done[b] = True
-                elif n_read is not None:  # every member read it (a finishing event is not)
-                    for i in range(n):
-                        n_read[i][b] += 1
         # each would-be draft against the tokens emitted after it, as far as the block
         # went: its agreeing prefix accepted, a disagreement a rejection
         ok = rejected = 0
