@@ -32,9 +32,11 @@ than a plain step (it runs on the host, verifies its draft, and a member drafter
 runs its own steps), so drafts must be accepted often enough to pay for it. The
 schedule follows the acceptance and drafts the k with the most tokens per unit of
 cost, or nothing when no k beats a plain step. While drafting is paused the loop
-runs plain fused steps as compiled blocks of :data:`PAUSED_BLOCK` (the program
-:func:`brf.ensemble.decode.generate` runs; members that share weights are split
-out of their batch for it and joined again after), so text that defeats the
+runs plain fused steps as compiled blocks of :data:`PAUSED_BLOCK` (rounds that
+draft nothing: the program :func:`brf.ensemble.decode.generate` runs; members
+that share weights are split out of their batch for it and joined again after),
+on either engine, through the device engine's block (:meth:`_Loop._device_block`),
+so text that defeats the
 drafter decodes at plain decoding's speed; the n-gram drafter's would-be drafts
 are checked against each emitted token for free, and drafting resumes once they
 would be accepted often enough. A member drafter that costs a whole step (as
@@ -381,11 +383,8 @@ class _Loop:
             key = (id(m.params), m.cfg) if group else i
             keys.setdefault(key, []).append(i)
         self.groups = list(keys.values())
-        self.where = {}  # member -> (group, row block)
         self.states = []
-        for g, idx in enumerate(self.groups):
-            for r, i in enumerate(idx):
-                self.where[i] = (g, r)
+        for idx in self.groups:
             rows = [ids for i in idx for ids in prompt_ids[i]]
             self.states.append(catchup.start(members[idx[0]], rows, dtype=dtype, slots=slots))
         self.pending: list[tuple[int, ...]] = [()] * self.B
@@ -412,7 +411,7 @@ class _Loop:
                 self.gather(u) for u in method_params["unembeddings"]])
         self.blocks = self._device_ready()
         self._plan = None
-        self._dev = None  # the members in a paused block's form (_split)
+        self._rounds = None  # the device's round state, its members' form and fills
         self.on_device = False  # every round on the device (_run_on_device)
 
     # -- drafting
@@ -571,58 +570,6 @@ class _Loop:
         them: one device, or one mesh, whose 'data' axis may split the batch)."""
         return not self.trace and _colocated(self.members)
 
-    def _plain_block(self, on_piece) -> None:
-        """While drafting is paused: up to :data:`PAUSED_BLOCK` plain fused steps as one
-        compiled block (rounds that draft nothing, :func:`brf.ensemble.step.run_rounds`
-        with ``k=0``: the program plain decoding runs), so a paused generation decodes
-        at plain decoding's speed. Each emitted token is replayed on the host as a
-        round's (text, stop strings, the finish rules), the n-gram drafter's would-be
-        draft before it checked against the tokens from it on (``KSchedule.observe``),
-        and the member drafter given it to read. The members stay in the block's form
-        (one cache per member, the last emitted token pending) from block to block;
-        :meth:`_merge` returns them to the rounds' (the same token pending)."""
-        B, n = self.B, self.n
-        spec, tables = self._device_plan()
-        if self._dev is None:
-            self._dev = self._split()
-        dev = self._dev
-        live = [b for b in range(B) if not self.done[b]]
-        horizon = PAUSED_BLOCK + 1
-        caches, reads, spans = [], [], []
-        for i in range(n):
-            c, rd, span = dstep.block_room(self.members[i].cfg, dev["caches"][i],
-                                           dev["ends"][i],
-                                           [dev["n_read"][i][b] for b in live], horizon)
-            caches.append(c)
-            reads.append(rd)
-            spans.append(span)
-        st = dstep.RoundState(
-            dstep.DecodeState(tuple(caches), tuple(dev["logits"]), jnp.int32(self.key_step),
-                              jnp.asarray(np.asarray(self.done, bool)),
-                              jnp.asarray(np.asarray([g.n_events for g in self.gens],
-                                                     np.int32)),
-                              jax.random.PRNGKey(self.seed)),
-            jnp.asarray(np.asarray([p[0] if p else 0 for p in self.pending], np.int32)),
-            jnp.asarray(np.asarray([len(p) > 0 for p in self.pending], bool)),
-            jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32))
-        st, em, _, _, _, _, k, fill = dstep.run_rounds(
-            spec, tuple(m.params for m in self.members), tables, st, None,
-            rounds=PAUSED_BLOCK, k=0, n=1, min_n=1, reads=tuple(reads), spans=tuple(spans))
-        events_KxB, k = np.asarray(em)[:, :, 0], int(k)
-        self.key_step += k
-        dev["caches"], dev["logits"] = list(st.dec.caches), list(st.dec.logits)
-        dev["ends"] = [int(x) for x in np.asarray(fill)]
-        if k == 0:
-            raise RuntimeError("a paused block made no progress")
-        self._replay_plain(events_KxB, k, live, on_piece)
-        # the last token emitted is pending: every member has read the rest
-        last, has_last = np.asarray(st.last), np.asarray(st.has_last)
-        self.pending = [(int(last[b]),) if has_last[b] and not self.done[b] else ()
-                        for b in range(B)]
-        for i in range(n):
-            dev["n_read"][i] = [len(self._prompt_ids[i][b]) + self.gens[b].n_events
-                                - len(self.pending[b]) for b in range(B)]
-
     def _device_plan(self):
         """The compiled step's static spec and device tables (as plain decoding's)."""
         if self._plan is None:
@@ -646,93 +593,126 @@ class _Loop:
         on the device: it picks each round's k there, and a drafting block ends where
         it would pause; the host's schedule, given the rounds one by one, picks the
         next block's first k."""
-        B, members = self.B, self.members
-        spec, tables = self._device_plan()
-        # the groups' states as started (rows member-major); their caches move to the device
-        # state, which donates them
+        self._to_rounds()
+        while not all(self.done):
+            self._device_block(on_piece)
+        return self.gens
+
+    def _to_rounds(self) -> None:
+        """The rounds' group states (rows member-major) as the device's round state,
+        from wherever the generation is: the key's step, each row's finished flag,
+        events, pending token (``self.pending``) and n-gram context. Their caches
+        move to the round state, which donates them."""
+        B = self.B
         groups = tuple(tuple(idx) for idx in self.groups)
         states, self.states = self.states, [None] * len(groups)
         H = catchup.bucket(max(len(h) for h in self.history) + self.max_new + self.spec.k + 2)
         history = np.zeros((B, H), np.int32)
         for b, h in enumerate(self.history):
             history[b, :len(h)] = h
-        control = np.zeros(self.space.size, bool)
-        control[[c for c in self.control if 0 <= c < self.space.size]] = True
-        control = jnp.asarray(control)
         st = dstep.RoundState(
             dstep.DecodeState(tuple(s.cache for s in states),
-                              tuple(s.logits_BxV for s in states), jnp.int32(0),
-                              jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32),
+                              tuple(s.logits_BxV for s in states), jnp.int32(self.key_step),
+                              jnp.asarray(np.asarray(self.done, bool)),
+                              jnp.asarray(np.asarray([g.n_events for g in self.gens],
+                                                     np.int32)),
                               jax.random.PRNGKey(self.seed)),  # (donated: a fresh copy)
-            jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), jnp.asarray(history),
-            jnp.asarray([len(h) for h in self.history], jnp.int32))
-        ends = [s.end for s in states]
-        del states
-        form = groups
-        singles = tuple((i,) for i in range(self.n))
-        while not all(self.done):
-            live = [b for b in range(B) if not self.done[b]]
-            k_first = self.sched.k
-            k = self.spec.k if k_first else 0  # the rounds' shapes: one program for every k
-            rounds = PAUSED_BLOCK if k == 0 else ROUND_BLOCK
-            # drafting rounds read members that share weights as one batch; plain steps
-            # one cache per member (on this CPU, paused generations of the prompt
-            # ensemble ran slower with the group's rows in one batch)
-            want = groups if k else singles
-            if want != form:
-                caches, logits, ends = _regroup(st.dec.caches, st.dec.logits, ends, form,
-                                                want, B)
-                st = st._replace(dec=st.dec._replace(caches=tuple(caches),
-                                                     logits=tuple(logits)))
-                form = want
-            prompt_len = [[len(p) for i in idx for p in self._prompt_ids[i]] for idx in form]
-            params = tuple(members[idx[0]].params for idx in form)
-            horizon = rounds * (k + 1) + k + 1
-            caches, reads, spans = [], [], []
-            for g, idx in enumerate(form):
-                # tokens read so far: the prompt and every emitted event but the pending last
-                n_read = [prompt_len[g][j * B + b] + max(self.gens[b].n_events - 1, 0)
-                          for j in range(len(idx)) for b in live]
-                c, rd, span = _round_room(members[idx[0]].cfg, st.dec.caches[g], ends[g],
-                                          n_read, k, horizon)
-                caches.append(c)
-                reads.append(rd)
-                spans.append(span)
-            st = st._replace(dec=st.dec._replace(caches=tuple(caches)))
-            sched, rule = None, None
-            if k:  # the schedule picks each round's k on the device
-                s = self.sched
-                sched = dstep.Schedule(jnp.float32(s.hits), jnp.float32(s.misses),
-                                       jnp.int32(s.size))
-                rule = (DECAY, s.overhead, s.cost, s.never_pause, s.adaptive, s.k_max)
-            draft = self.d_index if k else None
-            dreads = dspan = dparams = None
-            if draft is not None:
-                st, dreads, dspan = self._drafter_to_device(st, k, live, horizon)
-                dparams = members[draft].params
-            st, em, cnt, dra, acc, ks, r, fill = dstep.run_rounds(
-                spec, params, tables, st, control, sched, k_first, dparams, rounds=rounds,
-                k=k, n=self.spec.n, min_n=self.spec.min_n, rule=rule, reads=tuple(reads),
-                spans=tuple(spans), groups=form, draft=draft, dreads=dreads, dspan=dspan)
-            if draft is not None:
-                st = self._drafter_from_device(st)
-            em, cnt, dra, acc, ks, r = (np.asarray(em), np.asarray(cnt), np.asarray(dra),
-                                        np.asarray(acc), np.asarray(ks), int(r))
-            ends = [int(x) for x in np.asarray(fill)]
-            if r == 0:
-                raise RuntimeError("a block of speculative rounds made no progress")
-            if k == 0:
-                self._replay_plain(em[:r, :, 0], r, live, on_piece)
-            else:
-                for t in range(r):
-                    rows = [(b, em[t, b, :cnt[t, b]].tolist(), int(dra[t, b]), int(acc[t, b]))
-                            for b in live if cnt[t, b] > 0 and not self.done[b]]
-                    self._replay_round(int(ks[t]), rows, on_piece)
-            stopped = [b for b in live if self.done[b]]
-            if stopped:
-                st = st._replace(dec=st.dec._replace(
-                    finished=st.dec.finished.at[jnp.asarray(stopped)].set(True)))
-        return self.gens
+            jnp.asarray(np.asarray([p[0] if p else 0 for p in self.pending], np.int32)),
+            jnp.asarray(np.asarray([len(p) > 0 for p in self.pending], bool)),
+            jnp.asarray(history), jnp.asarray([len(h) for h in self.history], jnp.int32))
+        self._rounds = dict(st=st, form=groups, ends=[s.end for s in states])
+
+    def _from_rounds(self) -> None:
+        """The device's round state back into the rounds' group states (after
+        :meth:`_to_rounds`): each row's last emitted token pending."""
+        r, self._rounds = self._rounds, None
+        if r is None:
+            return
+        B = self.B
+        st, groups = r["st"], tuple(tuple(idx) for idx in self.groups)
+        caches, logits, ends = _regroup(st.dec.caches, st.dec.logits, r["ends"], r["form"],
+                                        groups, B)
+        last, has_last = np.asarray(st.last), np.asarray(st.has_last)
+        self.pending = [(int(last[b]),) if has_last[b] and not self.done[b] else ()
+                        for b in range(B)]
+        for g, idx in enumerate(groups):
+            n_read = tuple(len(self._prompt_ids[i][b]) + self.gens[b].n_events
+                           - len(self.pending[b]) for i in idx for b in range(B))
+            self.states[g] = catchup.MemberState(
+                caches[g], logits[g], tuple(self.pending[b] for _ in idx for b in range(B)),
+                ends[g], n_read)
+
+    def _device_block(self, on_piece) -> None:
+        """One block of compiled rounds drafting the schedule's k (a paused block when it
+        is 0: the program plain decoding runs), replayed on the host."""
+        B, members = self.B, self.members
+        spec, tables = self._device_plan()
+        st, form, ends = self._rounds["st"], self._rounds["form"], self._rounds["ends"]
+        groups = tuple(tuple(idx) for idx in self.groups)
+        control = np.zeros(self.space.size, bool)
+        control[[c for c in self.control if 0 <= c < self.space.size]] = True
+        live = [b for b in range(B) if not self.done[b]]
+        k_first = self.sched.k
+        k = self.spec.k if k_first else 0  # the rounds' shapes: one program for every k
+        rounds = PAUSED_BLOCK if k == 0 else ROUND_BLOCK
+        # drafting rounds read members that share weights as one batch; plain steps
+        # one cache per member (on this CPU, paused generations of the prompt
+        # ensemble ran slower with the group's rows in one batch)
+        want = groups if k else tuple((i,) for i in range(self.n))
+        if want != form:
+            caches, logits, ends = _regroup(st.dec.caches, st.dec.logits, ends, form, want, B)
+            st = st._replace(dec=st.dec._replace(caches=tuple(caches), logits=tuple(logits)))
+            form = want
+        prompt_len = [[len(p) for i in idx for p in self._prompt_ids[i]] for idx in form]
+        params = tuple(members[idx[0]].params for idx in form)
+        horizon = rounds * (k + 1) + k + 1
+        caches, reads, spans = [], [], []
+        for g, idx in enumerate(form):
+            # tokens read so far: the prompt and every emitted event but the pending last
+            n_read = [prompt_len[g][j * B + b] + max(self.gens[b].n_events - 1, 0)
+                      for j in range(len(idx)) for b in live]
+            c, rd, span = _round_room(members[idx[0]].cfg, st.dec.caches[g], ends[g],
+                                      n_read, k, horizon)
+            caches.append(c)
+            reads.append(rd)
+            spans.append(span)
+        st = st._replace(dec=st.dec._replace(caches=tuple(caches)))
+        sched, rule = None, None
+        if k:  # the schedule picks each round's k on the device
+            s = self.sched
+            sched = dstep.Schedule(jnp.float32(s.hits), jnp.float32(s.misses),
+                                   jnp.int32(s.size))
+            rule = (DECAY, s.overhead, s.cost, s.never_pause, s.adaptive, s.k_max)
+        draft = self.d_index if k else None
+        dreads = dspan = dparams = None
+        if draft is not None:
+            st, dreads, dspan = self._drafter_to_device(st, k, live, horizon)
+            dparams = members[draft].params
+        st, em, cnt, dra, acc, ks, r, fill = dstep.run_rounds(
+            spec, params, tables, st, jnp.asarray(control), sched, k_first, dparams,
+            rounds=rounds, k=k, n=self.spec.n, min_n=self.spec.min_n, rule=rule,
+            reads=tuple(reads), spans=tuple(spans), groups=form, draft=draft, dreads=dreads,
+            dspan=dspan)
+        if draft is not None:
+            st = self._drafter_from_device(st)
+        em, cnt, dra, acc, ks, r = (np.asarray(em), np.asarray(cnt), np.asarray(dra),
+                                    np.asarray(acc), np.asarray(ks), int(r))
+        ends = [int(x) for x in np.asarray(fill)]
+        if r == 0:
+            raise RuntimeError("a block of speculative rounds made no progress")
+        self.key_step += r
+        if k == 0:
+            self._replay_plain(em[:r, :, 0], r, live, on_piece)
+        else:
+            for t in range(r):
+                rows = [(b, em[t, b, :cnt[t, b]].tolist(), int(dra[t, b]), int(acc[t, b]))
+                        for b in live if cnt[t, b] > 0 and not self.done[b]]
+                self._replay_round(int(ks[t]), rows, on_piece)
+        stopped = [b for b in live if self.done[b]]
+        if stopped:
+            st = st._replace(dec=st.dec._replace(
+                finished=st.dec.finished.at[jnp.asarray(stopped)].set(True)))
+        self._rounds = dict(st=st, form=form, ends=ends)
 
     def _drafter_to_device(self, st, k: int, live: list[int], horizon: int):
         """The member drafter's state into a drafting block's round state: started if it
@@ -827,48 +807,18 @@ class _Loop:
         self.dstate = catchup.add_pending(st, [
             self.history[b][len(self._prompt_ids[0][b]):] for b in range(self.B)])
 
-    def _split(self) -> dict:
-        """The members in a block's form: one cache, logits and fill per member
-        (:func:`_regroup`); the last emitted token stays pending (``self.pending``)."""
-        B = self.B
-        groups = tuple(tuple(idx) for idx in self.groups)
-        caches, logits, ends = _regroup([st.cache for st in self.states],
-                                        [st.logits_BxV for st in self.states],
-                                        [st.end for st in self.states], groups,
-                                        tuple((i,) for i in range(self.n)), B)
-        n_read = [None] * self.n
-        for i in range(self.n):
-            g, r = self.where[i]
-            n_read[i] = list(self.states[g].n_read[r * B:(r + 1) * B])
-        self.states = [None] * len(self.groups)  # their caches now live in the block form
-        return {"caches": caches, "logits": logits, "ends": ends, "n_read": n_read}
-
-    def _merge(self) -> None:
-        """The block form back into the rounds' group states (after :meth:`_split`),
-        each row's pending token (``self.pending``) pending in them too."""
-        dev, self._dev = self._dev, None
-        if dev is None:
-            return
-        B = self.B
-        groups = tuple(tuple(idx) for idx in self.groups)
-        caches, logits, ends = _regroup(dev["caches"], dev["logits"], dev["ends"],
-                                        tuple((i,) for i in range(self.n)), groups, B)
-        for g, idx in enumerate(groups):
-            n_read = tuple(x for i in idx for x in dev["n_read"][i])
-            self.states[g] = catchup.MemberState(
-                caches[g], logits[g], tuple(self.pending[b] for _ in idx for b in range(B)),
-                ends[g], n_read)
-
     def run(self, on_piece) -> list[SpecGeneration]:
         for g in self.gens:
             g.engine = "device" if self.on_device else "host"
         if self.on_device:
             return self._run_on_device(on_piece)
         while not all(self.done):
-            if self.sched.k == 0 and self.blocks:
-                self._plain_block(on_piece)
+            if self.sched.k == 0 and self.blocks:  # paused: plain decoding's compiled steps
+                if self._rounds is None:
+                    self._to_rounds()
+                self._device_block(on_piece)
                 continue
-            self._merge()
+            self._from_rounds()
             if self.d_index is not None and self.sched.k > 0:
                 self._ensure_drafter()
             if self.dstate is not None:
