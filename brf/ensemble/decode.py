@@ -473,7 +473,10 @@ def _device_plan(job: _Job):
 
 def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
                 ) -> Iterator[Piece]:
-    """Decoding on the device: blocks of compiled steps (:mod:`brf.ensemble.step`).
+    """Decoding on the device: blocks of compiled steps (:mod:`brf.ensemble.step`):
+    mode 'fuse' as rounds that draft nothing (``run_rounds`` with ``k=0``, each
+    sequence's last event pending until the next step reads it), the mixture modes
+    as mixture steps (``run_block``).
 
     Between blocks the host replays each event exactly as the host loop does
     (`_advance`: text, stop strings, the members' re-encoding, the finish
