@@ -120,9 +120,11 @@ def test_event_tokens_are_each_events_own_encoding_and_survive_the_disk(cross_pa
 
 def test_sliding_window_reads_on_the_device_follow_the_pending_event(tok):
     """Members with sliding-window layers (a window of 4) and prompts of very different
-    lengths (padding slots among the shorter one's): the device reads each local
-    layer's window from the tokens really read (the pending event is not), and gives
-    the host loop's text; a window short by one slot would change the logits."""
+    lengths (padding slots among the shorter one's): with the local layers reading
+    only their window (bounds computed from the tokens really read, the pending event
+    not among them), the device gives the host loop's text. The bounds round up to a
+    power of two, so an off-by-one in that count stays inside them and this test
+    does not see it."""
     import jax
 
     from brf.ensemble.member import Member

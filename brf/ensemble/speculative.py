@@ -571,7 +571,8 @@ class _Loop:
         return not self.trace and _colocated(self.members)
 
     def _device_plan(self):
-        """The compiled step's static spec and device tables (as plain decoding's)."""
+        """The compiled rounds' static spec and device tables (as plain decoding's), and
+        the control events a draft stops before (bool [V] on the device); built once."""
         if self._plan is None:
             from brf.ensemble.decode import _device_plan
             job = types.SimpleNamespace(
@@ -579,7 +580,9 @@ class _Loop:
                 method_params=self.method_params, weights=np.asarray(self.w_dev),
                 sampler=self.sampler, max_new_tokens=self.max_new, dtype=self.dtype,
                 mode="fuse", choice="per_sequence")
-            self._plan = _device_plan(job)[:2]
+            control = np.zeros(self.space.size, bool)
+            control[[c for c in self.control if 0 <= c < self.space.size]] = True
+            self._plan = (*_device_plan(job)[:2], jnp.asarray(control))
         return self._plan
 
     def _run_on_device(self, on_piece) -> list[SpecGeneration]:
@@ -646,11 +649,9 @@ class _Loop:
         """One block of compiled rounds drafting the schedule's k (a paused block when it
         is 0: the program plain decoding runs), replayed on the host."""
         B, members = self.B, self.members
-        spec, tables = self._device_plan()
+        spec, tables, control = self._device_plan()
         st, form, ends = self._rounds["st"], self._rounds["form"], self._rounds["ends"]
         groups = tuple(tuple(idx) for idx in self.groups)
-        control = np.zeros(self.space.size, bool)
-        control[[c for c in self.control if 0 <= c < self.space.size]] = True
         live = [b for b in range(B) if not self.done[b]]
         k_first = self.sched.k
         k = self.spec.k if k_first else 0  # the rounds' shapes: one program for every k
@@ -689,7 +690,7 @@ class _Loop:
             st, dreads, dspan = self._drafter_to_device(st, k, live, horizon)
             dparams = members[draft].params
         st, em, cnt, dra, acc, ks, r, fill = dstep.run_rounds(
-            spec, params, tables, st, jnp.asarray(control), sched, k_first, dparams,
+            spec, params, tables, st, control, sched, k_first, dparams,
             rounds=rounds, k=k, n=self.spec.n, min_n=self.spec.min_n, rule=rule,
             reads=tuple(reads), spans=tuple(spans), groups=form, draft=draft, dreads=dreads,
             dspan=dspan)

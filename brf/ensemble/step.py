@@ -619,9 +619,10 @@ def spec_round(spec: Spec, params: tuple, tables: Tables, st: RoundState, reads:
     """
     B = st.dec.finished.shape[0]
     key = jax.random.fold_in(st.dec.key, st.dec.step)
+    groups = tuple((i,) for i in range(len(spec.cfgs))) if groups is None else groups
     drafting = None
     if k == 0:  # a plain fused step, in any event space
-        if groups is not None and any(len(idx) > 1 for idx in groups):
+        if any(len(idx) > 1 for idx in groups):
             raise ValueError("a round that drafts nothing reads one cache per member")
         caches, logits, event_B, full_B = _plain_read_and_draw(spec, params, tables, st,
                                                                  reads, key)
@@ -711,7 +712,6 @@ def _draft_and_verify(spec: Spec, params, tables: Tables, st: RoundState, reads,
     n_tok_B = jnp.where(live_B, first_B + dlen_B, 0)
     valid_BxT = jnp.arange(k + 1)[None] < n_tok_B[:, None]
     at_BxP = first_B[:, None] + jnp.arange(k + 1)[None]   # rows of [old, read...]
-    groups = tuple((i,) for i in range(len(spec.cfgs))) if groups is None else groups
     tokens_BxT = jnp.where(valid_BxT, tokens_BxT, 0)
 
     def read_and_fuse(width, caches):
@@ -785,7 +785,6 @@ def _end_round(spec: Spec, tables: Tables, st: RoundState, caches, logits, draft
     count_B = jnp.where(live_B, count_B, 0).astype(jnp.int32)
     emitted = jnp.where(j_1xP < count_B[:, None], emitted, -1)
     if k > 0:  # every member read the pending event and the drafts: cut back
-        groups = tuple((i,) for i in range(len(spec.cfgs))) if groups is None else groups
         kept_B = jnp.where(live_B, first_B + acc_B, 0)
         caches = [_rolled_back(c, d["next_pos"] + jnp.tile(kept_B, len(idx)))
                   for c, d, idx in zip(caches, dec.caches, groups)]
