@@ -177,19 +177,24 @@ def test_mixture_exact_draws_from_the_chosen_member(lms):
         assert np.isfinite(t["logq"][t["event"]])
 
 
-def test_draws_stay_in_every_members_support(lms):
-    """A member whose vocabulary only writes 'a' and 'b' beside one that writes every
-    byte: each drawn byte is one both can read (the pool renormalised over them)."""
+def _two_letters(letters: str, seed: int) -> ByteLM:
+    """A member whose vocabulary writes only the two ``letters`` (and their pair)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tests.byte_reference import _backend
-    raw = Tokenizer(models.BPE({"<pad>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4, "ab": 5},
-                               [("a", "b")]))
+    a, b = letters
+    raw = Tokenizer(models.BPE({"<pad>": 0, "<s>": 1, "</s>": 2, a: 3, b: 4, a + b: 5},
+                               [(a, b)]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     tok = _backend(raw)
-    cfg, params = tiny_model(len(tok), seed=5, dtype=jnp.float64)
-    ab = ByteLM(params, cfg, tok, name="ab", dtype=jnp.float64)
-    members = [lms["byte_level"], ab]
+    cfg, params = tiny_model(len(tok), seed=seed, dtype=jnp.float64)
+    return ByteLM(params, cfg, tok, name=letters, dtype=jnp.float64)
+
+
+def test_draws_stay_in_every_members_support(lms):
+    """A member whose vocabulary only writes 'a' and 'b' beside one that writes every
+    byte: each drawn byte is one both can read (the pool renormalised over them)."""
+    members = [lms["byte_level"], _two_letters("ab", 5)]
     for seed in range(3):
         g = generate_bytes(members, [m.context() for m in members], sampler="temperature=3",
                            seed=seed, max_bytes=6, utf8=False, trace=True, **EXACT)
@@ -198,6 +203,23 @@ def test_draws_stay_in_every_members_support(lms):
             assert b"".join(m.codec.table.token_bytes[t] for t in ids) == g.data
         for t in g.trace:
             assert np.isfinite(t["member_logp"][:, t["event"]]).all()
+
+
+def test_members_without_a_common_event_end_without_a_draw(lms):
+    """Two members that share no byte and, with no end-of-text tokens, no end: nothing
+    can be drawn. Plain and speculative generation (both drafters) end at once with
+    'no_common_byte', nothing emitted and no step recorded for the draw not made."""
+    from brf.bytes.speculative import generate_bytes_speculative
+    members = [_two_letters("ab", 5), _two_letters("cd", 6)]
+    ctx = [m.context() for m in members]
+    kw = dict(sampler="temperature=2", max_bytes=4, utf8=False, trace=True,
+              eos_ids=[[], []], **EXACT)
+    g = generate_bytes(members, ctx, **kw)
+    assert (g.finish_reason, g.data, g.trace, g.n_hyp) == ("no_common_byte", b"", [], [[], []])
+    for drafter in ("member(k=2, cost=0, index=0)", "ngram(n=2, k=2, cost=0)"):
+        s = generate_bytes_speculative(members, ctx, drafter=drafter, lookup=b"abab", **kw)
+        assert (s.finish_reason, s.data, s.trace) == ("no_common_byte", b"", []), drafter
+        assert s.spec.drafted > 0 and s.spec.accepted == 0, (drafter, s.spec)
 
 
 def test_pruning_keeps_distributions_normalised(lms):

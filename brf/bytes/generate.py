@@ -56,6 +56,12 @@ member (a one-sided bound: nothing bounds a single byte's distribution).
 `measure_precision` measures that per byte: it rescores the generated text at
 the reference settings (`brf.bytes.REFERENCE`) and compares.
 
+**One loop.** Generation runs in rounds (`_Loop`) that speculative generation
+(`brf.bytes.speculative`) shares: a round reads the bytes a drafter proposes, the
+law (what the sampler draws from) is computed at each of them and the one after,
+and verification emits the accepted drafts and one byte of its own. Plain
+generation never drafts, so each of its rounds is the one step described above.
+
 Reproducibility: byte k uses ``fold_in(PRNGKey(seed), k)`` split into a
 member-choice key and a byte key (as `brf.ensemble.decode` does per token).
 """
@@ -63,7 +69,6 @@ member-choice key and a byte key (as `brf.ensemble.decode` does per token).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -81,13 +86,15 @@ from brf.text import TextStream, utf8_prefix
 from brf.fusion import Sampler, fuse
 from brf.fusion import methods as fusion_methods
 from brf.fusion.mixture import select_member
-from brf.fusion.sampling import sample
+from brf.fusion.sampling import filter_logprobs, sample
+from brf.fusion.speculative import Verdict, verify, verify_greedy
 from brf.models import init_cache, prefill_donated
 from brf.models.cache import grow
 
 MODES = ("fuse", "mixture_exact", "mixture_per_member")
 # tokens per tree-attention call, padded up to one of these (most bytes need 0 or 1)
 TREE_BUCKETS = (1, 2, 4, 8, 16, 64, 256)
+MAX_CHAIN = 8  # tokens of a guessed canonical continuation computed ahead (speculative)
 
 
 class NextTokens:
@@ -202,56 +209,190 @@ class _Tree:
         return np.asarray(logits[0, :len(wanted)])
 
 
-@dataclasses.dataclass
-class _Reader:
-    """One member's byte-level reading of the generated text."""
-    lm: ByteLM
-    tree: _Tree
-    seqs: SeqTree
-    state: ByteState
-    tables: dict
-    eos_ids: tuple
+class _Stop(Exception):
+    """A round cannot go on at a position: 'context' or 'no_common_byte'."""
 
-    def dist(self) -> np.ndarray:
-        return next_byte(self.state, self.tables)[0]
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
-    def read(self, byte: int, beam: int, threshold: float) -> float | None:
-        """Reads one byte; runs the forward passes its new hypotheses need.
-        Returns the fraction of mass pruning dropped; None when the context is full."""
-        state, step = advance(self.state, byte, self.tables, self.lm.trie, self.seqs,
-                              beam=beam, threshold=threshold)
-        need = pending(state, self.tables)
-        if any(not self.tree.room(self.seqs, s) for s in need):
+
+class _Member:
+    """One member's byte-level reading of the text: its forward passes (`_Tree`), the
+    token sequences its hypotheses commit to, its state after the bytes read, and the
+    next-token distributions its hypotheses use (``tables``). Byte states are
+    immutable, so a round keeps one per position it reads and the member goes on from
+    the one at the accepted length."""
+
+    def __init__(self, lm: ByteLM, ctx: Sequence[int], eos_ids: Sequence[int] | None,
+                 beam: int, threshold: float):
+        self.lm = lm
+        self.tree = _Tree(lm, ctx)
+        self.eos_ids = tuple(int(i) for i in (lm.eos_ids if eos_ids is None else eos_ids))
+        self.seqs = SeqTree()
+        self.state = initial_state()
+        self.tables: dict = {0: NextTokens(lm.trie, self.tree.first, self.eos_ids)}
+        self.beam, self.threshold = beam, threshold
+        self.computed = 0  # distributions computed (the first one excluded)
+
+    def advance(self, state: ByteState, byte: int):
+        """(the state after ``byte``, the step's `brf.bytes.state.Step`)."""
+        return advance(state, byte, self.tables, self.lm.trie, self.seqs, beam=self.beam,
+                       threshold=self.threshold)
+
+    def dist(self, state: ByteState) -> np.ndarray:
+        """The next-byte log-distribution [257] at ``state`` (its distributions ready)."""
+        return next_byte(state, self.tables)[0]
+
+    def fits(self, state: ByteState) -> bool:
+        """Whether every sequence ``state`` still needs a pass for fits in the context."""
+        return all(self.tree.room(self.seqs, s) for s in pending(state, self.tables))
+
+    def read(self, byte: int) -> float | None:
+        """Reads one byte (of the prompt) and runs the passes it needs: the fraction of
+        mass pruning dropped; None when the context is full."""
+        state, step = self.advance(self.state, byte)
+        if not self.fits(state):
             return None
-        if need:
-            logits = self.tree.compute(self.seqs, need)
-            for s, row in zip(need, logits):
-                self.tables[s] = NextTokens(self.lm.trie, row, self.eos_ids)
-        alive = {h.seq for h in state.hyps}
-        for s in [s for s in self.tables if s not in alive]:
-            del self.tables[s]
+        self.ready(state)
         self.state = state
+        self.forget(state)
         return step.pruned
 
-    def tokenization(self, text: bytes, beam: int, threshold: float) -> tuple[int, ...] | None:
-        """The heaviest of the member's hypotheses that tokenize all of ``text``
-        (its tokens after the context), None when every hypothesis ends inside a
-        token. The state may lag one byte behind (the last byte drawn is read here,
-        without forward passes)."""
-        state = self.state
-        if state.offset == len(text) - 1:
-            state, _ = advance(state, text[-1], self.tables, self.lm.trie, self.seqs,
-                               beam=beam, threshold=threshold)
-        whole = [h for h in state.hyps if h.node == ROOT]
+    def fetch(self, seqs: Sequence[int]) -> None:
+        """Computes the distributions of ``seqs`` in one call (in their order, which has
+        parents before children)."""
+        todo = [s for s in dict.fromkeys(seqs) if s not in self.tables]
+        if not todo:
+            return
+        logits = self.tree.compute(self.seqs, todo)
+        for s, row in zip(todo, logits):
+            self.tables[s] = NextTokens(self.lm.trie, row, self.eos_ids)
+        self.computed += len(todo)
+
+    def ready(self, state: ByteState, text: bytes | None = None, end: int = 0) -> None:
+        """Makes every hypothesis of ``state`` have its distribution; with ``text``, a
+        look-ahead to byte ``end`` adds what later bytes will need
+        (`brf.bytes.speculative`'s module docstring).
+
+        Raises:
+            _Stop('context'): a needed sequence does not fit in the model's context.
+        """
+        while True:
+            need = pending(state, self.tables)
+            if not need:
+                return
+            if any(not self.tree.room(self.seqs, s) for s in need):
+                raise _Stop("context")
+            extra = [] if text is None else self._lookahead(state, text, end)
+            self.fetch(need + [s for s in extra if self.tree.room(self.seqs, s)])
+
+    def _chain(self, seq: int, text: bytes, end: int) -> list[int]:
+        """``seq`` followed by the canonical tokens of the text after it, up to ``end``."""
+        out, start = [], self.seqs.end[seq]
+        if end <= start:
+            return out
+        try:
+            toks = self.lm.encode(text[start:end])
+        except (UnexpressibleByteError, ValueError):
+            return out
+        cur, pos = seq, start
+        for t in toks[:MAX_CHAIN]:
+            pos += len(self.lm.codec.table.token_bytes[t])
+            if pos > end:
+                break
+            cur = self.seqs.child(cur, t, pos)
+            out.append(cur)
+        return out
+
+    def _lookahead(self, state: ByteState, text: bytes, end: int) -> list[int]:
+        """An approximate walk from ``state`` to byte ``end`` of ``text``: hypotheses
+        without a distribution are set aside (with their canonical continuations),
+        the others advance and prune as in the real walk."""
+        out, seen = [], set()
+        s = state
+        while True:
+            miss = [h for h in s.hyps if h.seq not in self.tables]
+            for h in miss:
+                if h.seq not in seen:
+                    seen.add(h.seq)
+                    out.append(h.seq)
+                    out.extend(self._chain(h.seq, text, end))
+            s = ByteState(s.offset, tuple(h for h in s.hyps if h.seq in self.tables))
+            if s.offset >= end or not s.hyps:
+                return out
+            try:
+                s, _ = self.advance(s, text[s.offset])
+            except UnexpressibleByteError:
+                return out
+
+    def walk(self, state: ByteState, text: bytes, end: int) -> tuple[list, list]:
+        """The states after each byte of ``text[state.offset:end]`` (as far as the
+        member can follow them), each with its distributions ready, and the steps.
+
+        Raises:
+            _Stop('context') only for the first state (later ones end the walk).
+        """
+        states, steps = [state], []
+        self.ready(state, text, end)
+        s = state
+        while s.offset < end:
+            try:
+                s, step = self.advance(s, text[s.offset])
+            except UnexpressibleByteError:
+                break  # the member gives that byte probability 0: the round stops there
+            try:
+                self.ready(s, text, end)
+            except _Stop:
+                states.append(None)  # reached, but its distribution needs a context it lacks
+                steps.append(step)
+                break
+            states.append(s)
+            steps.append(step)
+        return states, steps
+
+    def forget(self, keep: ByteState) -> None:
+        """Drops the distributions no hypothesis of ``keep`` uses."""
+        alive = {h.seq for h in keep.hyps}
+        for s in [s for s in self.tables if s not in alive]:
+            del self.tables[s]
+
+    def tokenization(self, full: bytes) -> tuple[int, ...] | None:
+        """The heaviest of the member's hypotheses that tokenize all of ``full`` (its
+        tokens after the context), None when every hypothesis ends inside a token. The
+        state may lag one byte behind (the last byte emitted is read here, without
+        forward passes)."""
+        s = self.state
+        if s.offset > len(full) or s.offset < len(full) - 1:
+            return None
+        if s.offset == len(full) - 1:
+            if pending(s, self.tables):
+                return None
+            s, _ = self.advance(s, full[-1])
+        whole = [h for h in s.hyps if h.node == ROOT]
         return self.seqs.ext[max(whole, key=lambda h: h.logp).seq] if whole else None
 
 
-def _reader(lm: ByteLM, ctx: Sequence[int], eos_ids: Sequence[int] | None) -> _Reader:
-    tree = _Tree(lm, ctx)
-    eos = tuple(int(i) for i in (lm.eos_ids if eos_ids is None else eos_ids))
-    seqs = SeqTree()
-    return _Reader(lm, tree, seqs, initial_state(), {0: NextTokens(lm.trie, tree.first, eos)},
-                   eos)
+def _members(members: Sequence[ByteLM], contexts, eos_ids, prompt: bytes, beam: int,
+             threshold: float) -> list[_Member]:
+    """Every member's reader, after its context and the prompt's bytes.
+
+    Raises:
+        ByteInputError: a context or prompt that does not fit.
+        UnexpressibleByteError: prompt bytes a member cannot read.
+    """
+    eos_ids = list(eos_ids) if eos_ids is not None else [None] * len(members)
+    mems = [_Member(lm, ctx, e, beam, threshold)
+            for lm, ctx, e in zip(members, contexts, eos_ids)]
+    for b in prompt:
+        for m in mems:
+            try:
+                got = m.read(b)
+            except UnexpressibleByteError as e:
+                raise UnexpressibleByteError(f"{m.lm.name}: prompt {e}") from None
+            if got is None:
+                raise ByteInputError(f"{m.lm.name}: the prompt does not fit in its context")
+    return mems
 
 
 def utf8_allowed(data: bytes) -> np.ndarray:
@@ -299,14 +440,17 @@ class ByteGeneration:
         n_hyp: per member, per byte drawn, how many hypotheses its distribution summed.
         tokens: per member, tokens run through the model (context included).
         calls: per member, tree-attention calls.
+        computed: per member, next-token distributions computed after the context.
         member_ids: per member, the tokens (after its context) of its heaviest
             hypothesis that tokenizes all of prompt + data -- what it would
             condition on to go on at the token level; None when every kept
             hypothesis ends inside a token.
-        trace: per byte drawn (``trace=True``): 'logq' (float64 [257], the fused
-            distribution in mode 'fuse' before the sampler and the UTF-8 mask;
+        trace: per event emitted (``trace=True``): 'logq' (float64 [257], the
+            fused distribution in mode 'fuse' before the sampler and the UTF-8 mask;
             the chosen member's in the mixture modes), 'member_logp' ([n, 257]),
-            'event', 'member' (mixture modes).
+            'event', 'member' (mixture modes; else None), 'round' (the round that
+            emitted it: the byte's index in plain generation) and 'drafted'
+            (speculative: whether it was an accepted draft).
     """
     data: bytes = b""
     text: str = ""
@@ -315,6 +459,7 @@ class ByteGeneration:
     n_hyp: list[list[int]] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
     calls: list[int] = dataclasses.field(default_factory=list)
+    computed: list[int] = dataclasses.field(default_factory=list)
     member_ids: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)
     trace: list[dict] = dataclasses.field(default_factory=list)
 
@@ -414,76 +559,212 @@ def generate_bytes(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
         members, contexts, weights, prompt, utf8, mode=mode, method=method,
         method_params=method_params, sampler=sampler, beam=beam, threshold=threshold,
         max_bytes=max_bytes)
-    n = len(members)
-    eos_ids = list(eos_ids) if eos_ids is not None else [None] * n
-    readers = [_reader(lm, ctx, e) for lm, ctx, e in zip(members, contexts, eos_ids)]
-    out = ByteGeneration(pruned=[[] for _ in range(n)], n_hyp=[[] for _ in range(n)])
-    for k, b in enumerate(prompt):
-        for r, lm in zip(readers, members):
-            try:
-                got = r.read(b, beam, threshold)
-            except UnexpressibleByteError as e:
-                raise UnexpressibleByteError(f"{lm.name}: prompt {e}") from None
-            if got is None:
-                raise ByteInputError(f"{lm.name}: the prompt does not fit in its context")
-    base = jax.random.PRNGKey(seed)
-    w_dev = jnp.asarray(w, jnp.float32)
-    text = TextStream(stop)
-    data = bytearray()
-    finish = "length"
-    for k in itertools.count():
-        logp_nxE = np.stack([r.dist() for r in readers])
-        for j, r in enumerate(readers):
-            out.n_hyp[j].append(len(r.state.hyps))
-        k_member, k_byte = jax.random.split(jax.random.fold_in(base, k))
-        member = None
-        if mode == "fuse":
-            logq = _fused(method, method_params, logp_nxE, w)
-            s = sampler
+    mems = _members(members, contexts, eos_ids, prompt, beam, threshold)
+    out = ByteGeneration(pruned=[[] for _ in mems], n_hyp=[[] for _ in mems])
+    return _Loop(mems, out, prompt=prompt, w=w, mode=mode, method=method,
+                method_params=method_params, sampler=sampler, max_bytes=max_bytes, stop=stop,
+                seed=seed, utf8=utf8, trace=trace).run(on_piece)
+
+
+class _Loop:
+    """One byte-level generation, plain or speculative: rounds until a finish.
+
+    A round drafts k >= 0 bytes (``drafting``, `brf.bytes.speculative`; None: plain
+    generation, which never drafts), every member reads them with its covering
+    hypotheses, the target (what plain generation draws from) is computed at each
+    drafted position and the one after, and verification
+    (`brf.fusion.speculative`) emits the accepted drafts and one event of its own;
+    the members go on from their states at the accepted length and read the last
+    emitted byte. A round without drafts is plain generation's step: its event is
+    drawn as `generate_bytes` documents (a JAX key per byte), in every mode.
+    """
+
+    def __init__(self, mems: list[_Member], out: ByteGeneration, *, prompt: bytes,
+                 w: np.ndarray, mode: str, method: str, method_params: Mapping[str, Any],
+                 sampler: Sampler, max_bytes: int, stop: Sequence[str], seed: int, utf8: bool,
+                 trace: bool, drafting=None):
+        self.mems, self.out, self.drafting = mems, out, drafting
+        self.prompt, self.w, self.mode = bytes(prompt), w, mode
+        self.method, self.method_params, self.sampler = method, method_params, sampler
+        self.max_bytes, self.utf8, self.trace = max_bytes, utf8, trace
+        if drafting is None:  # plain: byte k's keys from fold_in(PRNGKey(seed), k)
+            self.key, self.w_dev = jax.random.PRNGKey(seed), jnp.asarray(w, jnp.float32)
+        else:  # speculative: the drafts' and verification's draws
+            self.rng = np.random.default_rng(seed)
+        self.text = TextStream(stop)
+        self.data = bytearray()
+        self.round = 0
+
+    def _law(self, logp_nxE: np.ndarray, before: bytes) -> dict:
+        """The law at a position after ``before`` (the prompt and the bytes up to it):
+        'logq' (the fused distribution, or in the mixture modes the chosen member's,
+        before the masks and the sampler), 'allowed' (the events every member can
+        follow, and with ``utf8`` those keeping the text valid), 'sampler', 'member'
+        and, in plain generation, 'key' (the byte's draw)."""
+        law = dict(member_logp=logp_nxE, member=None, sampler=self.sampler, key=None)
+        if self.drafting is None:
+            k_member, law["key"] = jax.random.split(jax.random.fold_in(self.key, len(self.data)))
+        if self.mode == "fuse":
+            law["logq"] = _fused(self.method, self.method_params, logp_nxE, self.w)
         else:
-            member = int(select_member(k_member, w_dev))
-            logq = logp_nxE[member]
-            s = sampler if mode == "mixture_per_member" else Sampler()
-        allowed = np.isfinite(logp_nxE).all(axis=0)  # every member can follow it
-        if utf8:
-            allowed &= utf8_allowed(bytes(prompt + data))
-        event = _draw(k_byte, logq, allowed, s)
-        if trace:
-            out.trace.append(dict(logq=logq, member_logp=logp_nxE, event=event, member=member))
-        if event is None:
-            finish = "no_common_byte"
-            break
-        if event == EOT:
-            finish = "eot"
-            break
-        data.append(event)
-        piece = text.update(utf8_prefix(bytes(data)))
-        if on_piece is not None and piece:
-            on_piece(BytePiece(piece))
-        if text.stopped:
-            finish = "stop"
-            break
-        # max_bytes, or with utf8 up to 3 more bytes that complete the last character
-        if len(data) >= max_bytes and (not utf8 or _valid_text(bytes(data))):
-            break
-        full = False
-        for j, r in enumerate(readers):
-            got = r.read(event, beam, threshold)
+            law["member"] = int(select_member(k_member, self.w_dev))
+            law["logq"] = logp_nxE[law["member"]]
+            if self.mode == "mixture_exact":
+                law["sampler"] = Sampler()
+        allowed = np.isfinite(logp_nxE).all(axis=0)
+        if self.utf8:
+            allowed &= utf8_allowed(before)
+        law["allowed"] = allowed
+        return law
+
+    def _round(self) -> tuple[list[int], str | None]:
+        """One round: the emitted events (end-of-text included when drawn) and a finish
+        reason that arises inside it ('context', 'no_common_byte'; else None)."""
+        mems, d = self.mems, self.drafting
+        states: list[list] = [[m.state] for m in mems]
+        steps: list[list] = [[] for _ in mems]
+        draft, p_rows, di, plan = [], None, None, None
+        if d is not None:
+            plan = d.plan(self)
+            di = d.index
+            if di is not None:
+                try:
+                    mems[di].ready(mems[di].state)
+                except _Stop as e:
+                    return [], e.reason
+            draft, p_rows = d.draft(self, plan[0], states, steps)
+        base = self.prompt + bytes(self.data)
+        text, o0 = base + bytes(draft), len(base)
+        for j, m in enumerate(mems):
+            if j == di:
+                continue  # the member drafter's states are its drafting's
+            try:
+                states[j], steps[j] = m.walk(m.state, text, o0 + len(draft))
+            except _Stop as e:
+                return [], e.reason
+        laws: dict[int, dict] = {}
+
+        def law_at(i: int) -> dict:
+            got = laws.get(i)
             if got is None:
-                full = True
+                rows = []
+                for j, m in enumerate(mems):
+                    chain = states[j]
+                    if i >= len(chain):
+                        raise AssertionError("a drafted byte a member cannot follow was "
+                                             "accepted")  # its target probability is 0
+                    s = chain[i]
+                    if s is None:
+                        raise _Stop("context")
+                    if j == di and i == len(chain) - 1:
+                        try:
+                            m.ready(s)
+                        except _Stop:
+                            raise _Stop("context") from None
+                    rows.append(m.dist(s))
+                got = self._law(np.stack(rows), text[:o0 + i])
+                if d is not None:
+                    got["target"] = _target(got["logq"], got["allowed"], got["sampler"])
+                    if got["target"] is None:
+                        raise _Stop("no_common_byte")
+                laws[i] = got
+            return got
+
+        reason = None
+        try:
+            if d is None:  # a plain step
+                law = law_at(0)
+                event = _draw(law["key"], law["logq"], law["allowed"], law["sampler"])
+                if event is None:
+                    del laws[0]
+                    raise _Stop("no_common_byte")
+                v = Verdict(0, event)
+            elif self.sampler.greedy:
+                v = verify_greedy(lambda i: int(np.argmax(law_at(i)["target"])), draft)
+            else:
+                v = verify(self.rng, lambda i: law_at(i)["target"], draft, p_rows)
+            emitted, acc = list(draft[:v.accepted]) + [v.event], v.accepted
+        except _Stop as e:
+            # A member that cannot follow draft[i] ends its chain at i, where the target
+            # gives draft[i] probability 0: the round never looks further.
+            acc = min(max(laws, default=-1) + 1, len(draft))  # law_at(acc) stopped it
+            emitted, reason = list(draft[:acc]), e.reason
+        if d is not None:
+            d.settle(plan, len(draft), acc, emitted, reason)
+        if self.trace:
+            for i, e in enumerate(emitted):
+                if i in laws:
+                    law = laws[i]
+                    self.out.trace.append(dict(logq=law["logq"], member_logp=law["member_logp"],
+                                               event=e, member=law["member"],
+                                               round=self.round, drafted=i < acc))
+        for i in range(min(len(emitted), len(laws))):
+            for j in range(len(mems)):
+                self.out.n_hyp[j].append(len(states[j][i].hyps))
+        # members go on from the state at the accepted length
+        for j, m in enumerate(mems):
+            m.state = states[j][min(acc, len(states[j]) - 1)] or m.state
+            for step in steps[j][:acc]:
+                self.out.pruned[j].append(step.pruned)
+        self.round += 1
+        return emitted, reason
+
+    def _read_emitted(self, event: int) -> str | None:
+        """Every member reads the round's last emitted byte (a plain step's event, a
+        replacement or a bonus); its new hypotheses get their distributions in the
+        next round. 'context' when one of them would not fit."""
+        for j, m in enumerate(self.mems):
+            s, step = m.advance(m.state, event)
+            self.out.pruned[j].append(step.pruned)
+            m.state = s
+            m.forget(s)
+            if not m.fits(s):
+                return "context"
+        return None
+
+    def run(self, on_piece: Callable[[BytePiece], None] | None) -> ByteGeneration:
+        finish = "length"
+        data, text, d = self.data, self.text, self.drafting
+        while True:
+            emitted, reason = self._round()
+            end = None
+            for i, event in enumerate(emitted):
+                if event == EOT:
+                    end = "eot"
+                else:
+                    data.append(event)
+                    piece = text.update(utf8_prefix(bytes(data)))
+                    if on_piece is not None and piece:
+                        on_piece(BytePiece(piece))
+                    if text.stopped:
+                        end = "stop"
+                    # max_bytes, or with utf8 up to 3 more bytes that complete the last
+                    # character
+                    elif len(data) >= self.max_bytes and (not self.utf8
+                                                          or _valid_text(bytes(data))):
+                        end = "length"
+                if end is not None:
+                    if d is not None:
+                        d.stats.discard(len(emitted) - i - 1)  # verified past the end
+                    break
+                if i == len(emitted) - 1 and reason is None:
+                    end = self._read_emitted(event)
+            if end is None:
+                end = reason
+            if end is not None:
+                finish = end
                 break
-            out.pruned[j].append(got)
-        if full:
-            finish = "context"
-            break
-    piece = text.update(bytes(data).decode("utf-8", errors="replace"), final=True)
-    if on_piece is not None:
-        on_piece(BytePiece(piece, finish))
-    out.data, out.text, out.finish_reason = bytes(data), text.text, finish
-    out.member_ids = [r.tokenization(bytes(prompt + data), beam, threshold) for r in readers]
-    out.tokens = [r.tree.tokens for r in readers]
-    out.calls = [r.tree.calls for r in readers]
-    return out
+        piece = text.update(bytes(data).decode("utf-8", errors="replace"), final=True)
+        if on_piece is not None:
+            on_piece(BytePiece(piece, finish))
+        out = self.out
+        out.data, out.text, out.finish_reason = bytes(data), text.text, finish
+        full = self.prompt + bytes(data)
+        out.member_ids = [m.tokenization(full) for m in self.mems]
+        out.tokens = [m.tree.tokens for m in self.mems]
+        out.calls = [m.tree.calls for m in self.mems]
+        out.computed = [m.computed for m in self.mems]
+        return out
 
 
 def measure_precision(members: Sequence[ByteLM], contexts: Sequence[Sequence[int]],
@@ -539,6 +820,26 @@ def _fused(method: str, params: Mapping[str, Any], logp_nxE: np.ndarray,
                 **params)
     logq = np.asarray(logq, np.float64)
     return logq - logsumexp_rows(logq[None])[0]
+
+
+def _target(logq: np.ndarray, allowed: np.ndarray, sampler: Sampler) -> np.ndarray | None:
+    """The distribution a byte is drawn from (what :func:`_draw` samples): ``logq``
+    restricted to ``allowed`` and renormalised, then the sampler's; float64
+    probabilities (greedy: one-hot at the argmax). None when nothing allowed has mass."""
+    x = np.where(allowed, logq, -np.inf)
+    top = np.max(x)
+    if top == -np.inf:
+        return None
+    if sampler.greedy:
+        out = np.zeros(N_EVENTS)
+        out[int(np.argmax(x))] = 1.0
+        return out
+    x = x - top
+    x = x - np.log(np.exp(x).sum())
+    if sampler != Sampler():
+        x = np.asarray(filter_logprobs(jnp.asarray(x, jnp.float32), sampler), np.float64)
+    p = np.exp(x)
+    return p / p.sum()
 
 
 def _draw(key, logq: np.ndarray, allowed: np.ndarray | None, sampler: Sampler) -> int | None:

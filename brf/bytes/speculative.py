@@ -39,6 +39,11 @@ about a plain byte step (the tree calls of its look-ahead; BENCHMARKS.md), so wi
 the measured default cost no draft can pay and every round is plain; a spec's
 ``cost=`` (e.g. ``member(k=4, cost=0)``: never pause) makes it draft.
 Randomness: ``numpy.random.Generator(PCG64(seed))``.
+
+**One loop.** Plain generation (`brf.bytes.generate.generate_bytes`) and this
+module run the same rounds (`brf.bytes.generate._Loop`): a plain step is a round
+that drafts nothing. What this module adds is the drafting: the drafter, the
+schedule that sets each round's k, and the acceptance statistics.
 """
 
 from __future__ import annotations
@@ -46,182 +51,94 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from brf.bytes import DEFAULT_BEAM, DEFAULT_THRESHOLD
-from brf.bytes.generate import (ByteGeneration, BytePiece, NextTokens, _fused,
-                                _Reader, _Tree, _valid_text, checked_arguments,
-                                utf8_allowed)
+from brf.bytes.generate import (ByteGeneration, BytePiece, _Loop, _members, _Stop, _target,
+                                checked_arguments, utf8_allowed)
 from brf.bytes.lm import ByteLM
-from brf.bytes.masses import EOT, N_EVENTS
-from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, initial_state,
-                             next_byte, pending)
-from brf.bytes.trie import ROOT, UnexpressibleByteError
+from brf.bytes.masses import EOT
+from brf.bytes.state import ByteInputError
 from brf.drafting import (DraftSpec, KSchedule, SpecStats, drafter_index, ngram_draft,
                           param_count, parse_drafter)
 from brf.fusion import Sampler
-from brf.fusion.sampling import filter_logprobs
-from brf.fusion.speculative import draw, verify, verify_greedy
-from brf.text import TextStream, utf8_prefix
-
-MAX_CHAIN = 8  # tokens of a guessed canonical continuation computed ahead
-
-
-class _Stop(Exception):
-    """A round cannot go on at a position: 'context' or 'no_common_byte'."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+from brf.fusion.speculative import draw
 
 
 @dataclasses.dataclass
 class SpecByteGeneration(ByteGeneration):
-    """`brf.bytes.generate.ByteGeneration` plus the acceptance statistics (bytes).
-
-    ``trace`` rows: per emitted byte 'logq' (the fused distribution before the
-    masks and the sampler), 'member_logp', 'event', 'round', 'drafted'.
-    """
+    """`brf.bytes.generate.ByteGeneration` plus the acceptance statistics (bytes)."""
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)
-    computed: list[int] = dataclasses.field(default_factory=list)  # tables computed, per member
 
 
-def _target(logq: np.ndarray, allowed: np.ndarray, sampler: Sampler) -> np.ndarray | None:
-    """The distribution a byte is drawn from (what `generate._draw` samples): ``logq``
-    restricted to ``allowed`` and renormalised, then the sampler's; float64 probabilities
-    (greedy: one-hot at the argmax). None when nothing allowed has mass."""
-    x = np.where(allowed, logq, -np.inf)
-    top = np.max(x)
-    if top == -np.inf:
-        return None
-    if sampler.greedy:
-        out = np.zeros(N_EVENTS)
-        out[int(np.argmax(x))] = 1.0
-        return out
-    x = x - top
-    x = x - np.log(np.exp(x).sum())
-    if sampler != Sampler():
-        x = np.asarray(filter_logprobs(jnp.asarray(x, jnp.float32), sampler), np.float64)
-    p = np.exp(x)
-    return p / p.sum()
+class _Drafting:
+    """A run's drafting: the drafter, the schedule of each round's k
+    (`brf.drafting.KSchedule`) and the acceptance statistics. The member drafter's
+    byte states are its verification states, so its drafting adds nothing to a
+    round's cost."""
 
+    def __init__(self, spec: DraftSpec, index: int | None, lookup: bytes):
+        self.spec, self.index, self.lookup = spec, index, bytes(lookup)
+        self.sched = KSchedule(spec, unit="bytes")
+        self.stats = SpecStats(drafter=spec.text, unit="bytes")
 
-class _Member:
-    """One member's reader during speculative decoding (its states are kept per
-    drafted position; its distributions live in ``tables``)."""
+    def _history(self, loop: _Loop) -> bytes:
+        return self.lookup + loop.prompt + bytes(loop.data)
 
-    def __init__(self, lm: ByteLM, ctx: Sequence[int], eos_ids: Sequence[int] | None,
-                 beam: int, threshold: float):
-        tree = _Tree(lm, ctx)
-        eos = tuple(int(i) for i in (lm.eos_ids if eos_ids is None else eos_ids))
-        self.r = _Reader(lm, tree, SeqTree(), initial_state(),
-                         {0: NextTokens(lm.trie, tree.first, eos)}, eos)
-        self.beam, self.threshold = beam, threshold
-        self.computed = 0
+    def plan(self, loop: _Loop) -> tuple[int, int, list[int]]:
+        """(how many bytes this round drafts (at most what ``max_bytes`` leaves), the
+        schedule's k, and when it pauses the n-gram drafter's would-be first byte,
+        checked for free against the emitted one (`brf.drafting.KSchedule`))."""
+        k_round = self.sched.k
+        shadow = (ngram_draft(self._history(loop), self.spec.n, self.spec.min_n, 1)
+                  if k_round == 0 and self.sched.free_checks else [])
+        return min(k_round, max(0, loop.max_bytes - len(loop.data) - 1)), k_round, shadow
 
-    @property
-    def lm(self) -> ByteLM:
-        return self.r.lm
-
-    def fetch(self, seqs: Sequence[int]) -> None:
-        """Computes the distributions of ``seqs`` (parents before children) in one call."""
-        todo = sorted({s for s in seqs if s not in self.r.tables})
-        if not todo:
-            return
-        logits = self.r.tree.compute(self.r.seqs, todo)
-        for s, row in zip(todo, logits):
-            self.r.tables[s] = NextTokens(self.lm.trie, row, self.r.eos_ids)
-        self.computed += len(todo)
-
-    def ready(self, state: ByteState, text: bytes | None = None, end: int = 0) -> None:
-        """Makes every hypothesis of ``state`` have its distribution; with ``text``, a
-        look-ahead to byte ``end`` adds what later bytes will need (module docstring).
-
-        Raises:
-            _Stop('context'): a needed sequence does not fit in the model's context.
-        """
-        while True:
-            need = pending(state, self.r.tables)
-            if not need:
-                return
-            if any(not self.r.tree.room(self.r.seqs, s) for s in need):
-                raise _Stop("context")
-            extra = [] if text is None else self._lookahead(state, text, end)
-            self.fetch(need + [s for s in extra if self.r.tree.room(self.r.seqs, s)])
-
-    def _chain(self, seq: int, text: bytes, end: int) -> list[int]:
-        """``seq`` followed by the canonical tokens of the text after it, up to ``end``."""
-        seqs = self.r.seqs
-        out, start = [], seqs.end[seq]
-        if end <= start:
-            return out
-        try:
-            toks = self.lm.encode(text[start:end])
-        except (UnexpressibleByteError, ValueError):
-            return out
-        cur, pos = seq, start
-        for t in toks[:MAX_CHAIN]:
-            pos += len(self.lm.codec.table.token_bytes[t])
-            if pos > end:
-                break
-            cur = seqs.child(cur, t, pos)
-            out.append(cur)
-        return out
-
-    def _lookahead(self, state: ByteState, text: bytes, end: int) -> list[int]:
-        """An approximate walk from ``state`` to byte ``end`` of ``text``: hypotheses
-        without a distribution are set aside (with their canonical continuations),
-        the others advance and prune as in the real walk."""
-        r, out, seen = self.r, [], set()
-        s = state
-        while True:
-            miss = [h for h in s.hyps if h.seq not in r.tables]
-            for h in miss:
-                if h.seq not in seen:
-                    seen.add(h.seq)
-                    out.append(h.seq)
-                    out.extend(self._chain(h.seq, text, end))
-            s = ByteState(s.offset, tuple(h for h in s.hyps if h.seq in r.tables))
-            if s.offset >= end or not s.hyps:
-                return out
+    def draft(self, loop: _Loop, k: int, states: list, steps: list):
+        """Up to k drafted bytes and, for a sampled member drafter, the distributions
+        they were drawn from; the member drafter's states and steps go to
+        ``states[index]`` and ``steps[index]`` as it drafts."""
+        if k < 1:
+            return [], None
+        if self.spec.kind == "ngram":
+            return list(ngram_draft(self._history(loop), self.spec.n, self.spec.min_n, k)), None
+        m = loop.mems[self.index]
+        chain, d, p_rows = states[self.index], [], []
+        s = chain[0]
+        for _ in range(k):
             try:
-                s, _ = advance(s, text[s.offset], r.tables, self.lm.trie, r.seqs,
-                               beam=self.beam, threshold=self.threshold)
-            except UnexpressibleByteError:
-                return out
-
-    def walk(self, state: ByteState, text: bytes, end: int) -> tuple[list[ByteState], list]:
-        """The states after each byte of ``text[state.offset:end]`` (as far as the
-        member can follow them), each with its distributions ready, and the steps.
-
-        Raises:
-            _Stop('context') only for the first state (later ones end the walk).
-        """
-        states, steps = [state], []
-        self.ready(state, text, end)
-        s = state
-        while s.offset < end:
-            try:
-                s, step = advance(s, text[s.offset], self.r.tables, self.lm.trie, self.r.seqs,
-                                  beam=self.beam, threshold=self.threshold)
-            except UnexpressibleByteError:
-                break  # the member gives that byte probability 0: the round stops there
-            try:
-                self.ready(s, text, end)
+                m.ready(s)
             except _Stop:
-                states.append(None)  # reached, but its distribution needs a context it lacks
-                steps.append(step)
+                chain[-1] = None  # its distribution there needs a context it lacks
                 break
-            states.append(s)
-            steps.append(step)
-        return states, steps
+            dist = m.dist(s)
+            allowed = np.isfinite(dist)
+            allowed[EOT] = False  # a draft never ends the text (the target still may)
+            if loop.utf8:
+                allowed &= utf8_allowed(loop.prompt + bytes(loop.data) + bytes(d))
+            p = _target(dist, allowed, loop.sampler)
+            if p is None:
+                break
+            x = int(np.argmax(p)) if loop.sampler.greedy else draw(loop.rng, p)
+            d.append(x)
+            p_rows.append(p)
+            s, step = m.advance(s, x)
+            chain.append(s)
+            steps[self.index].append(step)
+        return d, (None if loop.sampler.greedy else p_rows)
 
-    def forget(self, keep: ByteState) -> None:
-        """Drops the distributions no hypothesis of ``keep`` uses."""
-        alive = {h.seq for h in keep.hyps}
-        for s in [s for s in self.r.tables if s not in alive]:
-            del self.r.tables[s]
+    def settle(self, plan, drafted: int, accepted: int, emitted: list[int],
+               reason: str | None) -> None:
+        """The round's statistics and the schedule's update."""
+        _, k_round, shadow = plan
+        self.stats.add(k_round, drafted, accepted)
+        if reason is not None:  # the round stopped: no byte of its own after the drafts
+            self.stats.discard(1)
+        if shadow and emitted:
+            hit = int(shadow[0] == emitted[0])
+            self.sched.observe(hit, 1 - hit)
+        self.sched.update(drafted, accepted,
+                          int(accepted < drafted or (k_round > 0 and not drafted and not reason)))
 
 
 def generate_bytes_speculative(
@@ -251,264 +168,17 @@ def generate_bytes_speculative(
         members, contexts, weights, prompt, utf8, mode="fuse", method=method,
         method_params=method_params, sampler=sampler, beam=beam, threshold=threshold,
         max_bytes=max_bytes)
-    d_index = None
+    index = None
     if spec.kind == "member":
-        d_index = drafter_index(spec, [param_count(m.params) for m in members],
-                                [m.name for m in members])
-    eos_ids = list(eos_ids) if eos_ids is not None else [None] * len(members)
-    mems = [_Member(lm, ctx, e, beam, threshold)
-            for lm, ctx, e in zip(members, contexts, eos_ids)]
-    for k, b in enumerate(prompt):
-        for m in mems:
-            try:
-                got = m.r.read(b, beam, threshold)
-            except UnexpressibleByteError as e:
-                raise UnexpressibleByteError(f"{m.lm.name}: prompt {e}") from None
-            if got is None:
-                raise ByteInputError(f"{m.lm.name}: the prompt does not fit in its context")
-    loop = _ByteLoop(mems, spec, d_index, prompt, lookup, w, method, method_params, sampler,
-                     max_bytes, stop, seed, utf8, trace)
-    return loop.run(on_piece)
-
-
-class _ByteLoop:
-    """One call of :func:`generate_bytes_speculative`."""
-
-    def __init__(self, mems, spec, d_index, prompt, lookup, w, method, method_params, sampler,
-                 max_bytes, stop, seed, utf8, trace):
-        self.mems, self.spec, self.d_index = mems, spec, d_index
-        self.prompt, self.lookup, self.w = bytes(prompt), bytes(lookup), w
-        self.method, self.method_params, self.sampler = method, method_params, sampler
-        self.max_bytes, self.utf8, self.trace = max_bytes, utf8, trace
-        self.rng = np.random.default_rng(seed)
-        # the member drafter's byte states are its verification states: its drafting
-        # adds nothing to a round's cost
-        self.sched = KSchedule(spec, unit="bytes")
-        self.text = TextStream(stop)
-        self.data = bytearray()
-        n = len(mems)
-        self.out = SpecByteGeneration(pruned=[[] for _ in range(n)], n_hyp=[[] for _ in range(n)],
-                                      spec=SpecStats(drafter=spec.text, unit="bytes"))
-        self.round = 0
-
-    # -- the target at a position
-    def _allowed(self, dists: np.ndarray, before: bytes) -> np.ndarray:
-        allowed = np.isfinite(dists).all(axis=0)
-        if self.utf8:
-            allowed &= utf8_allowed(self.prompt + before)
-        return allowed
-
-    def _draft(self, k: int, states: list) -> tuple[list[int], list | None]:
-        """Up to k drafted bytes (and the member drafter's distributions; it fills
-        ``states[d_index]`` with its states as it drafts)."""
-        if k < 1:
-            return [], None
-        if self.spec.kind == "ngram":
-            hist = self.lookup + self.prompt + bytes(self.data)
-            d = [b for b in ngram_draft(hist, self.spec.n, self.spec.min_n, k)]
-            return d, None
-        m = self.mems[self.d_index]
-        chain = states[self.d_index]
-        d, p_rows = [], []
-        s = chain[0]
-        for _ in range(k):
-            try:
-                m.ready(s)
-            except _Stop:
-                chain[-1] = None  # its distribution there needs a context it lacks
-                break
-            dist = next_byte(s, m.r.tables)[0]
-            allowed = np.isfinite(dist)
-            allowed[EOT] = False  # a draft never ends the text (the target still may)
-            if self.utf8:
-                allowed &= utf8_allowed(self.prompt + bytes(self.data) + bytes(d))
-            p = _target(dist, allowed, self.sampler)
-            if p is None:
-                break
-            x = int(np.argmax(p)) if self.sampler.greedy else draw(self.rng, p)
-            d.append(x)
-            p_rows.append(p)
-            s, step = advance(s, x, m.r.tables, m.lm.trie, m.r.seqs, beam=m.beam,
-                              threshold=m.threshold)
-            chain.append(s)
-            self._steps[self.d_index].append(step)
-        return d, (None if self.sampler.greedy else p_rows)
-
-    def _round(self) -> tuple[list[int], str | None]:
-        """One round: the emitted bytes (EOT included when drawn) and a finish reason
-        that arises inside it ('context', 'no_common_byte'; else None)."""
-        n = len(self.mems)
-        room = self.max_bytes - len(self.data) - 1
-        k = min(self.sched.k, max(0, room))
-        k_round = self.sched.k
-        states: list[list] = [[m.r.state] for m in self.mems]
-        self._steps = [[] for _ in range(n)]
-        for j, m in enumerate(self.mems):
-            if j != self.d_index:
-                continue
-            try:
-                m.ready(m.r.state)
-            except _Stop as e:
-                return [], e.reason
-        draft, p_rows = self._draft(k, states)
-        # paused (k = 0): the n-gram drafter's would-be first byte, checked for free
-        # against the emitted one (brf.drafting.KSchedule)
-        shadow = (ngram_draft(self.lookup + self.prompt + bytes(self.data), self.spec.n,
-                              self.spec.min_n, 1)
-                  if k_round == 0 and self.sched.free_checks else [])
-        base = self.prompt + bytes(self.data)
-        text = base + bytes(draft)
-        o0 = len(base)
-        for j, m in enumerate(self.mems):
-            if j == self.d_index:
-                continue
-            try:
-                chain, steps = m.walk(m.r.state, text, o0 + len(draft))
-            except _Stop as e:
-                return [], e.reason
-            states[j] = chain
-            self._steps[j] = steps
-        fused_rows: dict[int, tuple] = {}
-
-        def q_at(i: int):
-            got = fused_rows.get(i)
-            if got is None:
-                rows = []
-                for j, m in enumerate(self.mems):
-                    chain = states[j]
-                    if i >= len(chain):
-                        raise AssertionError("a drafted byte a member cannot follow was "
-                                             "accepted")  # its target probability is 0
-                    s = chain[i]
-                    if s is None:
-                        raise _Stop("context")
-                    if j == self.d_index and i == len(chain) - 1:
-                        try:
-                            m.ready(s)
-                        except _Stop:
-                            raise _Stop("context") from None
-                    rows.append(next_byte(s, m.r.tables)[0])
-                logp = np.stack(rows)
-                logq = _fused(self.method, self.method_params, logp, self.w)
-                allowed = self._allowed(logp, bytes(self.data) + bytes(draft[:i]))
-                target = _target(logq, allowed, self.sampler)
-                if target is None:
-                    raise _Stop("no_common_byte")
-                got = (target, logq, logp)
-                fused_rows[i] = got
-            return got[0]
-
-        def top_at(i: int) -> int:
-            return int(np.argmax(q_at(i)))
-
-        # A member that cannot follow draft[i] ends its chain at i, where q_i(draft[i]) = 0:
-        # the round never looks further.
-        reason = None
-        try:
-            if self.sampler.greedy:
-                v = verify_greedy(top_at, draft)
-            else:
-                v = verify(self.rng, q_at, draft, p_rows)
-            emitted = list(draft[:v.accepted]) + [v.event]
-            acc = v.accepted
-        except _Stop as e:
-            acc = max(fused_rows, default=-1) + 1  # q_at(acc) stopped the round
-            acc = min(acc, len(draft))
-            emitted, reason = list(draft[:acc]), e.reason
-        self.out.spec.add(k_round, len(draft), acc)
-        if reason is not None:  # the round stopped: no byte of its own after the drafts
-            self.out.spec.discard(1)
-        if shadow and emitted:
-            hit = int(shadow[0] == emitted[0])
-            self.sched.observe(hit, 1 - hit)
-        self.sched.update(len(draft), acc,
-                          int(acc < len(draft) or (k_round > 0 and not draft and not reason)))
-        if self.trace:
-            for i, e in enumerate(emitted):
-                if i in fused_rows:
-                    _, logq, logp = fused_rows[i]
-                    self.out.trace.append(dict(logq=logq, member_logp=logp, event=e,
-                                               round=self.round, drafted=i < acc))
-        # members go on from the state at the accepted length
-        for j, m in enumerate(self.mems):
-            m.r.state = states[j][min(acc, len(states[j]) - 1)] or m.r.state
-            for step in self._steps[j][:acc]:
-                self.out.pruned[j].append(step.pruned)
-        for i in range(min(len(emitted), len(fused_rows))):
-            for j, m in enumerate(self.mems):
-                self.out.n_hyp[j].append(len(states[j][i].hyps))
-        self._positions = states
-        self.round += 1
-        return emitted, reason
-
-    def run(self, on_piece) -> SpecByteGeneration:
-        finish = "length"
-        data, text = self.data, self.text
-        while True:
-            emitted, reason = self._round()
-            stop = None
-            for i, event in enumerate(emitted):
-                if event == EOT:
-                    stop = "eot"
-                    self.out.spec.discard(len(emitted) - i - 1)  # verified past the end
-                    break
-                data.append(event)
-                piece = text.update(utf8_prefix(bytes(data)))
-                if on_piece is not None and piece:
-                    on_piece(BytePiece(piece))
-                if text.stopped:
-                    stop = "stop"
-                    self.out.spec.discard(len(emitted) - i - 1)
-                    break
-                if len(data) >= self.max_bytes and (not self.utf8 or _valid_text(bytes(data))):
-                    stop = "length"
-                    self.out.spec.discard(len(emitted) - i - 1)
-                    break
-                if i == len(emitted) - 1 and reason is None:
-                    stop = self._read_emitted(event)
-            if stop is None and reason is not None:
-                stop = reason
-            if stop is not None:
-                finish = stop
-                break
-        piece = text.update(bytes(data).decode("utf-8", errors="replace"), final=True)
-        if on_piece is not None:
-            on_piece(BytePiece(piece, finish))
-        out = self.out
-        out.data, out.text, out.finish_reason = bytes(data), text.text, finish
-        full = self.prompt + bytes(data)
-        out.member_ids = [self._tokenization(m, full) for m in self.mems]
-        out.tokens = [m.r.tree.tokens for m in self.mems]
-        out.calls = [m.r.tree.calls for m in self.mems]
-        out.computed = [m.computed for m in self.mems]
-        return out
-
-    def _read_emitted(self, event: int) -> str | None:
-        """Every member reads the round's last emitted byte (the replacement or the
-        bonus); its new hypotheses get their distributions in the next round."""
-        for j, m in enumerate(self.mems):
-            s = m.r.state
-            s2, step = advance(s, event, m.r.tables, m.lm.trie, m.r.seqs, beam=m.beam,
-                               threshold=m.threshold)
-            self.out.pruned[j].append(step.pruned)
-            m.r.state = s2
-            m.forget(s2)
-            if any(not m.r.tree.room(m.r.seqs, q) for q in pending(s2, m.r.tables)):
-                return "context"
-        return None
-
-    def _tokenization(self, m: _Member, full: bytes):
-        s = m.r.state
-        if s.offset > len(full) or s.offset < len(full) - 1:
-            return None
-        if s.offset == len(full) - 1 and pending(s, m.r.tables):
-            return None
-        whole_state = s
-        if s.offset == len(full) - 1:
-            whole_state, _ = advance(s, full[-1], m.r.tables, m.lm.trie, m.r.seqs, beam=m.beam,
-                                     threshold=m.threshold)
-        whole = [h for h in whole_state.hyps if h.node == ROOT]
-        return m.r.seqs.ext[max(whole, key=lambda h: h.logp).seq] if whole else None
+        index = drafter_index(spec, [param_count(m.params) for m in members],
+                              [m.name for m in members])
+    mems = _members(members, contexts, eos_ids, prompt, beam, threshold)
+    drafting = _Drafting(spec, index, lookup)
+    out = SpecByteGeneration(pruned=[[] for _ in mems], n_hyp=[[] for _ in mems],
+                             spec=drafting.stats)
+    return _Loop(mems, out, prompt=prompt, w=w, mode="fuse", method=method,
+                 method_params=method_params, sampler=sampler, max_bytes=max_bytes, stop=stop,
+                 seed=seed, utf8=utf8, trace=trace, drafting=drafting).run(on_piece)
 
 
 __all__ = ["SpecByteGeneration", "generate_bytes_speculative"]
