@@ -171,10 +171,11 @@ def test_mixture_exact_draws_from_the_chosen_member(lms):
     members = [lms["byte_level"], lms["sentencepiece"]]
     g = generate_bytes(members, [m.context() for m in members], mode="mixture_exact",
                        method="linear", max_bytes=4, utf8=False, trace=True, **EXACT)
-    for t in g.trace:
+    for k, t in enumerate(g.trace):
         assert t["member"] in (0, 1)
         np.testing.assert_array_equal(t["logq"], t["member_logp"][t["member"]])
         assert np.isfinite(t["logq"][t["event"]])
+        assert (t["round"], t["drafted"]) == (k, False)  # one byte per round, none drafted
 
 
 def _two_letters(letters: str, seed: int) -> ByteLM:
