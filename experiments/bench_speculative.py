@@ -22,7 +22,8 @@ not the same draws ("same text" reads "sampled"), so each row times its own text
 Prints a markdown table per case: the first call's seconds (compilation included, of
 the programs no earlier row compiled), tokens (bytes) per second,
 speedup over plain fused decoding, acceptance (accepted / drafted) and the mean
-number of units emitted per verification round.
+number of units emitted per verification round; on bytes also each member's
+forward tokens after its context and its tree calls.
 """
 
 import importlib.util
@@ -89,7 +90,7 @@ def _timed(rows, repeats):
     return best
 
 
-def _table(unit, rows, timed, plain_label, count, text, spec_of):
+def _table(unit, rows, timed, plain_label, count, text, spec_of, extra=None):
     plain_s, plain_res = timed[plain_label]
     plain_rate = count(plain_res) / plain_s
     out, numbers = [], {}
@@ -104,11 +105,13 @@ def _table(unit, rows, timed, plain_label, count, text, spec_of):
                     f"{n / s / plain_rate:.2f}x",
                     "" if st is None or st["acceptance"] is None else f"{st['acceptance']:.2f}",
                     "" if st is None else st["per_round"],
-                    "" if st is None else st["paused"], same])
+                    "" if st is None else st["paused"], same]
+                   + ([] if extra is None else [extra[1](res)]))
         numbers[label] = n / s / plain_rate
     return markdown_table(["run", unit, "first call s", "seconds", f"{unit}/s",
                            "vs plain fused", "acceptance", f"{unit} per round",
-                           "paused steps", "same text"],
+                           "paused steps", "same text"]
+                          + ([] if extra is None else [extra[0]]),
                           out), numbers
 
 
@@ -156,9 +159,13 @@ def bytes_case(drafters):
         rows.append((f"speculative {d}", lambda d=d: generate_bytes_speculative(
             lms, contexts, drafter=d, lookup=FLAGS.prompt.encode("utf-8"), **common)))
     timed = _timed(rows, FLAGS.repeats)
+    forward = ("tokens run after the context (tree calls), per member",
+               lambda g: " / ".join(f"{t - len(c)} ({k})"
+                                    for t, c, k in zip(g.tokens, contexts, g.calls)))
     return _table("bytes", rows, timed, "plain fused on bytes (BRF)",
                   count=lambda g: len(g.data), text=lambda g: g.data,
-                  spec_of=lambda g: getattr(g, "spec", None) and g.spec.summary())
+                  spec_of=lambda g: getattr(g, "spec", None) and g.spec.summary(),
+                  extra=forward)
 
 
 def main(argv):
