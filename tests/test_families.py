@@ -25,6 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from brf.checkpoints.assemble import same  # noqa: E402
 from brf.checkpoints import gguf as G  # noqa: E402
 from brf.checkpoints import hf as hf_ckpt  # noqa: E402
 from brf.checkpoints import registry  # noqa: E402
@@ -256,7 +257,7 @@ MUTATIONS = {
     "phi3": ("swaps the fused gate and up halves", lambda mp, t: mp.setitem(
         hf_ckpt.NAME_MAPS, "phi3", _swap(t, "layers/w_gate", "layers/w_up"))),
     "gemma2": ("reads a post-attention norm without Gemma's + 1", lambda mp, t: mp.setitem(
-        hf_ckpt.NAME_MAPS, "gemma2", _retransform(t, "layers/post_attn_norm", hf_ckpt._same))),
+        hf_ckpt.NAME_MAPS, "gemma2", _retransform(t, "layers/post_attn_norm", same))),
     "olmo2": ("swaps the post-attention and post-MLP norms", lambda mp, t: mp.setitem(
         hf_ckpt.NAME_MAPS, "olmo2", _swap(t, "layers/post_attn_norm", "layers/post_mlp_norm"))),
 }

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -33,6 +33,34 @@ BF16_ABOVE = 1_000_000_000
 # being converted, the tokenizer, the runtime (the measured peaks stay below
 # 1.3x the parameters, BENCHMARKS.md "Large checkpoints").
 HEADROOM = 1.3
+
+
+# A transform maps one stored tensor (rows = output features in both formats) to
+# the array of its path, or to a tuple of arrays, one per path of a fused entry;
+# a reader's table is a tuple of entries (tensor-name regex whose group captures
+# the layer index, our path(s), transform).
+Transform = Callable[[np.ndarray, ModelConfig], "np.ndarray | tuple[np.ndarray, ...]"]
+Entry = tuple[str, "str | tuple[str, ...]", Transform]
+
+
+def same(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w
+
+
+def kernel(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w_OxI.T  # stored [out, in]; we use [in, out] (copied on writing)
+
+
+def split_qkv(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """A fused projection (Phi-3's), rows [q (H*E) | k (K*E) | v (K*E)] -> wq, wk, wv
+    as [in, out]."""
+    q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return w_OxI[:q].T, w_OxI[q:q + k].T, w_OxI[q + k:].T
+
+
+def split_gate_up(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
+    """A fused MLP input (Phi-3's), rows [gate (F) | up (F)] -> w_gate, w_up as [in, out]."""
+    return w_OxI[:cfg.d_ff].T, w_OxI[cfg.d_ff:].T
 
 
 class CheckpointTooLargeError(UserError, MemoryError):
@@ -181,5 +209,6 @@ class Assembler:
         return params
 
 
-__all__ = ["Assembler", "BF16_ABOVE", "CheckpointTooLargeError", "HEADROOM", "available_memory",
+__all__ = ["Assembler", "BF16_ABOVE", "CheckpointTooLargeError", "Entry", "HEADROOM", "Transform",
+           "available_memory",
            "check_fits", "default_dtype", "n_params"]

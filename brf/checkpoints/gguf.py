@@ -37,13 +37,14 @@ from __future__ import annotations
 import os
 import re
 import struct
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
-from brf.checkpoints.assemble import Assembler, check_fits, default_dtype
+from brf.checkpoints.assemble import (Assembler, Entry, check_fits, default_dtype, kernel,
+                                      same, split_gate_up, split_qkv)
 from brf.errors import UserError
 from brf.models.config import ModelConfig
 
@@ -379,17 +380,6 @@ def _gemma3_config(meta, arch: str, common: dict, field) -> ModelConfig:
 
 # --------------------------------------------------------------------------- tensors
 
-Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
-
-
-def _same(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return w_OxI
-
-
-def _kernel(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return w_OxI.T  # GGUF rows are output features; we use [in, out] (copied on writing)
-
-
 def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverts llama.cpp's `permute`: GGML interleaved RoPE rows -> HF half-split rows."""
     o, i = w_OxI.shape
@@ -398,78 +388,66 @@ def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _llama_q(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return _kernel(_unpermute(w_OxI, cfg.n_heads), cfg)
+    return kernel(_unpermute(w_OxI, cfg.n_heads), cfg)
 
 
 def _llama_k(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return _kernel(_unpermute(w_OxI, cfg.n_kv_heads), cfg)
-
-
-def _split_qkv(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
-    """Phi-3's attn_qkv, rows [q | k | v] -> wq, wk, wv as [in, out]."""
-    q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return w_OxI[:q].T, w_OxI[q:q + k].T, w_OxI[q + k:].T
-
-
-def _split_gate_up(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
-    """Phi-3's ffn_up, rows [gate | up] -> w_gate, w_up as [in, out]."""
-    return w_OxI[:cfg.d_ff].T, w_OxI[cfg.d_ff:].T
+    return kernel(_unpermute(w_OxI, cfg.n_kv_heads), cfg)
 
 
 _L = r"blk\.(\d+)\."
-Entry = tuple[str, "str | tuple[str, ...]", Transform]
 
 # GGUF tensor name (regex; a group captures the layer index) -> (our path(s), transform).
 _HEAD: tuple[Entry, ...] = (
-    (r"token_embd\.weight", "embed", _same),
-    (r"output_norm\.weight", "final_norm", _same),
-    (r"output\.weight", "lm_head", _same),
+    (r"token_embd\.weight", "embed", same),
+    (r"output_norm\.weight", "final_norm", same),
+    (r"output\.weight", "lm_head", same),
 )
 _PRE_NORMS: tuple[Entry, ...] = (
-    (_L + r"attn_norm\.weight", "layers/attn_norm", _same),
-    (_L + r"ffn_norm\.weight", "layers/mlp_norm", _same),
+    (_L + r"attn_norm\.weight", "layers/attn_norm", same),
+    (_L + r"ffn_norm\.weight", "layers/mlp_norm", same),
 )
 _MLP: tuple[Entry, ...] = (
-    (_L + r"ffn_gate\.weight", "layers/w_gate", _kernel),
-    (_L + r"ffn_up\.weight", "layers/w_up", _kernel),
-    (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
+    (_L + r"ffn_gate\.weight", "layers/w_gate", kernel),
+    (_L + r"ffn_up\.weight", "layers/w_up", kernel),
+    (_L + r"ffn_down\.weight", "layers/w_down", kernel),
 )
 # Half-split (NEOX) RoPE: q and k as written.
 _PROJECTIONS: tuple[Entry, ...] = (
-    (_L + r"attn_q\.weight", "layers/wq", _kernel),
-    (_L + r"attn_k\.weight", "layers/wk", _kernel),
-    (_L + r"attn_v\.weight", "layers/wv", _kernel),
-    (_L + r"attn_output\.weight", "layers/wo", _kernel),
+    (_L + r"attn_q\.weight", "layers/wq", kernel),
+    (_L + r"attn_k\.weight", "layers/wk", kernel),
+    (_L + r"attn_v\.weight", "layers/wv", kernel),
+    (_L + r"attn_output\.weight", "layers/wo", kernel),
 ) + _MLP
 _QK_NORMS: tuple[Entry, ...] = (
-    (_L + r"attn_q_norm\.weight", "layers/q_norm", _same),
-    (_L + r"attn_k_norm\.weight", "layers/k_norm", _same),
+    (_L + r"attn_q_norm\.weight", "layers/q_norm", same),
+    (_L + r"attn_k_norm\.weight", "layers/k_norm", same),
 )
 _POST_NORMS: tuple[Entry, ...] = (
-    (_L + r"post_attention_norm\.weight", "layers/post_attn_norm", _same),
-    (_L + r"post_ffw_norm\.weight", "layers/post_mlp_norm", _same),
+    (_L + r"post_attention_norm\.weight", "layers/post_attn_norm", same),
+    (_L + r"post_ffw_norm\.weight", "layers/post_mlp_norm", same),
 )
 
 LLAMA_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
     (_L + r"attn_q\.weight", "layers/wq", _llama_q),
     (_L + r"attn_k\.weight", "layers/wk", _llama_k),
-    (_L + r"attn_v\.weight", "layers/wv", _kernel),
-    (_L + r"attn_output\.weight", "layers/wo", _kernel),
+    (_L + r"attn_v\.weight", "layers/wv", kernel),
+    (_L + r"attn_output\.weight", "layers/wo", kernel),
 ) + _MLP
 # Norms are stored as the applied scale 1 + w already (see the module docstring).
 GEMMA2_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + _POST_NORMS
 GEMMA3_MAP: tuple[Entry, ...] = GEMMA2_MAP + _QK_NORMS
 QWEN2_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + (
-    (_L + r"attn_q\.bias", "layers/bq", _same),
-    (_L + r"attn_k\.bias", "layers/bk", _same),
-    (_L + r"attn_v\.bias", "layers/bv", _same),
+    (_L + r"attn_q\.bias", "layers/bq", same),
+    (_L + r"attn_k\.bias", "layers/bk", same),
+    (_L + r"attn_v\.bias", "layers/bv", same),
 )
 QWEN3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS + _QK_NORMS
 PHI3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
-    (_L + r"attn_qkv\.weight", ("layers/wq", "layers/wk", "layers/wv"), _split_qkv),
-    (_L + r"attn_output\.weight", "layers/wo", _kernel),
-    (_L + r"ffn_up\.weight", ("layers/w_gate", "layers/w_up"), _split_gate_up),
-    (_L + r"ffn_down\.weight", "layers/w_down", _kernel),
+    (_L + r"attn_qkv\.weight", ("layers/wq", "layers/wk", "layers/wv"), split_qkv),
+    (_L + r"attn_output\.weight", "layers/wo", kernel),
+    (_L + r"ffn_up\.weight", ("layers/w_gate", "layers/w_up"), split_gate_up),
+    (_L + r"ffn_down\.weight", "layers/w_down", kernel),
 )
 # OLMo 2: no pre-norms; q/k norms over all projected features.
 OLMO2_MAP: tuple[Entry, ...] = _HEAD + _PROJECTIONS + _QK_NORMS + _POST_NORMS

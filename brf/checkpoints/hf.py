@@ -25,7 +25,8 @@ from typing import Callable, Iterator, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from brf.checkpoints.assemble import Assembler, check_fits, default_dtype
+from brf.checkpoints.assemble import (Assembler, Entry, check_fits, default_dtype, kernel,
+                                      same, split_gate_up, split_qkv)
 from brf.errors import UserError
 from brf.models.config import ModelConfig
 
@@ -34,75 +35,50 @@ class HFCheckpointError(UserError):
     """A Hugging Face directory brf cannot read (the message names the file or field)."""
 
 
-# A transform maps one stored tensor (torch layout) to the array of its path, or
-# to a tuple of arrays, one per path of a fused entry.
-Transform = Callable[[np.ndarray, ModelConfig], "np.ndarray | tuple[np.ndarray, ...]"]
-
-
-def _same(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return w
-
-
-def _transpose(w_OxI: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return w_OxI.T  # torch Linear stores [out, in]; we use [in, out] (copied on writing)
-
-
 def _plus_one(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return w.astype(np.float32) + 1.0  # Gemma's RMSNorm applies (1 + w)
 
 
-def _split_qkv(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
-    """Phi-3's qkv_proj, rows [q (H*E) | k (K*E) | v (K*E)] -> wq, wk, wv as [in, out]."""
-    q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return w_OxI[:q].T, w_OxI[q:q + k].T, w_OxI[q + k:].T
-
-
-def _split_gate_up(w_OxI: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, ...]:
-    """Phi-3's gate_up_proj, rows [gate (F) | up (F)] -> w_gate, w_up as [in, out]."""
-    return w_OxI[:cfg.d_ff].T, w_OxI[cfg.d_ff:].T
-
-
 _L = r"model\.layers\.(\d+)\."
-Entry = tuple[str, "str | tuple[str, ...]", Transform]
 
 # HF tensor name (regex; a group captures the layer index) -> (our path(s), transform).
 _HEAD: tuple[Entry, ...] = (
-    (r"model\.embed_tokens\.weight", "embed", _same),
-    (r"model\.norm\.weight", "final_norm", _same),
-    (r"lm_head\.weight", "lm_head", _same),
+    (r"model\.embed_tokens\.weight", "embed", same),
+    (r"model\.norm\.weight", "final_norm", same),
+    (r"lm_head\.weight", "lm_head", same),
 )
 _PROJECTIONS: tuple[Entry, ...] = (
-    (_L + r"self_attn\.q_proj\.weight", "layers/wq", _transpose),
-    (_L + r"self_attn\.k_proj\.weight", "layers/wk", _transpose),
-    (_L + r"self_attn\.v_proj\.weight", "layers/wv", _transpose),
-    (_L + r"self_attn\.o_proj\.weight", "layers/wo", _transpose),
-    (_L + r"mlp\.gate_proj\.weight", "layers/w_gate", _transpose),
-    (_L + r"mlp\.up_proj\.weight", "layers/w_up", _transpose),
-    (_L + r"mlp\.down_proj\.weight", "layers/w_down", _transpose),
+    (_L + r"self_attn\.q_proj\.weight", "layers/wq", kernel),
+    (_L + r"self_attn\.k_proj\.weight", "layers/wk", kernel),
+    (_L + r"self_attn\.v_proj\.weight", "layers/wv", kernel),
+    (_L + r"self_attn\.o_proj\.weight", "layers/wo", kernel),
+    (_L + r"mlp\.gate_proj\.weight", "layers/w_gate", kernel),
+    (_L + r"mlp\.up_proj\.weight", "layers/w_up", kernel),
+    (_L + r"mlp\.down_proj\.weight", "layers/w_down", kernel),
 )
 _PRE_NORMS: tuple[Entry, ...] = (
-    (_L + r"input_layernorm\.weight", "layers/attn_norm", _same),
-    (_L + r"post_attention_layernorm\.weight", "layers/mlp_norm", _same),
+    (_L + r"input_layernorm\.weight", "layers/attn_norm", same),
+    (_L + r"post_attention_layernorm\.weight", "layers/mlp_norm", same),
 )
 
 LLAMA_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + _PROJECTIONS
 # Qwen2: biases on q, k and v (not on o).
 QWEN2_MAP: tuple[Entry, ...] = LLAMA_MAP + (
-    (_L + r"self_attn\.q_proj\.bias", "layers/bq", _same),
-    (_L + r"self_attn\.k_proj\.bias", "layers/bk", _same),
-    (_L + r"self_attn\.v_proj\.bias", "layers/bv", _same),
+    (_L + r"self_attn\.q_proj\.bias", "layers/bq", same),
+    (_L + r"self_attn\.k_proj\.bias", "layers/bk", same),
+    (_L + r"self_attn\.v_proj\.bias", "layers/bv", same),
 )
 # Qwen3: an RMSNorm of E features on each query / key head (a plain scale).
 QWEN3_MAP: tuple[Entry, ...] = LLAMA_MAP + (
-    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _same),
-    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _same),
+    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", same),
+    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", same),
 )
 # Phi-3: q, k, v in one tensor and gate, up in another, split on reading.
 PHI3_MAP: tuple[Entry, ...] = _HEAD + _PRE_NORMS + (
-    (_L + r"self_attn\.qkv_proj\.weight", ("layers/wq", "layers/wk", "layers/wv"), _split_qkv),
-    (_L + r"self_attn\.o_proj\.weight", "layers/wo", _transpose),
-    (_L + r"mlp\.gate_up_proj\.weight", ("layers/w_gate", "layers/w_up"), _split_gate_up),
-    (_L + r"mlp\.down_proj\.weight", "layers/w_down", _transpose),
+    (_L + r"self_attn\.qkv_proj\.weight", ("layers/wq", "layers/wk", "layers/wv"), split_qkv),
+    (_L + r"self_attn\.o_proj\.weight", "layers/wo", kernel),
+    (_L + r"mlp\.gate_up_proj\.weight", ("layers/w_gate", "layers/w_up"), split_gate_up),
+    (_L + r"mlp\.down_proj\.weight", "layers/w_down", kernel),
 )
 # Gemma 2: norms before and after attention and the MLP, each applying (1 + w).
 _GEMMA_NORMS: tuple[Entry, ...] = (
@@ -112,9 +88,9 @@ _GEMMA_NORMS: tuple[Entry, ...] = (
     (_L + r"post_feedforward_layernorm\.weight", "layers/post_mlp_norm", _plus_one),
 )
 GEMMA2_MAP: tuple[Entry, ...] = (
-    (r"model\.embed_tokens\.weight", "embed", _same),
+    (r"model\.embed_tokens\.weight", "embed", same),
     (r"model\.norm\.weight", "final_norm", _plus_one),
-    (r"lm_head\.weight", "lm_head", _same),
+    (r"lm_head\.weight", "lm_head", same),
 ) + _GEMMA_NORMS + _PROJECTIONS
 # Gemma 3: Gemma 2's norms plus per-head q/k norms, also (1 + w).
 GEMMA3_MAP: tuple[Entry, ...] = GEMMA2_MAP + (
@@ -125,10 +101,10 @@ GEMMA3_MAP: tuple[Entry, ...] = GEMMA2_MAP + (
 # norm *after* attention here (in Llama it is the MLP's pre-norm), and the q/k norms
 # run over all H*E / K*E features.
 OLMO2_MAP: tuple[Entry, ...] = _HEAD + _PROJECTIONS + (
-    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", _same),
-    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", _same),
-    (_L + r"post_attention_layernorm\.weight", "layers/post_attn_norm", _same),
-    (_L + r"post_feedforward_layernorm\.weight", "layers/post_mlp_norm", _same),
+    (_L + r"self_attn\.q_norm\.weight", "layers/q_norm", same),
+    (_L + r"self_attn\.k_norm\.weight", "layers/k_norm", same),
+    (_L + r"post_attention_layernorm\.weight", "layers/post_attn_norm", same),
+    (_L + r"post_feedforward_layernorm\.weight", "layers/post_mlp_norm", same),
 )
 
 NAME_MAPS = {
