@@ -11,7 +11,6 @@ process joins a ``jax.distributed`` run (config.distributed) and scores its
 share of every scoring. The test gives each process two virtual devices.
 """
 
-import importlib.util
 import os
 import pathlib
 import sys

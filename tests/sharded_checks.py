@@ -304,7 +304,7 @@ def scoring_apart() -> None:
     import os
     import tempfile
 
-    from test_validate import tiny_members, validate_config
+    from test_validate import tiny_members
 
     from brf.eval import plan as plan_lib, scorer
     from brf.eval.corpus import load_default_corpus

@@ -2,7 +2,6 @@
 
 import os
 
-import gguf
 import jax
 import numpy as np
 import orbax.checkpoint as ocp

@@ -10,7 +10,6 @@ config field that no longer exists.
 
 import json
 import os
-import pathlib
 import re
 import subprocess
 import sys

@@ -18,7 +18,7 @@ import pytest
 from scipy import stats
 
 import brf
-from brf.ensemble import EnsembleInputError, Member, catchup, generate, stream
+from brf.ensemble import EnsembleInputError, Member, catchup, generate
 from brf.text import TextStream, utf8_prefix
 from brf.models import forward
 

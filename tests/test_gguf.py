@@ -6,8 +6,6 @@ write what llama.cpp would write, and check the reader gives back the HF
 weights transposed to [in, out].
 """
 
-import os
-
 import gguf
 import numpy as np
 import pytest

@@ -3,14 +3,11 @@ validation experiment, resuming, and one-line errors from the mains."""
 
 import csv
 import json
-import math
 import os
 import pathlib
 import subprocess
 import sys
-import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -225,7 +225,6 @@ def _table(cfg, members):
     for name in split_list(cfg.members):
         m = members[name]
         ids = [scorer.encode(m.tokenizer, m.cfg, s) for s in segs]
-        import hashlib
         fp = hashlib.sha256("\x00".join(segs).encode()).hexdigest()[:16]
         meta = {"member": name, "corpus": fp, "segments": len(segs),
                 "top_k": cfg.scoring.top_k, "n_segments": len(segs)}

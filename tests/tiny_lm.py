@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
