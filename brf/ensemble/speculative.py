@@ -382,7 +382,7 @@ class _Loop:
         for i, m in enumerate(members):
             key = (id(m.params), m.cfg) if group else i
             keys.setdefault(key, []).append(i)
-        self.groups = list(keys.values())
+        self.groups = tuple(tuple(idx) for idx in keys.values())  # (the rounds' form)
         self.states = []
         for idx in self.groups:
             rows = [ids for i in idx for ids in prompt_ids[i]]
@@ -607,7 +607,7 @@ class _Loop:
         events, pending token (``self.pending``) and n-gram context. Their caches
         move to the round state, which donates them."""
         B = self.B
-        groups = tuple(tuple(idx) for idx in self.groups)
+        groups = self.groups
         states, self.states = self.states, [None] * len(groups)
         H = catchup.bucket(max(len(h) for h in self.history) + self.max_new + self.spec.k + 2)
         history = np.zeros((B, H), np.int32)
@@ -632,7 +632,7 @@ class _Loop:
         if r is None:
             return
         B = self.B
-        st, groups = r["st"], tuple(tuple(idx) for idx in self.groups)
+        st, groups = r["st"], self.groups
         caches, logits, ends = _regroup(st.dec.caches, st.dec.logits, r["ends"], r["form"],
                                         groups, B)
         last, has_last = np.asarray(st.last), np.asarray(st.has_last)
@@ -651,7 +651,7 @@ class _Loop:
         B, members = self.B, self.members
         spec, tables, control = self._device_plan()
         st, form, ends = self._rounds["st"], self._rounds["form"], self._rounds["ends"]
-        groups = tuple(tuple(idx) for idx in self.groups)
+        groups = self.groups
         live = [b for b in range(B) if not self.done[b]]
         k_first = self.sched.k
         k = self.spec.k if k_first else 0  # the rounds' shapes: one program for every k
