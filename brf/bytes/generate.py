@@ -244,17 +244,22 @@ class _Member:
         """The next-byte log-distribution [257] at ``state`` (its distributions ready)."""
         return next_byte(state, self.tables)[0]
 
+    def _fit(self, seqs: Sequence[int]) -> bool:
+        """Whether every one of ``seqs`` fits in the model's context."""
+        return all(self.tree.room(self.seqs, s) for s in seqs)
+
     def fits(self, state: ByteState) -> bool:
         """Whether every sequence ``state`` still needs a pass for fits in the context."""
-        return all(self.tree.room(self.seqs, s) for s in pending(state, self.tables))
+        return self._fit(pending(state, self.tables))
 
     def read(self, byte: int) -> float | None:
         """Reads one byte (of the prompt) and runs the passes it needs: the fraction of
         mass pruning dropped; None when the context is full."""
         state, step = self.advance(self.state, byte)
-        if not self.fits(state):
+        try:
+            self.ready(state)
+        except _Stop:
             return None
-        self.ready(state)
         self.state = state
         self.forget(state)
         return step.pruned
@@ -282,7 +287,7 @@ class _Member:
             need = pending(state, self.tables)
             if not need:
                 return
-            if any(not self.tree.room(self.seqs, s) for s in need):
+            if not self._fit(need):
                 raise _Stop("context")
             extra = [] if text is None else self._lookahead(state, text, end)
             self.fetch(need + [s for s in extra if self.tree.room(self.seqs, s)])
@@ -675,8 +680,7 @@ class _Loop:
             if d is None:  # a plain step
                 law = law_at(0)
                 event = _draw(law["key"], law["logq"], law["allowed"], law["sampler"])
-                if event is None:
-                    del laws[0]
+                if event is None:  # nothing emitted: no trace row, no step recorded
                     raise _Stop("no_common_byte")
                 v = Verdict(0, event)
             elif self.sampler.greedy:
