@@ -210,5 +210,5 @@ class Assembler:
 
 
 __all__ = ["Assembler", "BF16_ABOVE", "CheckpointTooLargeError", "Entry", "HEADROOM", "Transform",
-           "available_memory",
-           "check_fits", "default_dtype", "n_params"]
+           "available_memory", "check_fits", "default_dtype", "kernel", "n_params", "same",
+           "split_gate_up", "split_qkv"]
