@@ -3,7 +3,7 @@
 Supported model_type values: the keys of `FAMILIES`, from config.json plus
 model.safetensors or the shards model.safetensors.index.json lists. Config
 fields this module does not understand, or understands but does not implement
-(an output-projection bias, rope types other than default/linear/llama3,
+(an output-projection bias, rope types other than default/linear/llama3/yarn/longrope,
 partial rotary embeddings, ...), raise HFCheckpointError naming the field.
 
 Tensor names are converted by a declarative table per architecture
@@ -17,6 +17,7 @@ process) and written straight into the stacked arrays, in the target dtype
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -157,8 +158,32 @@ def _require(hf: dict, field: str, allowed, default=None):
     return value
 
 
-def _rope(params: dict | None, field: str) -> tuple[float | None, dict | None]:
-    """HF rope parameters (either format) -> (theta, our rope_scaling or None)."""
+# Keys a scaled RoPE may carry (transformers' RopeParameters), per type.
+_ROPE_KEYS = {
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+    "longrope": {"factor", "original_max_position_embeddings", "attention_factor",
+                 "short_factor", "long_factor"},
+}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope(params: dict | None, field: str, hf: dict | None = None,
+          original: int | None = None) -> tuple[float | None, dict | None]:
+    """HF rope parameters (either format) -> (theta, our rope_scaling or None).
+
+    yarn and longrope get what transformers derives when the config leaves it
+    out (modeling_rope_utils): the original context (``original``, where the
+    family keeps it outside the rope parameters as Phi-3 does, else
+    max_position_embeddings), the factor, the attention factor and yarn's betas.
+    """
     if not params:
         return None, None
     params = dict(params)
@@ -170,16 +195,50 @@ def _rope(params: dict | None, field: str) -> tuple[float | None, dict | None]:
         if params:
             raise HFCheckpointError(f"config.json {field}: unexpected keys {sorted(params)}")
         return theta, None
-    keys = {"linear": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings")}.get(kind)
-    if keys is None:
+    if kind not in _ROPE_KEYS:
         raise HFCheckpointError(f"config.json {field}: rope type {kind!r} is not supported "
-                         f"(supported: default, linear, llama3)")
-    extra = set(params) - set(keys)
+                                f"(supported: default, {', '.join(_ROPE_KEYS)})")
+    extra = set(params) - _ROPE_KEYS[kind]
     if extra:
         raise HFCheckpointError(f"config.json {field}: unsupported keys {sorted(extra)} for {kind!r}")
-    return theta, {"type": kind, **{k: params[k] for k in keys}}
+    if kind in ("linear", "llama3"):
+        missing = sorted(_ROPE_KEYS[kind] - set(params))
+        if missing:
+            raise HFCheckpointError(f"config.json {field}: {kind!r} lacks {missing}")
+        return theta, {"type": kind, **params}
+    return theta, _long_context_rope(kind, params, field, hf or {}, original)
+
+
+def _long_context_rope(kind: str, p: dict, field: str, hf: dict, original) -> dict:
+    """yarn / longrope parameters completed as transformers completes them."""
+    max_len = hf.get("max_position_embeddings")
+    if original is None:
+        original = p.get("original_max_position_embeddings", max_len)
+    factor = p.get("factor")
+    if original is None or (factor is None and max_len is None):
+        raise HFCheckpointError(f"config.json {field}: {kind!r} needs "
+                                "original_max_position_embeddings and factor (or "
+                                "max_position_embeddings to derive them)")
+    if factor is None:  # transformers: the ratio of the two context lengths
+        factor = max_len / original
+    attention = p.get("attention_factor")
+    if kind == "longrope":
+        missing = sorted({"short_factor", "long_factor"} - set(p))
+        if missing:
+            raise HFCheckpointError(f"config.json {field}: 'longrope' lacks {missing}")
+        if attention is None:
+            attention = (1.0 if factor <= 1 else
+                         math.sqrt(1 + math.log(factor) / math.log(original)))
+        return dict(type=kind, short_factor=p["short_factor"], long_factor=p["long_factor"],
+                    original_max_position_embeddings=int(original),
+                    attention_factor=float(attention))
+    if attention is None:
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+    return dict(type=kind, factor=float(factor), original_max_position_embeddings=int(original),
+                beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
+                attention_factor=float(attention), truncate=bool(p.get("truncate", True)))
 
 
 def _eos(value) -> tuple[int, ...]:
@@ -209,13 +268,20 @@ class Family(NamedTuple):
     build: Callable[[dict, dict], ModelConfig]  # (config.json, common fields) -> config
 
 
-def _llama_rope(hf: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) of a single-RoPE config.json (rope_parameters or the older fields)."""
-    rp = hf.get("rope_parameters")
-    if rp is not None:
-        theta, scaling = _rope(rp, "rope_parameters")
-    else:
-        _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling")
+def _llama_rope(hf: dict, original: int | None = None,
+                aliases: dict | None = None) -> tuple[float, dict | None]:
+    """(theta, scaling) of a single-RoPE config.json (rope_parameters or the older
+    fields). ``original``: the original context where the family keeps it outside
+    the rope parameters; ``aliases``: rope type names the family's transformers
+    config renames."""
+    field = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    rp = hf.get(field)
+    if rp and aliases:
+        kind = rp.get("rope_type", rp.get("type"))
+        rp = {k: v for k, v in rp.items() if k not in ("type", "rope_type")}
+        rp["rope_type"] = aliases.get(kind, kind)
+    theta, scaling = _rope(rp, field, hf, original)
+    if field == "rope_scaling":
         theta = None
     return theta or hf.get("rope_theta", 10000.0), scaling
 
@@ -224,11 +290,13 @@ def _silu(hf: dict) -> None:
     _require(hf, "hidden_act", ("silu",), "silu")
 
 
-def _silu_llama_rope(hf: dict, common: dict, **layout) -> ModelConfig:
+def _silu_llama_rope(hf: dict, common: dict, rope: dict | None = None,
+                     **layout) -> ModelConfig:
     """A SiLU model with Llama's RoPE (what most families share); ``layout``: the
-    family's own ModelConfig fields (biases, norms, windows)."""
+    family's own ModelConfig fields (biases, norms, windows); ``rope``: its
+    `_llama_rope` options."""
     _silu(hf)
-    theta, scaling = _llama_rope(hf)
+    theta, scaling = _llama_rope(hf, **(rope or {}))
     return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling,
                        tie_embeddings=hf.get("tie_word_embeddings", False), act="silu",
                        **layout)
@@ -279,9 +347,13 @@ def _qwen3_from_hf(hf: dict, common: dict) -> ModelConfig:
 
 
 def _phi3_from_hf(hf: dict, common: dict) -> ModelConfig:
-    """Phi-3 / Phi-4: fused projections (split by the table), a sliding window where set."""
+    """Phi-3 / Phi-4: fused projections (split by the table), a sliding window where set.
+    Phi3Config keeps the original context outside the rope parameters (4096 unless
+    set) and reads the rope types 'su' and 'yarn' as 'longrope'."""
     _require(hf, "attention_bias", (False,), False)
-    return _silu_llama_rope(hf, common, **_windowed(common, hf.get("sliding_window")))
+    rope = dict(original=hf.get("original_max_position_embeddings", 4096),
+                aliases={"su": "longrope", "yarn": "longrope"})
+    return _silu_llama_rope(hf, common, rope=rope, **_windowed(common, hf.get("sliding_window")))
 
 
 def _gelu_tanh(hf: dict) -> None:
@@ -351,14 +423,14 @@ def _gemma3_rope(hf: dict):
         if unknown:
             raise HFCheckpointError(f"config.json rope_parameters keys {sorted(unknown)} not "
                                     f"supported")
-        theta, scaling = _rope(rp.get("full_attention"), "rope_parameters.full_attention")
+        theta, scaling = _rope(rp.get("full_attention"), "rope_parameters.full_attention", hf)
         local_theta, local_scaling = _rope(rp.get("sliding_attention"),
                                            "rope_parameters.sliding_attention")
         if local_scaling is not None:
             raise HFCheckpointError("config.json rope_parameters.sliding_attention: scaling of "
                                     "local layers is not supported")
     else:
-        _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling")
+        _, scaling = _rope(hf.get("rope_scaling"), "rope_scaling", hf)
         theta, local_theta = None, None
     return (theta or hf.get("rope_theta", 1_000_000.0),
             local_theta or hf.get("rope_local_base_freq", 10_000.0), scaling)

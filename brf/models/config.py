@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-ROPE_SCALING_TYPES = ("linear", "llama3")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("global", "local")
 ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a layer's RMSNorms sit: 'pre' (Llama: before attention and the MLP), 'sandwich'
@@ -29,11 +29,17 @@ _ARCH_DEFAULTS = {"gemma3": dict(norm_placement="sandwich", qk_norm="head"),
                   "olmo2": dict(norm_placement="post", qk_norm="full")}
 _DEFAULTS = dict(norm_placement="pre", qk_norm="none")
 
-# Keys each supported rope_scaling type needs besides "type".
+# Keys each supported rope_scaling type needs besides "type" (the readers fill in what
+# transformers derives, e.g. yarn's and longrope's attention_factor, so the engine
+# needs nothing else; yarn may also carry "truncate", default True).
 _ROPE_SCALING_KEYS = {
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                               "original_max_position_embeddings"),
+        "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "attention_factor"),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings",
+                     "attention_factor"),
 }
 
 
@@ -79,8 +85,10 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", ("global",) * self.n_layers)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
-        if self.rope_scaling is not None:
-            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        if self.rope_scaling is not None:  # lists (longrope's factors) as tuples: hashable
+            object.__setattr__(self, "rope_scaling", {
+                k: tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else v
+                for k, v in self.rope_scaling.items()})
         for name, value in {**_DEFAULTS, **_ARCH_DEFAULTS.get(self.arch, {})}.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -125,6 +133,11 @@ class ModelConfig:
                                   if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"rope_scaling {kind!r} lacks keys {missing}")
+            for key in ("short_factor", "long_factor"):
+                n = len(self.rope_scaling.get(key, ()) or ())
+                if kind == "longrope" and n != self.head_dim // 2:
+                    raise ValueError(f"rope_scaling longrope {key} has {n} entries; "
+                                     f"head_dim // 2 = {self.head_dim // 2}")
 
     @property
     def attn_scale(self) -> float:

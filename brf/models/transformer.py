@@ -107,8 +107,16 @@ def cast_params(params: dict, dtype) -> dict:
     return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim // 2], with optional 'linear' / 'llama3' scaling."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  long: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2], scaled as ``scaling`` says.
+
+    Types as transformers' modeling_rope_utils computes them: 'linear', 'llama3',
+    'yarn' (each frequency between its interpolated and original value by a
+    ramp over beta_fast..beta_slow rotations in the original context), and
+    'longrope' (divided by short_factor, or by long_factor when ``long``).
+    The attention factor yarn and longrope also apply is `rope_attention_factor`.
+    """
     inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is None:
         return inv.astype(np.float32)
@@ -125,9 +133,40 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> n
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
         inv = np.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = inv * _yarn_blend(head_dim, theta, scaling)
+    elif kind == "longrope":
+        inv = inv / np.asarray(scaling["long_factor" if long else "short_factor"], np.float64)
     else:
-        raise ValueError(f"rope_scaling type {kind!r} unsupported; supported: linear, llama3")
+        raise ValueError(f"rope_scaling type {kind!r} unsupported; supported: "
+                         "linear, llama3, yarn, longrope")
     return inv.astype(np.float32)
+
+
+def _yarn_blend(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """YaRN's per-frequency multiplier [head_dim // 2]: 1 (kept) for the frequencies
+    that turn more than beta_fast times over the original context, 1 / factor
+    (interpolated) for those turning fewer than beta_slow times, linear between
+    (transformers' _compute_yarn_parameters, truncate included)."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations):  # the (fractional) dimension that turns `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(scaling["beta_fast"]), dim_of(scaling["beta_slow"])
+    if scaling.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if lo == hi:
+        hi += 0.001  # as transformers: no division by zero
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
+    return ramp / factor + (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What yarn and longrope multiply RoPE's cosines and sines by (so q.k by its
+    square); 1 for the other types."""
+    return float((scaling or {}).get("attention_factor", 1.0))
 
 
 def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -136,10 +175,11 @@ def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return inv_RxF[rope_L], window_L
 
 
-def _rope_layout(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _rope_layout(cfg: ModelConfig, long: bool = False):
     """The distinct RoPE tables [R, E/2] (global, then local if it differs), each
-    layer's table index [L], and each layer's attention window [L]."""
-    inv_RxF = [rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)]
+    layer's table index [L], and each layer's attention window [L]. ``long``:
+    the tables longrope uses past its original context."""
+    inv_RxF = [rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, long)]
     if cfg.rope_local_theta is not None:
         inv_RxF.append(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta))
     local = np.array([t == "local" for t in cfg.layer_types])
@@ -148,12 +188,36 @@ def _rope_layout(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.stack(inv_RxF), rope_L, window_L
 
 
-def _rope_angles(pos_BxT, inv_RxF):
-    """(cos, sin) of position * inv_freq, [R, B, T, E/2]: computed once per call and
-    shared by every layer that uses the same table (recomputing them inside each
-    layer's fused rotation cost more than the rotation itself)."""
-    ang_RxBxTxF = pos_BxT.astype(jnp.float32)[None, :, :, None] * inv_RxF[:, None, None, :]
-    return jnp.cos(ang_RxBxTxF), jnp.sin(ang_RxBxTxF)
+def _rope_angles(cfg: ModelConfig, pos_BxT):
+    """(cos, sin) of position * inv_freq, [R, B, T, E/2], for `_rope_layout`'s R
+    tables: computed once per call and shared by every layer that uses the same
+    table (recomputing them inside each layer's fused rotation cost more than
+    the rotation itself). Scaled by the global table's attention factor (yarn,
+    longrope), as transformers scales them.
+
+    longrope chooses its factors as transformers does (`dynamic_rope_update`):
+    by the sequence length a pass reaches, its largest position + 1, not per
+    position: past ``original_max_position_embeddings`` every position of the
+    pass uses the long factors, else the short ones. Here each row decides for
+    itself (transformers takes the largest position over the batch), so a row
+    is computed as it would be alone. Keys already in a cache keep the factors
+    they were written with.
+    """
+    inv_RxF = jnp.asarray(_rope_layout(cfg)[0])
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("type") == "longrope":
+        long_RxF = jnp.asarray(_rope_layout(cfg, long=True)[0])
+        is_long_B = jnp.max(pos_BxT, axis=1) + 1 > scaling["original_max_position_embeddings"]
+        inv_RxBxF = jnp.where(is_long_B[None, :, None], long_RxF[:, None], inv_RxF[:, None])
+    else:
+        inv_RxBxF = inv_RxF[:, None]
+    cos, sin = _angles(pos_BxT, inv_RxBxF)
+    factor = rope_attention_factor(cfg.rope_scaling)
+    if factor != 1.0:  # the global table only (local layers are not scaled)
+        scale_Rx1x1x1 = jnp.asarray([factor] + [1.0] * (inv_RxF.shape[0] - 1),
+                                    jnp.float32)[:, None, None, None]
+        cos, sin = cos * scale_Rx1x1x1, sin * scale_Rx1x1x1
+    return cos, sin
 
 
 def rms_norm(x, scale, eps: float):
@@ -163,9 +227,15 @@ def rms_norm(x, scale, eps: float):
     return (y * scale.astype(x32.dtype)).astype(x.dtype)
 
 
+def _angles(pos_BxT, inv_RxBxF):
+    """(cos, sin) of position * inv_freq, [R, B, T, E/2] (inv_freq per row, or [R, 1, E/2])."""
+    ang_RxBxTxF = pos_BxT.astype(jnp.float32)[None, :, :, None] * inv_RxBxF[:, :, None, :]
+    return jnp.cos(ang_RxBxTxF), jnp.sin(ang_RxBxTxF)
+
+
 def apply_rope(x_BxTxNxE, pos_BxT, inv_F):
     """Rotates half-split (rotate_half) feature pairs by position * inv_freq."""
-    cos_1xBxTxF, sin_1xBxTxF = _rope_angles(pos_BxT, jnp.asarray(inv_F)[None])
+    cos_1xBxTxF, sin_1xBxTxF = _angles(jnp.asarray(pos_BxT), jnp.asarray(inv_F)[None, None])
     return _rotate(x_BxTxNxE, cos_1xBxTxF[0], sin_1xBxTxF[0])
 
 
@@ -698,8 +768,8 @@ def _compute(params, cfg, tokens_BxT, valid_BxT, cache, dtype, logits, reads=Non
                                                          valid_BxT, cache, dtype)
     write_at = 0 if cache is None else cache["end"]
     at = Slots(pos_BxT, kpos_BxS, write_at)
-    inv_RxF, rope_L, window_L = _rope_layout(cfg)
-    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(pos_BxT, inv_RxF)
+    _, rope_L, window_L = _rope_layout(cfg)
+    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(cfg, pos_BxT)
     kv_L = [None] * cfg.n_layers if cache is None else list(zip(cache["k"], cache["v"]))
     if is_unstacked(params):
         new_L = []
@@ -756,7 +826,7 @@ _logits_jit = jax.jit(_logits, static_argnames=("cfg", "logits"))
 @functools.partial(jax.jit, static_argnames="cfg")
 def _rope_jit(cfg, pos_BxT):
     """`_rope_angles` for the per-layer path: one (cos, sin) per distinct table."""
-    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(pos_BxT, _rope_layout(cfg)[0])
+    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(cfg, pos_BxT)
     return tuple(zip(cos_RxBxTxF, sin_RxBxTxF))
 
 
@@ -967,8 +1037,8 @@ def _tree(params, cfg, kv, meta, tokens_BxT, pos_BxT, cache_allow_BxTxS, tree_al
     on XLA:CPU than a call per layer.
     """
     x_BxTxD = _embed_tokens(params["embed"], cfg, tokens_BxT, dtype)
-    inv_RxF, rope_L, window_L = _rope_layout(cfg)
-    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(pos_BxT, inv_RxF)
+    _, rope_L, window_L = _rope_layout(cfg)
+    cos_RxBxTxF, sin_RxBxTxF = _rope_angles(cfg, pos_BxT)
     allow = (cache_allow_BxTxS, tree_allow_BxTxT) + (() if gather is None else (gather,))
     at = Slots(pos_BxT, meta["pos"], meta["end"], allow)
     new_L = []
@@ -993,5 +1063,5 @@ def compiled_count() -> int:
 
 __all__ = ["Reads", "cache_reads", "cast_params", "compiled_count", "decode_step", "decode_step_donated", "forward",
            "forward_tree", "init_params", "is_unstacked", "param_shapes", "prefill", "prefill_donated",
-           "rope_inv_freq", "layer_tables", "rms_norm", "apply_rope", "stack_layers",
+           "rope_attention_factor", "rope_inv_freq", "layer_tables", "rms_norm", "apply_rope", "stack_layers",
            "unembed", "unstack_layers"]
