@@ -15,6 +15,7 @@ torch/transformers are test references only.
 """
 
 import json
+import math
 
 import gguf
 import jax
@@ -161,8 +162,9 @@ def _llamacpp_permute(w_OxI, n_head):
             .swapaxes(1, 2).reshape(w_OxI.shape))
 
 
-def _write_gguf(path, gguf_arch, ref, hf_conf):
-    """The model's tensors and hyperparameters as llama.cpp's converter writes them."""
+def _write_gguf(path, gguf_arch, ref, hf_conf, extra=None):
+    """The model's tensors and hyperparameters as llama.cpp's converter writes them;
+    ``extra(writer)`` adds more (rope scaling metadata and tensors)."""
     c = hf_conf
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, gguf_arch.upper()),
                                      c.num_hidden_layers)
@@ -186,6 +188,8 @@ def _write_gguf(path, gguf_arch, ref, hf_conf):
     if gguf_arch == "phi3":
         w.add_rope_dimension_count(head_dim)
         w.add_sliding_window(c.sliding_window or 0)
+    if extra is not None:
+        extra(w)
     tied = c.tie_word_embeddings
     for name, t in ref.state_dict().items():
         if tied and name == "lm_head.weight":
@@ -278,13 +282,15 @@ def test_a_mutated_mapping_breaks_parity(family, monkeypatch):
 
 
 @pytest.mark.parametrize("model_type, change, field", [
-    ("qwen2", dict(rope_scaling={"type": "yarn", "factor": 4.0,
-                                 "original_max_position_embeddings": 32}), "yarn"),
+    ("qwen2", dict(rope_scaling={"type": "dynamic", "factor": 4.0}), "dynamic"),
+    ("qwen2", dict(rope_scaling={"type": "yarn", "factor": 4.0}), "original_max_position"),
     ("qwen3", dict(attention_bias=True), "attention_bias"),
     ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                    "partial_rotary_factor": 0.75}), "partial_rotary_factor"),
-    ("phi3", dict(rope_scaling={"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}),
-     "longrope"),
+    ("phi3", dict(max_position_embeddings=64,
+                  rope_scaling={"type": "longrope", "long_factor": [1.0] * 4}), "short_factor"),
+    ("phi3", dict(max_position_embeddings=64, rope_scaling={
+        "type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}), "short_factor has 1"),
     ("olmo2", dict(attention_bias=True), "attention_bias"),
     ("gemma2", dict(hidden_activation="gelu"), "hidden_activation"),
     ("gemma2", dict(layer_types=["chunked_attention"] * 2), "chunked_attention"),
@@ -299,8 +305,9 @@ def test_refuses_what_it_does_not_implement(model_type, change, field):
         hf_ckpt.config_from_hf({**base, **change})
 
 
-def test_gguf_refuses_phi3_long_rope(tmp_path):
-    """Phi-3 128k files carry rope_factors_long/short: refused by name, not misread."""
+def test_gguf_refuses_attn_factor_without_long_rope(tmp_path):
+    """An attention factor with neither yarn nor longrope's factor tensors is refused
+    by name, not ignored."""
     path = tmp_path / "phi.gguf"
     w = gguf.GGUFWriter(str(path), "phi3")
     for key, value in dict(block_count=1, embedding_length=8, feed_forward_length=8,
@@ -365,3 +372,203 @@ def test_sharded_bfloat16_read_tensor_by_tensor(tmp_path, monkeypatch):
     monkeypatch.setattr(assemble, "available_memory", lambda: 1000)
     with pytest.raises(assemble.CheckpointTooLargeError, match=str(tmp_path)):
         hf_ckpt.load_hf(str(tmp_path))
+
+
+# --------------------------------------------------------------- rope scalings
+
+# name -> (transformers class, config class, config fields, rope_scaling as the published
+# config.json writes it, the GGUF arch llama.cpp writes, whether GGUF carries it all)
+ROPE_CASES = {
+    # Qwen2.5 (and the DeepSeek-R1-Distill-Qwen) form: rope_theta beside
+    # rope_scaling {factor, original_max_position_embeddings, type}
+    "qwen2-yarn": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+                           dict(num_hidden_layers=2, rope_theta=20.0),
+                           {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                           "qwen2", True),
+    # every key transformers reads; mscale and truncate have no GGUF key (llama.cpp
+    # truncates and derives the attention factor from the factor alone)
+    "llama-yarn-mscale": lambda: (
+        transformers.LlamaForCausalLM, transformers.LlamaConfig,
+        dict(num_hidden_layers=2, rope_theta=20.0),
+        {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 16,
+         "beta_fast": 8.0, "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.6,
+         "truncate": False}, "llama", False),
+    # Phi-3-mini-128k / Phi-3.5-mini form: short and long factors, the original context
+    # outside rope_scaling; switch after position 8
+    "phi3-longrope": lambda: (
+        transformers.Phi3ForCausalLM, transformers.Phi3Config,
+        dict(num_hidden_layers=2, rope_theta=10000.0, original_max_position_embeddings=8,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        {"type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6],
+         "long_factor": [1.1, 2.5, 5.0, 9.0]}, "phi3", True),
+}
+SHORT, LONG = 6, 24  # sequence lengths before and after the original context (8 or 16)
+
+
+@pytest.fixture(scope="module", params=list(ROPE_CASES))
+def rope_case(request, tmp_path_factory):
+    """(name, HF directory in the published config.json form, transformers model read
+    from it, its rope_scaling, GGUF arch, GGUF carries it, cfg, params)."""
+    name = request.param
+    torch.manual_seed(1)
+    cls, conf_cls, fields, scaling, gguf_arch, exact = ROPE_CASES[name]()
+    conf = conf_cls(**SMALL, **fields, rope_scaling=scaling)
+    ref = cls(conf).float().eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.15 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(name)
+    ref.save_pretrained(path)
+    hf = json.loads((path / "config.json").read_text())
+    hf.pop("rope_parameters")  # as published: rope_theta and rope_scaling
+    hf.update(rope_theta=fields["rope_theta"], rope_scaling=scaling)
+    (path / "config.json").write_text(json.dumps(hf))
+    ref = cls.from_pretrained(path, attn_implementation="eager").float().eval()
+    cfg, params = hf_ckpt.load_hf(str(path))
+    return name, str(path), ref, scaling, gguf_arch, exact, cfg, jax.device_put(params)
+
+
+def test_rope_scaling_logits_match_transformers(rope_case):
+    """A full forward before and after the original context (for longrope: the short
+    and the long factors, chosen by the sequence's length as transformers chooses
+    them), in both params layouts."""
+    name, _, ref, scaling, _, _, cfg, params = rope_case
+    kind = scaling.get("rope_type", scaling.get("type"))
+    assert cfg.rope_scaling["type"] == kind and cfg.rope_scaling["attention_factor"] > 1.0
+    for n in (SHORT, LONG):
+        tokens = _tokens(3, (1, n))
+        want = _ref_logits(ref, tokens)
+        for layout in (params, transformer.unstack_layers(params)):
+            got = np.asarray(prefill(layout, cfg, tokens, None, None)[0])
+            err = float(np.max(np.abs(got - want)))
+            assert err < ATOL, f"{name}, {n} tokens: max abs diff {err:.2e}"
+
+
+def _ref_cached_steps(ref, seq, n_prompt):
+    """transformers' logits for seq: a prompt of n_prompt tokens, then one token per
+    forward pass against its cache (each pass chooses longrope's factors by its own
+    length)."""
+    with torch.no_grad():
+        out = ref(torch.tensor(seq[None, :n_prompt], dtype=torch.long), use_cache=True)
+        logits, past = [out.logits[0, -1].numpy()], out.cache
+        for j in range(n_prompt, len(seq) - 1):
+            out = ref(torch.tensor(seq[None, j:j + 1], dtype=torch.long), cache=past,
+                      use_cache=True)
+            logits.append(out.logits[0, -1].numpy())
+            past = out.cache
+    return np.stack(logits)
+
+
+def test_rope_scaling_cached_decoding_matches_transformers(rope_case):
+    """A left-padded batch prefilled on one side of the switch and decoded one token
+    at a time across it: each row's logits are transformers' decoding it alone. For
+    longrope this is not a full forward over the sequence: keys written before the
+    switch keep the short factors (transformers' Phi-3 generate() instead drops its
+    cache once at the switch and recomputes it; docs/model-families.md)."""
+    name, _, ref, scaling, _, _, cfg, params = rope_case
+    params = transformer.unstack_layers(params)
+    lengths, total, width = [5, 3], LONG, 5
+    seqs = [_tokens(11 + b, (n + total - 5,)) for b, n in enumerate(lengths)]
+    tokens, valid = np.zeros((2, width), np.int32), np.zeros((2, width), bool)
+    for b, (n, s) in enumerate(zip(lengths, seqs)):
+        tokens[b, width - n:], valid[b, width - n:] = s[:n], True
+    cache = init_cache(cfg, 2, width + total)
+    logits, cache = prefill_donated(params, cfg, tokens, valid, cache, logits="last")
+    steps = [np.asarray(logits)]
+    for j in range(total - 6):
+        step, cache = decode_step_donated(
+            params, cfg, jnp.asarray([s[n + j] for n, s in zip(lengths, seqs)]), cache)
+        steps.append(np.asarray(step))
+    for b, (n, s) in enumerate(zip(lengths, seqs)):
+        want = _ref_cached_steps(ref, s[:n + len(steps)], n)
+        err = float(np.max(np.abs(np.stack([st[b] for st in steps]) - want)))
+        assert err < ATOL, f"{name} sequence {b}: cached decoding max abs diff {err:.2e}"
+    if scaling.get("type") == "longrope":  # past the switch: not a full forward
+        s, n = seqs[0], lengths[0]
+        full = np.asarray(prefill(params, cfg, s[None, :n + len(steps) - 1], None, None)[0])[0]
+        assert np.max(np.abs(full[n - 1:] - np.stack([st[0] for st in steps]))) > 100 * ATOL
+
+
+def test_rope_scaling_module(rope_case, tmp_path):
+    """The flax.nnx module registry.load_module builds (through the orbax cache, so
+    the config's scaling survives the round trip) gives transformers' logits."""
+    name, path, ref, _, _, _, cfg, _ = rope_case
+    model, _ = registry.load_module(path, cache_root=str(tmp_path), progress=False)
+    assert model.cfg == cfg
+    tokens = _tokens(4, (1, LONG))
+    err = float(np.max(np.abs(np.asarray(model(tokens)) - _ref_logits(ref, tokens))))
+    assert err < ATOL, f"{name}: module max abs diff {err:.2e}"
+
+
+def _llamacpp_rope(conf, scaling):
+    """What llama.cpp's converter writes for a yarn or longrope config (TextModel /
+    Qwen2Model yarn keys; Phi3MiniModel: the original context, the attention factor
+    it computes and the factors as tensors, and, in older files, no type)."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+
+    def extra(w):
+        if kind == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(scaling["factor"])
+            w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+            for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                             ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+                             ("attention_factor", w.add_rope_scaling_yarn_attn_factor)):
+                if key in scaling:
+                    add(scaling[key])
+            return
+        original = conf.original_max_position_embeddings
+        ratio = conf.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(ratio) / math.log(original)))
+        w.add_tensor("rope_factors_long.weight", np.asarray(scaling["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(scaling["short_factor"], np.float32))
+    return extra
+
+
+def test_rope_scaling_from_gguf(rope_case, tmp_path):
+    """The same model as llama.cpp writes it: the same scaling (to float32, the file's
+    precision) and parameters, and transformers' logits on both sides of the switch.
+    Where GGUF cannot carry a key (yarn's mscale, truncate), the file reads as
+    llama.cpp reads it: a different model, as the test shows."""
+    name, _, ref, scaling, gguf_arch, exact, cfg, params = rope_case
+    path = tmp_path / f"{name}.gguf"
+    _write_gguf(path, gguf_arch, ref, ref.config, extra=_llamacpp_rope(ref.config, scaling))
+    got_cfg, got = G.load_gguf(path, progress=False)
+    assert set(got_cfg.rope_scaling) == set(cfg.rope_scaling)
+    if not exact:
+        for key in ("attention_factor", "truncate"):
+            assert got_cfg.rope_scaling[key] != pytest.approx(cfg.rope_scaling[key]), key
+        return
+    for key, value in cfg.rope_scaling.items():
+        assert (got_cfg.rope_scaling[key] == value if isinstance(value, (str, bool)) else
+                got_cfg.rope_scaling[key] == pytest.approx(value, rel=1e-6)), key
+    for k, v in dict(jax.tree_util.tree_leaves_with_path(params)).items():
+        np.testing.assert_array_equal(dict(jax.tree_util.tree_leaves_with_path(got))[k],
+                                      np.asarray(v), err_msg=str(k))
+    for n in (SHORT, LONG):
+        tokens = _tokens(5, (1, n))
+        out = np.asarray(prefill(jax.device_put(got), got_cfg, tokens, None, None)[0])
+        err = float(np.max(np.abs(out - _ref_logits(ref, tokens))))
+        assert err < ATOL, f"{name} from GGUF, {n} tokens: max abs diff {err:.2e}"
+
+
+def test_published_rope_configs():
+    """The scalings of the published configs, as transformers derives them: Phi-3-mini-128k
+    (no factor: 131072 / 4096; 'su' is longrope's older name) and Qwen2.5's yarn."""
+    base = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
+    factors = dict(short_factor=[1.0] * 4, long_factor=[2.0] * 4)
+    for kind in ("longrope", "su"):
+        cfg = hf_ckpt.config_from_hf(dict(
+            base, model_type="phi3", max_position_embeddings=131072,
+            original_max_position_embeddings=4096, rope_scaling=dict(type=kind, **factors)))
+        assert cfg.rope_scaling == dict(type="longrope", original_max_position_embeddings=4096,
+                                        attention_factor=pytest.approx(1.1902380714),
+                                        short_factor=(1.0,) * 4, long_factor=(2.0,) * 4)
+    cfg = hf_ckpt.config_from_hf(dict(
+        base, model_type="qwen2", max_position_embeddings=32768, rope_theta=1e6,
+        rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}))
+    assert cfg.rope_scaling == dict(type="yarn", factor=4.0, original_max_position_embeddings=32768,
+                                    beta_fast=32.0, beta_slow=1.0, truncate=True,
+                                    attention_factor=pytest.approx(0.1 * math.log(4) + 1))

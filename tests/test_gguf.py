@@ -6,6 +6,9 @@ write what llama.cpp would write, and check the reader gives back the HF
 weights transposed to [in, out].
 """
 
+import os
+import shutil
+
 import gguf
 import numpy as np
 import pytest
@@ -62,10 +65,12 @@ def quantized(x, qtype):
 
 
 def write_tiny(path, arch="llama", hf=None, extra_kv=None, extra_tensors=None,
-               types=TYPES, skip=()):
-    """Writes a tiny GGUF; returns {our path: expected array} (float32, our layout)."""
+               types=TYPES, skip=(), split_max_tensors=0):
+    """Writes a tiny GGUF; returns {our path: expected array} (float32, our layout).
+    With ``split_max_tensors``, as a split set of that many tensors a part (gguf's
+    writer names and marks the parts as llama.cpp's gguf-split does)."""
     hf = hf or hf_weights(arch)
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     kv = {f"{arch}.block_count": L, f"{arch}.context_length": 128,
           f"{arch}.embedding_length": D, f"{arch}.feed_forward_length": F,
           f"{arch}.attention.head_count": H, f"{arch}.attention.head_count_kv": K,
@@ -229,10 +234,18 @@ def test_unknown_metadata_field_refused(tmp_path):
         G.load_config(path)
 
 
-def test_unsupported_rope_scaling_refused(tmp_path):
+@pytest.mark.parametrize("kv, match", [
+    ({"llama.rope.scaling.type": "dynamic"}, "rope.scaling.type.*dynamic"),
+    ({"llama.rope.scaling.type": "yarn"}, "rope.scaling.factor"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+      "llama.rope.scaling.original_context_length": 32,
+      "llama.rope.scaling.yarn_log_multiplier": 0.1}, "yarn_log_multiplier"),
+    ({"llama.rope.scaling.type": "longrope"}, "rope_factors_long"),
+])
+def test_unsupported_rope_scaling_refused(tmp_path, kv, match):
     path = str(tmp_path / "t.gguf")
-    write_tiny(path, extra_kv={"llama.rope.scaling.type": "yarn"})
-    with pytest.raises(G.GGUFError, match="rope.scaling.type.*yarn"):
+    write_tiny(path, extra_kv=kv)
+    with pytest.raises(G.GGUFError, match=match):
         G.load_config(path)
 
 
@@ -306,6 +319,71 @@ def test_nonfinite_values_refused(tmp_path):
     write_tiny(path, hf=hf)
     with pytest.raises(G.GGUFError, match="output_norm.weight.*non-finite"):
         G.load_gguf(path, progress=False)
+
+
+# ---------------------------------------------------------------------- split files
+
+def _split_set(tmp_path, name="t", **kw):
+    """A tiny model as one file and as a split set of 3 parts (10 tensors a part):
+    (the unsplit file, the parts in order)."""
+    write_tiny(str(tmp_path / f"{name}-whole.gguf"), **kw)
+    write_tiny(str(tmp_path / f"{name}.gguf"), split_max_tensors=10, **kw)
+    parts = sorted(tmp_path.glob(f"{name}-0000?-of-00003.gguf"))
+    assert len(parts) == 3
+    return str(tmp_path / f"{name}-whole.gguf"), [str(p) for p in parts]
+
+
+def test_split_set_reads_as_the_whole_file(tmp_path):
+    """Whichever part is named, a split set reads as the unsplit file: the same
+    config, parameters and logits; a registry source naming any part stands for
+    the set (its first part)."""
+    import jax
+
+    from brf.checkpoints import registry
+    from brf.models import prefill
+    whole, parts = _split_set(tmp_path)
+    assert "general.architecture" not in G._open_file(parts[1]).metadata
+    want_cfg, want = G.load_gguf(whole, progress=False)
+    tokens = np.arange(12, dtype=np.int32)[None] % V
+    want_logits = np.asarray(prefill(jax.device_put(want), want_cfg, tokens, None, None)[0])
+    for part in parts:
+        f = G.open_gguf(part)
+        assert f.path == parts[0] and len(f.data) == 3 and {t.part for t in f.tensors} == {0, 1, 2}
+        cfg, params = G.load_gguf(part, progress=False)
+        assert cfg == want_cfg
+        for k, v in flat(want).items():
+            np.testing.assert_array_equal(flat(params)[k], v, err_msg=k)
+        np.testing.assert_array_equal(
+            np.asarray(prefill(jax.device_put(params), cfg, tokens, None, None)[0]), want_logits)
+        assert registry.resolve(part) == parts[0]
+    assert G.split_parts(parts[2]) == parts and G.split_parts(whole) == [whole]
+
+
+def test_split_set_missing_part_refused(tmp_path):
+    _, parts = _split_set(tmp_path)
+    os.remove(parts[1])
+    for named in (parts[0], parts[2]):
+        with pytest.raises(G.GGUFError, match=r"part 2 of 3 .* is missing: .*t-00002-of-00003"):
+            G.load_gguf(named, progress=False)
+
+
+def test_split_set_mismatched_part_refused(tmp_path):
+    """A part of another set (another tensor count), or one under another part's number,
+    is refused naming it; so is a part whose name does not say its set."""
+    _, parts = _split_set(tmp_path)
+    head = np.zeros((V, D), np.float32)
+    _, other = _split_set(tmp_path, "u", extra_tensors={"output.weight": head})
+    shutil.copy(other[2], parts[2])
+    with pytest.raises(G.GGUFError, match=r"t-00003-of-00003.gguf does not belong .*"
+                                          r"split.tensors.count are \(2, 3, 30\)"):
+        G.load_gguf(parts[0], progress=False)
+    shutil.copy(parts[0], parts[1])
+    with pytest.raises(G.GGUFError, match=r"t-00002-of-00003.gguf does not belong"):
+        G.load_gguf(parts[2], progress=False)
+    renamed = str(tmp_path / "part.gguf")
+    shutil.copy(other[0], renamed)
+    with pytest.raises(G.GGUFError, match=r"split in 3 parts, but its name is not"):
+        G.load_gguf(renamed, progress=False)
 
 
 # ---------------------------------------------------------------------- real files

@@ -34,6 +34,7 @@ Two facts about llama.cpp's writer (convert_hf_to_gguf.py) the tables undo or ke
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
@@ -73,22 +74,26 @@ class TensorInfo(NamedTuple):
     ggml_type: Q
     offset: int  # absolute byte offset in the file
     n_bytes: int
+    part: int = 0  # which file of a split set holds it (GGUFFile.data[part])
 
 
 class GGUFFile(NamedTuple):
-    """A parsed GGUF header plus a read-only memory map of the file.
+    """A parsed GGUF header plus read-only memory maps of the file (or of every
+    part of a split set, read as one file).
 
     Attributes:
-        path: the file.
-        metadata: {key: value}; strings as str, arrays as lists.
-        tensors: the tensor table, in file order.
-        data: the whole file as a uint8 memmap (pages load on first touch).
+        path: the file (of a split set: its first part).
+        metadata: {key: value}; strings as str, arrays as lists (of a split set:
+            the first part's, which carries the model's).
+        tensors: the tensor table, in file order (parts in order).
+        data: each file as a uint8 memmap (pages load on first touch), one per
+            part; a tensor lies in ``data[tensor.part]``.
     """
 
     path: str
     metadata: dict[str, Any]
     tensors: tuple[TensorInfo, ...]
-    data: np.ndarray
+    data: tuple[np.ndarray, ...]
 
 
 _V = gguf.GGUFValueType
@@ -127,7 +132,7 @@ def _value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
     raise GGUFError(f"metadata value type {vtype} is not a GGUF type")
 
 
-def open_gguf(path: str | os.PathLike) -> GGUFFile:
+def _open_file(path: str, part: int = 0) -> GGUFFile:
     """Parses a GGUF header (v2/v3, little-endian) and memory-maps the file.
 
     The parse follows the format `gguf.GGUFReader` reads (tests check the two
@@ -136,6 +141,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
 
     Args:
         path: the .gguf file.
+        part: its index in a split set (each tensor's ``part``).
 
     Returns:
         A GGUFFile whose tensors all lie inside the file.
@@ -145,7 +151,6 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         GGUFError: not a GGUF file, an unsupported version or byte order, or a
             truncated / corrupted file (the message says which).
     """
-    path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path}")
     size = os.path.getsize(path)
@@ -194,12 +199,84 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
             raise GGUFError(f"{path}: tensor {name!r} has unknown ggml type {qtype}") from None
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         n_bytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
-        info = TensorInfo(name, shape, qtype, start + offset, n_bytes)
+        info = TensorInfo(name, shape, qtype, start + offset, n_bytes, part)
         if info.offset + n_bytes > size:
             raise GGUFError(f"{path} is truncated: tensor {name!r} ends at byte "
                             f"{info.offset + n_bytes}, the file has {size}")
         tensors.append(info)
-    return GGUFFile(path, meta, tuple(tensors), data)
+    return GGUFFile(path, meta, tuple(tensors), (data,))
+
+
+# llama.cpp's gguf-split (and gguf.GGUFWriter's split_max_*) name the parts so.
+_PART_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
+
+
+def split_parts(path: str | os.PathLike) -> list[str]:
+    """Every file of the split set whose part ``path`` names by its file name
+    (``NAME-00002-of-00003.gguf`` -> parts 1 to 3), in order; [path] for any
+    other name."""
+    path = os.fspath(path)
+    m = _PART_NAME.fullmatch(os.path.basename(path))
+    if m is None:
+        return [path]
+    stem, n = m.group(1), int(m.group(3))
+    return [os.path.join(os.path.dirname(path), f"{stem}-{i:05d}-of-{n:05d}.gguf")
+            for i in range(1, n + 1)]
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parses a GGUF file's header and memory-maps it; a split set as one file.
+
+    A set llama.cpp's gguf-split wrote (``NAME-00001-of-0000N.gguf``, ...; the
+    first part carries the metadata, every part ``split.no``, ``split.count``
+    and ``split.tensors.count``) is read whole, whichever part ``path`` names:
+    no merge step. The parse follows the format `gguf.GGUFReader` reads (tests
+    check the two agree) but reads arrays in bulk: the reference reader builds
+    one NumPy view per vocabulary string and takes tens of seconds on a
+    262k-token vocabulary.
+
+    Args:
+        path: the .gguf file, or any part of a split set.
+
+    Returns:
+        A GGUFFile whose tensors all lie inside their files.
+
+    Raises:
+        FileNotFoundError: no such file.
+        GGUFError: not a GGUF file, an unsupported version or byte order, a
+            truncated / corrupted file, or a split set with a part missing or
+            from another set (the message names the file).
+    """
+    path = os.fspath(path)
+    named = _open_file(path)
+    count = int(named.metadata.get("split.count", 1))
+    if count <= 1:
+        return named
+    names = split_parts(path)
+    if len(names) != count:
+        raise GGUFError(f"{path} is part of a GGUF split in {count} parts, but its name is not "
+                        f"NAME-0000i-of-{count:05d}.gguf, so the other parts cannot be found")
+    parts = []
+    for i, name in enumerate(names):  # checked against the first part, which holds the model
+        if not os.path.isfile(name):
+            raise GGUFError(f"part {i + 1} of {count} of the split GGUF {path} is missing: "
+                            f"{name}")
+        part = named._replace(tensors=tuple(t._replace(part=i) for t in named.tensors)) \
+            if name == path else _open_file(name, i)
+        got = tuple(part.metadata.get(k) for k in ("split.no", "split.count",
+                                                   "split.tensors.count"))
+        want = (i, count, (parts[0] if parts else part).metadata.get("split.tensors.count"))
+        if got != want:
+            raise GGUFError(f"{name} does not belong to the split set of {names[0]}: its "
+                            f"split.no, split.count, split.tensors.count are {got}, expected "
+                            f"{want}")
+        parts.append(part)
+    tensors = tuple(t for p in parts for t in p.tensors)
+    if len(tensors) != want[2] or len({t.name for t in tensors}) != len(tensors):
+        raise GGUFError(f"the split GGUF {names[0]} holds {len(tensors)} tensors "
+                        f"({len({t.name for t in tensors})} names) over its {count} parts; "
+                        f"split.tensors.count says {want[2]}")
+    return GGUFFile(names[0], parts[0].metadata, tensors, tuple(p.data[0] for p in parts))
 
 
 # --------------------------------------------------------------------------- config
@@ -212,6 +289,9 @@ _COMMON_KEYS = {
     "rope.freq_base", "rope.dimension_count", "attention.key_length",
     "attention.value_length", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "rope.scaling.attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
+    "rope.scaling.yarn_log_multiplier",
 }
 _ARCH_KEYS = {
     "llama": _COMMON_KEYS,
@@ -247,14 +327,67 @@ def _scalar(meta: dict, key: str, default: Any = KeyError) -> Any:
     return value
 
 
-def _rope_scaling(meta: dict, arch: str) -> dict | None:
-    kind = _scalar(meta, f"{arch}.rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    if kind == "linear":
-        return {"type": "linear", "factor": float(_scalar(meta, f"{arch}.rope.scaling.factor"))}
+# Tensors that are part of the config, not of the parameters: Phi-3's longrope factors.
+_ROPE_FACTOR_TENSORS = {"short_factor": "rope_factors_short.weight",
+                        "long_factor": "rope_factors_long.weight"}
+
+
+def _rope_scaling(f: GGUFFile, arch: str) -> dict | None:
+    """The rope scaling a file's metadata (and longrope's factor tensors) describe,
+    with what transformers derives where llama.cpp writes nothing (a yarn file
+    without yarn_beta_* or yarn_attn_factor)."""
+    meta = f.metadata
+
+    def field(name, default=KeyError):
+        return _scalar(meta, f"{arch}.rope.scaling.{name}", default)
+
+    kind = field("type", "none")
+    factors = {k: t for k, t in _ROPE_FACTOR_TENSORS.items()
+               if any(i.name == t for i in f.tensors)}
+    if factors and kind not in ("none", "longrope"):
+        raise GGUFError(f"GGUF metadata field '{arch}.rope.scaling.type'={kind!r} with the "
+                        f"tensors {sorted(factors.values())}: not supported")
+    if factors:  # Phi-3 128k / Phi-3.5: llama.cpp writes no type for longrope (older files)
+        kind = "longrope"
+    if kind in ("none", "linear"):
+        for key in ("attn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_ext_factor",
+                    "yarn_attn_factor", "yarn_log_multiplier"):
+            if field(key, None) is not None:
+                raise GGUFError(f"GGUF metadata field '{arch}.rope.scaling.{key}' without yarn "
+                                "or longrope (rope_factors_long/short tensors): not supported")
+        return (None if kind == "none" else
+                {"type": "linear", "factor": float(field("factor"))})
+    if kind == "longrope":
+        if len(factors) != 2:
+            raise GGUFError(f"GGUF longrope needs both {sorted(_ROPE_FACTOR_TENSORS.values())}; "
+                            f"the file has {sorted(factors.values())}")
+        original = int(field("original_context_length"))
+        attention = field("attn_factor", None)
+        if attention is None:  # what llama.cpp's converter would have written
+            ratio = int(_scalar(meta, f"{arch}.context_length")) / original
+            attention = 1.0 if ratio <= 1 else math.sqrt(1 + math.log(ratio) / math.log(original))
+        by_name = {t.name: t for t in f.tensors}
+        return dict(type="longrope", original_max_position_embeddings=original,
+                    attention_factor=float(attention),
+                    **{k: tuple(dequantize(f, by_name[t]).astype(float).tolist())
+                       for k, t in factors.items()})
+    if kind == "yarn":
+        for key, ok in (("yarn_log_multiplier", (0.0,)), ("yarn_ext_factor", (1.0,)),
+                        ("attn_factor", (1.0,))):
+            value = field(key, None)
+            if value is not None and float(value) not in ok:
+                raise GGUFError(f"GGUF metadata field '{arch}.rope.scaling.{key}'={value} is "
+                                f"not supported with yarn (supported: absent or {ok[0]})")
+        factor = float(field("factor"))
+        attention = field("yarn_attn_factor", None)
+        return dict(type="yarn", factor=factor,
+                    original_max_position_embeddings=int(field("original_context_length")),
+                    beta_fast=float(field("yarn_beta_fast", 32.0)),
+                    beta_slow=float(field("yarn_beta_slow", 1.0)),
+                    attention_factor=float(1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
+                    if attention is None else float(attention), truncate=True)
     raise GGUFError(f"GGUF metadata field '{arch}.rope.scaling.type'={kind!r} is not supported "
-                    "(supported: none, linear)")
+                    "(supported: none, linear, yarn, longrope)")
 
 
 def config_from_file(f: GGUFFile) -> ModelConfig:
@@ -276,9 +409,6 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
     if arch not in ARCHS:
         raise GGUFError(f"GGUF metadata field 'general.architecture'={arch!r} is not supported "
                         f"(supported: {', '.join(ARCHS)})")
-    if int(meta.get("split.count", 1)) > 1:
-        raise GGUFError(f"GGUF metadata field 'split.count'={meta['split.count']}: split files "
-                        "are not supported; merge them with llama-gguf-split --merge")
     unknown = sorted(k for k in meta if k.startswith(arch + ".")
                      and k[len(arch) + 1:] not in _ARCH_KEYS[arch])
     if unknown:
@@ -313,7 +443,7 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
         d_ff=int(field("feed_forward_length")),
         norm_eps=float(field("attention.layer_norm_rms_epsilon")),
         rope_theta=float(field("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(meta, arch),
+        rope_scaling=_rope_scaling(f, arch),
         tie_embeddings="output.weight" not in tensor_shapes,
         max_seq_len=int(field("context_length", 2048)),
         bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=tuple(eos_ids),
@@ -480,7 +610,7 @@ def dequantize(f: GGUFFile, info: TensorInfo) -> np.ndarray:
         names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
         raise GGUFError(f"tensor {info.name!r} has type {info.ggml_type.name}, which is "
                         f"not supported (supported: {names})")
-    raw = f.data[info.offset:info.offset + info.n_bytes]
+    raw = f.data[info.part][info.offset:info.offset + info.n_bytes]
     raw = raw.reshape(gguf.quants.quant_shape_to_byte_shape(info.shape, info.ggml_type))
     w = np.asarray(gguf.quants.dequantize(raw, info.ggml_type), np.float32).reshape(info.shape)
     if not np.isfinite(w).all():
@@ -511,7 +641,10 @@ def params_from_file(f: GGUFFile, cfg: ModelConfig, dtype=np.float32,
     rules = [(re.compile(p), (path,) if isinstance(path, str) else tuple(path), fn)
              for p, path, fn in (NAME_MAPS[cfg.arch] if table is None else table)]
     out = Assembler(cfg, dtype, GGUFError, "GGUF file")
+    config_tensors = set(_ROPE_FACTOR_TENSORS.values())  # read by config_from_file
     for t in tqdm(f.tensors, desc="GGUF tensors", unit="tensor", disable=not progress):
+        if t.name in config_tensors:
+            continue
         for rx, paths, fn in rules:
             m = rx.fullmatch(t.name)
             if m:
@@ -561,4 +694,4 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 __all__ = ["ARCHS", "GEMMA2_MAP", "GEMMA3_MAP", "GGUFError", "GGUFFile", "LLAMA_MAP", "NAME_MAPS",
            "OLMO2_MAP", "PHI3_MAP", "QWEN2_MAP", "QWEN3_MAP", "SUPPORTED_TYPES", "TensorInfo",
            "config_from_file", "dequantize", "load_config", "load_gguf", "open_gguf",
-           "params_from_file"]
+           "params_from_file", "split_parts"]

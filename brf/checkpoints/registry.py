@@ -116,7 +116,11 @@ def resolve(source: str | os.PathLike) -> str:
     if source in MODELS.names():
         return MODELS.get(source)()
     path = os.path.abspath(os.path.expanduser(source))
-    if os.path.isfile(path) or os.path.isdir(path):
+    if os.path.isfile(path):  # a part of a split GGUF stands for its set: the first part
+        from brf.checkpoints.gguf import split_parts
+        first = split_parts(path)[0]
+        return first if os.path.isfile(first) else path
+    if os.path.isdir(path):
         return path
     raise ModelSourceError(f"{source!r} is neither a model name ({', '.join(MODELS.names())}) "
                             "nor an existing .gguf file or directory")
@@ -176,10 +180,14 @@ def _fingerprint(path: str, name: str | None = None) -> dict[str, Any]:
     content, wherever they lie (the Gemma GGUF is assembled inside the cache, so a
     path would tie a checkpoint to one cache folder). A path: the path and its
     files' sizes and modification times (a file rewritten in place is new).
+    A split GGUF's files are all its parts.
     """
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(path, n) for n in os.listdir(path)
-        if n.endswith((".json", ".safetensors", ".model", ".jinja")))
+    if os.path.isfile(path):  # a GGUF file, or every part of a split set
+        from brf.checkpoints.gguf import split_parts
+        files = [p for p in split_parts(path) if os.path.isfile(p)]
+    else:
+        files = sorted(os.path.join(path, n) for n in os.listdir(path)
+                       if n.endswith((".json", ".safetensors", ".model", ".jinja")))
     if name is not None:
         return {"source": f"model:{name}",
                 "files": [[os.path.basename(p), os.path.getsize(p), _sample_digest(p)]
