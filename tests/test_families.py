@@ -116,23 +116,32 @@ def test_config_and_logits_match_transformers(family):
         assert err < ATOL, f"{name}: max abs diff {err:.2e} vs transformers"
 
 
-def test_padded_prefill_and_decode_match_transformers(family):
-    """A left-padded batch prefilled then decoded token by token (per-layer params,
-    cache donated): every sequence's logits are transformers' on it alone."""
-    name, _, ref, _, cfg, params, _ = family
+def _padded_decode(params, cfg, seqs, lengths, n_new):
+    """Each seqs[b]'s first lengths[b] tokens left-padded into one batch and
+    prefilled (per-layer params, cache donated), then n_new - 1 decoding steps
+    feeding the sequences' next tokens: the n_new logits [B, V] of each step."""
     params = transformer.unstack_layers(params)
-    lengths, n_new, width = [6, 3], T - 6, 6
-    seqs = [_tokens(7 + b, (n + n_new,)) for b, n in enumerate(lengths)]
-    tokens, valid = np.zeros((2, width), np.int32), np.zeros((2, width), bool)
+    width = max(lengths)
+    tokens, valid = np.zeros((len(seqs), width), np.int32), np.zeros((len(seqs), width), bool)
     for b, (n, s) in enumerate(zip(lengths, seqs)):
         tokens[b, width - n:], valid[b, width - n:] = s[:n], True
-    cache = init_cache(cfg, 2, width + n_new)
+    cache = init_cache(cfg, len(seqs), width + n_new)
     logits, cache = prefill_donated(params, cfg, tokens, valid, cache, logits="last")
     steps = [np.asarray(logits)]
     for j in range(n_new - 1):
         step, cache = decode_step_donated(
             params, cfg, jnp.asarray([s[n + j] for n, s in zip(lengths, seqs)]), cache)
         steps.append(np.asarray(step))
+    return steps
+
+
+def test_padded_prefill_and_decode_match_transformers(family):
+    """A left-padded batch prefilled then decoded token by token (per-layer params,
+    cache donated): every sequence's logits are transformers' on it alone."""
+    name, _, ref, _, cfg, params, _ = family
+    lengths, n_new = [6, 3], T - 6
+    seqs = [_tokens(7 + b, (n + n_new,)) for b, n in enumerate(lengths)]
+    steps = _padded_decode(params, cfg, seqs, lengths, n_new)
     for b, (n, s) in enumerate(zip(lengths, seqs)):
         want = _ref_logits(ref, s[None])[0, n - 1:n + n_new - 1]
         err = float(np.max(np.abs(np.stack([st[b] for st in steps]) - want)))
@@ -466,19 +475,9 @@ def test_rope_scaling_cached_decoding_matches_transformers(rope_case):
     switch keep the short factors (transformers' Phi-3 generate() instead drops its
     cache once at the switch and recomputes it; docs/model-families.md)."""
     name, _, ref, scaling, _, _, cfg, params = rope_case
-    params = transformer.unstack_layers(params)
-    lengths, total, width = [5, 3], LONG, 5
-    seqs = [_tokens(11 + b, (n + total - 5,)) for b, n in enumerate(lengths)]
-    tokens, valid = np.zeros((2, width), np.int32), np.zeros((2, width), bool)
-    for b, (n, s) in enumerate(zip(lengths, seqs)):
-        tokens[b, width - n:], valid[b, width - n:] = s[:n], True
-    cache = init_cache(cfg, 2, width + total)
-    logits, cache = prefill_donated(params, cfg, tokens, valid, cache, logits="last")
-    steps = [np.asarray(logits)]
-    for j in range(total - 6):
-        step, cache = decode_step_donated(
-            params, cfg, jnp.asarray([s[n + j] for n, s in zip(lengths, seqs)]), cache)
-        steps.append(np.asarray(step))
+    lengths, n_new = [5, 3], LONG - 5
+    seqs = [_tokens(11 + b, (n + n_new,)) for b, n in enumerate(lengths)]
+    steps = _padded_decode(params, cfg, seqs, lengths, n_new)
     for b, (n, s) in enumerate(zip(lengths, seqs)):
         want = _ref_cached_steps(ref, s[:n + len(steps)], n)
         err = float(np.max(np.abs(np.stack([st[b] for st in steps]) - want)))
