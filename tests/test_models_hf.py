@@ -277,7 +277,7 @@ GOOD_LLAMA = dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "original_max_position"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1.0}), "dynamic"),
     (dict(some_new_field=1), "some_new_field"),
 ])
@@ -294,11 +294,15 @@ def test_refuses_gemma3_attn_softcap():
         hf_ckpt.config_from_hf({**gemma, "attn_logit_softcapping": 50.0})
 
 
-def test_modelconfig_refuses_unknown_rope_scaling():
-    with pytest.raises(ValueError, match="rope_scaling"):
+@pytest.mark.parametrize("scaling, match", [
+    ({"type": "dynamic", "factor": 2.0}, "'dynamic' unsupported"),
+    ({"type": "yarn", "factor": 2.0}, "'yarn' lacks keys"),
+])
+def test_modelconfig_refuses_unknown_rope_scaling(scaling, match):
+    with pytest.raises(ValueError, match=match):
         ModelConfig(arch="llama", vocab_size=V, d_model=16, n_layers=1, n_heads=2,
                     n_kv_heads=1, head_dim=8, d_ff=32, norm_eps=1e-5, rope_theta=1e4,
-                    rope_scaling={"type": "yarn", "factor": 2.0})
+                    rope_scaling=scaling)
 
 
 def test_refuses_unmapped_tensor():
