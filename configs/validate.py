@@ -9,7 +9,11 @@ Variants:
   python experiments/validate.py --config=configs/validate.py \
       --config.methods='linear, loglinear(temperature=fit(1.0))' --config.phase_maps='constant, tanh(rate=0.5)'
 
-`arg`: None (full run), "short" (a short corpus slice, fewer resamples).
+  python experiments/validate.py --config=configs/validate.py:full    # every analysis
+
+`arg`: None (the main job), "full" (the main job plus the phase maps, analyses and
+checks that answer no test of the paper: docs/study.md, "The default and :full"),
+"short" (a short corpus slice, fewer resamples, as "full" otherwise).
 """
 
 import math
@@ -18,7 +22,7 @@ import ml_collections
 
 from brf.bytes import CHECK_BYTES, DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE
 from brf.errors import UserError
-from brf.specs import format_spec
+from brf.specs import format_spec, split_list
 
 
 class ConfigArgError(UserError):
@@ -37,6 +41,24 @@ SECOND_PREFIX = "Here is a passage of text.\n\n"
 BYTE_BEAM = DEFAULT_BEAM
 BYTE_PRUNE_THRESHOLD = DEFAULT_THRESHOLD
 BYTE_MAX_LAG = DEFAULT_MAX_LAG
+
+
+# BRF rows (":full", ":short"): one fitted setting per phase map (weights and map
+# parameters tuned, per-member offsets included), plus the two reference points kept
+# fixed. The main job keeps MAIN_PHASE_MAPS of them.
+PHASE_MAPS = (
+    'constant(label="hellinger (equal phases)", fixed=True)',
+    'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True)',
+    'constant(label="constant (fitted offset)")',
+    "linear(scale=0.2)",
+    "tanh(scale=1.5, rate=0.5)",
+    "sigmoid(scale=1.5, rate=1.0, center=2.0)",
+    "arctan(scale=1.5, rate=0.5)",
+    "log1p(scale=0.5, rate=1.0)",
+    "token_linear(scale=0.2)",
+    "token_tanh(scale=1.5, rate=0.5)",
+    "token_log1p(scale=0.5, rate=1.0)",
+)
 
 
 def get_config(arg=None):
@@ -90,21 +112,7 @@ def get_config(arg=None):
     # chooses from, and every control (widened when a refit moves a row further; 0:
     # every calibrated row).
     c.stability_reach = 0.02
-    # BRF: one fitted setting per phase map (weights and map parameters tuned,
-    # per-member offsets included), plus the two reference points kept fixed.
-    c.phase_maps = ", ".join([
-        'constant(label="hellinger (equal phases)", fixed=True)',
-        'constant(label="linear pool (pi/2)", offset=[0, pi/2], fixed=True)',
-        'constant(label="constant (fitted offset)")',
-        "linear(scale=0.2)",
-        "tanh(scale=1.5, rate=0.5)",
-        "sigmoid(scale=1.5, rate=1.0, center=2.0)",
-        "arctan(scale=1.5, rate=0.5)",
-        "log1p(scale=0.5, rate=1.0)",
-        "token_linear(scale=0.2)",
-        "token_tanh(scale=1.5, rate=0.5)",
-        "token_log1p(scale=0.5, rate=1.0)",
-    ])
+    c.phase_maps = ", ".join(PHASE_MAPS)
     # Sweep curves (uniform weights): the phase-difference family and the
     # scale of each curve.
     c.sweep = [
@@ -184,6 +192,8 @@ def get_config(arg=None):
     c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1, placement="shared"))
     c.distributed = ml_collections.ConfigDict(dict(
         enabled=False, coordinator_address="", num_processes=0, process_id=-1))
+    if arg in (None, ""):
+        _main_job(c)
     if arg == "short":
         c.corpora = format_spec("hamlet", dict(max_chars=6000, prefix=HAMLET_PREFIX))
         c.topk_sensitivity = 128
@@ -196,6 +206,27 @@ def get_config(arg=None):
         # the tests run the byte level on tiny models.
         c.bytes.enabled = False
         c.out_dir = "runs/validate-short"
-    elif arg not in (None, ""):
-        raise ConfigArgError(f"unknown config arg {arg!r}; use '' or 'short'")
+    elif arg not in (None, "", "full"):
+        raise ConfigArgError(f"unknown config arg {arg!r}; use '', 'full' or 'short'")
     return c
+
+
+# The main job's BRF rows: the two reference points, the fitted constant offset, one
+# saturating per-position map and one per-token map (the controls' row). The other
+# curves (linear, sigmoid, arctan, log1p and their per-token forms) are nested in or
+# end within a few 1e-4 nats of these on the study's tables and are kept for ":full".
+MAIN_PHASE_MAPS = ("hellinger (equal phases)", "linear pool (pi/2)", "constant (fitted offset)",
+                   "tanh", "token_tanh")
+
+
+def _main_job(c) -> None:
+    """The main job: every test of the paper (phase coherence, cross-term
+    discrimination, BRF against the pools as proposed and calibrated, the controls) on
+    the three corpora, the swarm and both levels, without what answers none of them
+    (the other phase maps, the top-256 event space, the same-model pair and its
+    softmax-bottleneck rows): ":full" runs those too."""
+    c.phase_maps = ", ".join(spec for spec in PHASE_MAPS
+                             if split_list(spec)[0].split("(")[0] in MAIN_PHASE_MAPS
+                             or any(f'label="{m}"' in spec for m in MAIN_PHASE_MAPS))
+    c.topk_sensitivity = 0
+    c.prompts.second_prefix = ""

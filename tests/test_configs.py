@@ -50,10 +50,13 @@ def test_demo_main_prints_every_method(capsys):
     assert "below every member" in table  # the interference is visible
 
 
-@pytest.mark.parametrize("arg", [None, "short"])
+@pytest.mark.parametrize("arg", [None, "full", "short"])
 def test_validation_config_makes_a_plan(arg):
-    """The study's config (full and short) becomes a checked plan: members, corpora,
-    every method in both variants, and the analyses of each corpus."""
+    """The study's config (the main job, full and short) becomes a checked plan: members,
+    corpora, every method in both variants, and the analyses of each corpus. The main job
+    keeps what answers the paper's tests (three corpora, the swarm, both levels, a
+    per-token map for the controls, the pools) and leaves the top-256 check, the
+    same-model pair and the other phase maps to ':full'."""
     from brf.eval import plan as plan_lib
     mod = _load(CONFIGS[[p.stem for p in CONFIGS].index("validate")])
     plan = plan_lib.from_config(mod.get_config(arg))
@@ -62,7 +65,14 @@ def test_validation_config_makes_a_plan(arg):
     assert len({s.label for s in specs}) == len(specs)
     assert {s.role for s in specs} == {"brf", "baseline", "member", "other"}
     kinds = [a.kind for a in plan.analyses(0)]
-    assert kinds == ["corpus", "topk", "prefix", "same_model", "swarm"]
+    main = arg is None
+    assert kinds == (["corpus", "prefix", "swarm"] if main else
+                     ["corpus", "topk", "prefix", "same_model", "swarm"])
+    assert len(plan.corpora) == (1 if arg == "short" else 3)
+    maps = {e.label for e in plan.phase_maps}
+    assert ({"hellinger (equal phases)", "linear pool (pi/2)", "token_tanh", "tanh"} <= maps
+            and len(maps) == (5 if main else 11))
+    assert {s.role for s in plan.method_specs(2)} >= {"brf", "baseline"}
     assert {a.level for a in plan.analyses(0)} == {"tokens"}
     # The study on every byte: the same kinds but the event-space check (off in CI's
     # short run, whose real models would take too long).
@@ -79,14 +89,15 @@ def test_validation_config_makes_a_plan(arg):
         cfg = mod.get_config(arg)
         cfg.bytes.prompts = True
         full = plan_lib.from_config(cfg).analyses(0, "bytes")
-        assert [a.kind for a in full] == ["corpus", "prefix", "same_model", "swarm"]
+        assert [a.kind for a in full] == [k for k in kinds if k != "topk"]
         assert {a.level for a in full} == {"bytes"} and {a.top_k for a in full} == {0}
         assert [a.members for a in full] == [a.members for a in plan.analyses(0)
                                              if a.kind != "topk"]
         # bytes.swarm=False leaves the swarm out on bytes only.
         cfg.bytes.swarm = False
         off = plan_lib.from_config(cfg)
-        assert [a.kind for a in off.analyses(0, "bytes")] == ["corpus", "prefix", "same_model"]
+        assert [a.kind for a in off.analyses(0, "bytes")] == [
+            k for k in kinds if k not in ("topk", "swarm")]
         assert [a.kind for a in off.analyses(0)] == kinds
     # The linear-pool reference (one offset per member) has no four-member form.
     assert len(plan.phase_maps_for(4)) == len(plan.phase_maps) - 1

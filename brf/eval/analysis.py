@@ -70,6 +70,9 @@ class MethodResult:
     fitted: Fitted
     test: dict            # metrics on the test split (see :func:`metrics`)
     test_nll: np.ndarray  # [P_test] per-position NLL (nats)
+    # how far the row's mean test NLL lies from the fit's at the other ends its fit
+    # reached within FIT_NEAR on calibration (:func:`fit_spread`; 0: none)
+    spread: float = 0.0
 
     @property
     def label(self) -> str:
@@ -92,28 +95,62 @@ class MethodResult:
         return {"label": self.label, "method": self.fitted.method, "variant": self.variant,
                 "role": self.role, "params": self.fitted.params,
                 "weights": np.asarray(self.fitted.weights).tolist(),
-                "calib_nll": self.calib_nll, "fit": dict(self.fitted.info), "test": self.test}
+                "calib_nll": self.calib_nll, "fit": dict(self.fitted.info), "test": self.test,
+                "fit_spread": self.spread}
 
 
 class Difference(NamedTuple):
     """A paired difference of per-position test NLLs, row a minus row b (< 0: a is
     better): the mean, its 95% CI and p-value from a paired circular block bootstrap
     (:func:`brf.eval.hypotheses.nll_difference`) over ``n`` positions in blocks of
-    ``block``."""
+    ``block``, the CI widened on each side by ``fit_spread``, the two rows' fit spreads
+    (:func:`fit_spread`): a difference is called only where it clears both the
+    statistical interval and the places the fits could as well have ended
+    (``statistical_ci``: the bootstrap's interval alone)."""
     mean_difference: float
     ci: tuple[float, float]
     p_value: float
     block: int
     n: int
+    fit_spread: float = 0.0
+    statistical_ci: tuple[float, float] | None = None
 
     @classmethod
-    def of(cls, nll_a: np.ndarray, nll_b: np.ndarray, *, n_boot: int, seed: int
-           ) -> "Difference":
+    def of(cls, nll_a: np.ndarray, nll_b: np.ndarray, *, n_boot: int, seed: int,
+           spread: float = 0.0) -> "Difference":
         d = hypotheses.nll_difference(nll_a, nll_b, n_boot=n_boot, seed=seed)
-        return cls(d["mean_difference"], tuple(d["ci"]), d["p_value"], d["block"], d["n"])
+        lo, hi = d["ci"]
+        return cls(d["mean_difference"], (lo - spread, hi + spread), d["p_value"],
+                   d["block"], d["n"], float(spread), (lo, hi))
 
     def as_dict(self) -> dict:
-        return {**self._asdict(), "ci": list(self.ci)}
+        return {**self._asdict(), "ci": list(self.ci),
+                "statistical_ci": list(self.statistical_ci or self.ci)}
+
+
+def fit_spread(fitted: Fitted, test: EventTable, test_nll: np.ndarray) -> float:
+    """A row's fit spread on test: the largest distance of its mean test NLL at another
+    end its fit reached within FIT_NEAR on calibration (``info["near"]``,
+    :func:`brf.eval.fitting.fit_method`'s census) from the fit's own (0 without one).
+
+    Those ends are places a refit under other last bits could as well have ended; a
+    difference between two rows smaller than their spreads turns on which one it was
+    (two ends equal on calibration can lie far apart on test)."""
+    out = 0.0
+    for e in fitted.info.get("near") or ():
+        other = dataclasses.replace(fitted, params=e["params"],
+                                    weights=np.asarray(e["weights"], np.float64),
+                                    calib_nll=float(e["calib_nll"]), info={})
+        out = max(out, abs(float(np.mean(evaluate(other, test)["nll"]))
+                           - float(np.mean(test_nll))))
+    return out
+
+
+def _paired(plan: Plan) -> Callable[["MethodResult", "MethodResult"], Difference]:
+    """Row a minus row b on test, the CI widened by both rows' fit spreads."""
+    st = plan.stats
+    return lambda a, b: Difference.of(a.test_nll, b.test_nll, n_boot=st.n_boot, seed=st.seed,
+                                      spread=a.spread + b.spread)
 
 
 class Alternative(NamedTuple):
@@ -347,7 +384,8 @@ def fit_all(plan: Plan, specs: Sequence[MethodSpec], calib: EventTable, test: Ev
     for spec, f in zip(specs, fits):
         ev = evaluate(f, test)
         out.append(MethodResult(spec, f, metrics(ev, test.gold_bytes, n_boot=plan.stats.n_boot,
-                                                 seed=plan.stats.seed), ev["nll"]))
+                                                 seed=plan.stats.seed), ev["nll"],
+                                fit_spread(f, test, ev["nll"])))
     return out
 
 
@@ -521,9 +559,7 @@ def comparisons(plan: Plan, variants: Sequence[str], result_methods: list[Method
     """Per variant: the best BRF setting vs the best baseline, both chosen on calibration
     NLL among rows of that variant (like with like); paired block bootstrap on test. The
     rows tied with either choice (:data:`TIE_MARGIN`) are compared too."""
-    out = {}
-    diff = lambda a, b: Difference.of(a.test_nll, b.test_nll, n_boot=plan.stats.n_boot,
-                                      seed=plan.stats.seed)
+    out, diff = {}, _paired(plan)
     for v in variants:
         rows = [m for m in result_methods if m.variant == v]
         born = tied([m for m in rows if m.role == "brf"], slack=slack)
@@ -578,8 +614,7 @@ def fair_summary(plan: Plan, variants: Sequence[str], methods: Sequence[MethodRe
                        controls_lib.free_parameters(m.spec, n).total, m.calib_nll,
                        m.test["nll"])
 
-    def diff(a: MethodResult, b: MethodResult) -> Difference:
-        return Difference.of(a.test_nll, b.test_nll, n_boot=st.n_boot, seed=st.seed)
+    diff = _paired(plan)
 
     def control_set(token: MethodResult, rows: Sequence[MethodResult]) -> ControlSet | None:
         """``token`` against its controls; None unless every one of them was fitted (a

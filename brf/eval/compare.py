@@ -241,7 +241,8 @@ class Pooled(NamedTuple):
     alternatives: tuple[PooledAlternative, ...] = ()
 
     WEIGHTING = ("equal weight per corpus; stratified circular block bootstrap (blocks of "
-                 "32 positions within each corpus)")
+                 "32 positions within each corpus), the CI widened by the mean of the "
+                 "corpora's fit spreads")
 
     @property
     def stands(self) -> bool:
@@ -300,9 +301,13 @@ def pooled(per_corpus: Sequence[tuple[str, AnalysisResult]], variants: Sequence[
             ci = stats.pooled_paired_bootstrap_ci(pairs, n_boot=n_boot,
                                                   rng=np.random.default_rng(seed),
                                                   block_size=32)
+            # the corpora weigh equally: the pooled difference's fit spread is the mean of
+            # each corpus's two rows' spreads (brf.eval.analysis.fit_spread)
+            spread = float(np.mean([res.by_label(b).spread + res.by_label(a).spread
+                                    for (_, res), (b, a) in zip(results, chosen)]))
             found.append(PooledAlternative(
                 tuple((label, b, a) for (label, _), (b, a) in zip(results, chosen)),
-                ci.estimate, (ci.ci_low, ci.ci_high), ci.p_value))
+                ci.estimate, (ci.ci_low - spread, ci.ci_high + spread), ci.p_value))
         main = found[0]
         out[v] = Pooled(main.mean_difference, main.ci, main.p_value, tuple(used),
                         tuple(found[1:]))
@@ -457,7 +462,10 @@ def _difference_answers(c: dict, other_key: str, low: str, high: str) -> Answer:
     def one(x: dict) -> Answer:
         b = x["brf"]["label"] if isinstance(x["brf"], dict) else x["brf"]
         o = x[other_key]["label"] if isinstance(x[other_key], dict) else x[other_key]
-        return _ci_answer(x["ci"], x["mean_difference"], low, high, rows=(b, o))
+        fit = side(x.get("statistical_ci") or x["ci"]) != side(x["ci"])
+        return _ci_answer(x["ci"], x["mean_difference"], low, high,
+                          "not distinguishable (fit)" if fit else "not distinguishable",
+                          rows=(b, o))
     return one(c).with_alternatives(one(a) for a in c.get("alternatives", []))
 
 

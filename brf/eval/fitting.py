@@ -412,6 +412,11 @@ PERTURBATIONS = {
 # as the same answer: the fits' repeatability goal (item 1 of the study's stability
 # design; BENCHMARKS.md, the fits' stability).
 FIT_TOLERANCE = 1e-4
+# A fit's other ends within this many nats of its best one on calibration are places it
+# could as well have ended (the census of the fits' ends counted the calibrated Born
+# rows' ends within it: BENCHMARKS.md, "Where a row's fits end"); their test NLLs are
+# the row's fit spread (brf.eval.analysis.fit_spread).
+FIT_NEAR = 2e-3
 
 
 def perturbations(spec: str) -> frozenset[str]:
@@ -494,10 +499,11 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     full = problem.data()
     info = {"iterations": 0, "evaluations": 0, "subsample_evaluations": 0, "starts": 0,
             "converged": True}
-    if problem.layout.size == 0:  # grid points only: each evaluated on every position
-        scored = sorted((problem.value(p, problem.layout.initial, full), j)
+    if problem.coords.size == 0:  # grid points only: each evaluated on every position
+        scored = sorted((problem.value(p, problem.coords.to_x(problem.layout.initial), full), j)
                         for j, p in enumerate(points))
-        runs = [_Run(j, problem.layout.initial, v, [], True, j) for v, j in scored]
+        runs = last = [_Run(j, problem.coords.to_x(problem.layout.initial), v, [], True, j)
+                       for v, j in scored]
         info["evaluations"] = len(points)
     else:
         structured = problem.starts(warm, starts)
@@ -533,9 +539,10 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
                         # worse on every position than where it began: kept there
                         out.append(r._replace(pairs=[]))
                         continue
-                out.append(_Run(r.point, res.x, value, list(res.pairs), res.converged,
-                                r.order))
+                out.append(_Run(r.point, problem.coords.wrap(res.x), value, list(res.pairs),
+                                res.converged, r.order))
             runs = _carry_first(out, keep)
+        last = out
     finite = [r for r in runs if math.isfinite(r.value)]
     if not finite:
         raise ValueError(f"{problem.spec.label}: no finite calibration NLL at any grid "
@@ -545,10 +552,29 @@ def fit_method(spec: MethodSpec | Mapping[str, Any], table: EventTable, *,
     info["converged"] = bool(best.converged)
     info["runner_up"] = (finite[1].value - offset) if len(finite) > 1 else None
     params, w = problem.result(points[best.point], best.x, table)
+    info.update(_census(problem, points, last, best, offset))
     # The gold offsets are the same for every method: the fit never sees them, the
     # reported NLL is per string like the test NLL.
     return Fitted(problem.spec.label, problem.spec.method, params, w, best.value - offset,
                   info)
+
+
+def _census(problem: "_Problem", points: list, last: Sequence[_Run], best: _Run,
+            offset: float) -> dict:
+    """What the fit's own starts say of its end: ``ends``, the calibration NLL of every
+    distinct end its last stage reached (one per basin, lowest first), and ``near``, the
+    parameters of those other than the fit within :data:`FIT_NEAR` of it (the places a
+    refit under other last bits could as well have ended: verdicts read them,
+    :func:`brf.eval.analysis.fit_spread`)."""
+    ends = [r for r in _lowest_distinct(last, len(last)) if math.isfinite(r.value)]
+    near = []
+    for r in ends:
+        if r is best or _same_basin(r, best) or r.value - best.value > FIT_NEAR:
+            continue
+        params, w = problem.result(points[r.point], r.x, problem.table)
+        near.append({"calib_nll": r.value - offset, "params": params,
+                     "weights": np.asarray(w).tolist()})
+    return {"ends": [r.value - offset for r in ends], "near": near}
 
 
 def _carry_first(out: Sequence[_Run], keep: int) -> list[_Run]:
@@ -777,8 +803,11 @@ class _Problem:
             [self.all.slice_of(k) for k in self.layout.keys] or [np.zeros(0, np.int64)])
         box = [_bounds(k, size, _box(k, self.settings))
                for k, size in zip(self.layout.keys, self.layout.sizes)]
-        self.lower = np.concatenate([b[0] for b in box] or [np.zeros(0)])
-        self.upper = np.concatenate([b[1] for b in box] or [np.zeros(0)])
+        self.v_lower = np.concatenate([b[0] for b in box] or [np.zeros(0)])
+        self.v_upper = np.concatenate([b[1] for b in box] or [np.zeros(0)])
+        self.coords = _Coords(self.layout, self.v_lower, self.v_upper,
+                              joint=spec.method not in PIECEWISE)
+        self.lower, self.upper = self.coords.lower, self.coords.upper
         self.wmode = _WEIGHT_MODES.index(self.mode)
         self._consts = None  # (base_w, wmode, phase_index) on the device
 
@@ -793,7 +822,7 @@ class _Problem:
         """The warm fit's values of this spec's free parameters (or the initial values
         without one), then each other fit's (their other parameters at the initial
         values); duplicates dropped."""
-        out = [] if warm is not None else [np.clip(self.layout.initial, self.lower, self.upper)]
+        out = [] if warm is not None else [self._start(self.layout.initial)]
         for f in [warm, *others] if warm is not None else others:
             values = {k: self.values0[k] for k in self.layout.keys}
             for k in self.keys:
@@ -802,7 +831,7 @@ class _Problem:
             if self.mode == "logits" and np.shape(f.weights) == (self.n,):
                 logw = np.log(np.clip(np.asarray(f.weights, np.float64), 1e-6, None))
                 values["_w"] = logw[1:] - logw[0]
-            x = np.clip(self.layout.flatten(values), self.lower, self.upper)
+            x = self._start(self.layout.flatten(values))
             if all(np.max(np.abs(x - y), initial=0.0) > 1e-6 for y in out):
                 out.append(x)
         return out
@@ -818,7 +847,7 @@ class _Problem:
         and 1 (post-fusion) of their initial values, every other positive parameter's
         log uniform within 2.5 of its initial value's, the rest around their initial
         values by N(0, max(1, |x|)); each inside its box."""
-        if k <= 0 or not self.layout.size:
+        if k <= 0 or not self.coords.size:
             return []
         digest = hashlib.sha256(f"{self.spec.key()}|{point}".encode()).digest()
         rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
@@ -841,8 +870,13 @@ class _Problem:
                 else:
                     v = x0 + rng.normal(0.0, 1.0, shape) * np.maximum(1.0, np.abs(x0))
                 values[key] = v
-            out.append(np.clip(self.layout.flatten(values), self.lower, self.upper))
+            out.append(self._start(self.layout.flatten(values)))
         return out
+
+    def _start(self, v: np.ndarray) -> np.ndarray:
+        """A start given in the parameters' own coordinates (``layout``), within their
+        box, in the fitted coordinates (:class:`_Coords`)."""
+        return self.coords.to_x(np.clip(v, self.v_lower, self.v_upper))
 
     def stages(self, settings: FitSettings) -> list[tuple[_Data, str, int]]:
         """The fit's stages (:class:`FitSettings`): (positions, 'screen' or 'converge',
@@ -862,7 +896,7 @@ class _Problem:
         """One local run from x on ``data``: L-BFGS (compass search for the
         :data:`PIECEWISE` methods), briefly for a 'screen' budget, else to
         convergence."""
-        fun = self.objective(point, data)
+        fun = self.objective_x(point, data)
         screen = budget == "screen"
         if self.spec.method in PIECEWISE:
             return compass.minimize(fun, x, step=0.5 if screen else 0.125,
@@ -958,6 +992,15 @@ class _Problem:
                                     static=static, layout=layout, xla_sincos=xla)
         return lambda x: self._evaluate(v, sorting, x, data, aux=[_NO_AUX] * len(data.chunks))
 
+    def objective_x(self, point: dict, data: _Data, **kw) -> Callable[[np.ndarray], tuple]:
+        """:meth:`objective` in the fitted coordinates (:class:`_Coords`)."""
+        fun, c = self.objective(point, data, **kw), self.coords
+
+        def fun_x(x):
+            value, grad = fun(c.to_v(x))
+            return value, c.M.T @ np.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+        return fun_x
+
     def _objective64(self, point: dict, v: np.ndarray, data: _Data):
         method, phases, static, layout, _, _ = self.program_key(point)
         program = functools.partial(_chunk_value_and_grad, method=method, phases=phases,
@@ -985,15 +1028,18 @@ class _Problem:
         coordinates (float64), regularised to be positive definite: a Hessian
         estimate for L-BFGS's first steps."""
         v, _ = self._program(point)
+        x = self.coords.to_v(x)
         out = self._chunks(v, _compiled(("fisher",) + self.program_key(point)), x, data)
         f = (np.sum([np.asarray(o, np.float64) for o in out], axis=0)
              [np.ix_(self.free_idx, self.free_idx)] / data.n_positions)
+        f = self.coords.M.T @ f @ self.coords.M
         d = np.diag(f)
         return f + np.diag(FISHER_RIDGE * max(float(d.mean()), 1e-12) + FISHER_RIDGE * d)
 
     def value(self, point: dict, x: np.ndarray, data: _Data) -> float:
+        """The mean NLL at x (fitted coordinates) on ``data``."""
         v, program = self._program(point)
-        return self._evaluate(v, program, x, data)[0]
+        return self._evaluate(v, program, self.coords.to_v(x), data)[0]
 
     def lbfgs_args(self, settings: FitSettings) -> dict:
         return dict(max_iter=settings.max_iter, ftol=settings.ftol, gtol=settings.gtol,
@@ -1002,7 +1048,7 @@ class _Problem:
 
     def result(self, point: dict, x: np.ndarray, table: EventTable):
         """(parameter values as fitted, member weights) at ``x``."""
-        found = {**self.values0, **self.layout.unflatten(x)}
+        found = {**self.values0, **self.layout.unflatten(self.coords.to_v(x))}
         params = {**self.fixed, **point,
                   **{k: _plain_value(_from_free(k, np.asarray(found[k], np.float32), xp=np))
                      for k in self.keys}}
@@ -1166,6 +1212,78 @@ def _chunk_fisher(v, base_w, wmode, phase_index, logp, gold, ctx, mask, aux, *,
         v, logp, gold, ctx, mask, aux)
     per = jnp.where(jnp.isfinite(per), per, 0.0)
     return per.T @ per
+
+
+class _Coords:
+    """The coordinates a fit moves, and their box: the free parameters' own (``_Layout``:
+    log space for positive ones) recombined where the objective cannot tell two of them
+    apart, so that no two coordinates trade off along a ridge.
+
+    * **A member's temperature times the fused one.** The calibrated variant tempers each
+      member by T_i and the fused distribution by T; a common change of the T_i against
+      T barely moves the fused distribution (for a log-linear pool not at all), so the
+      fit moves log T_i + log T (each member's temperature all the way through) and
+      log T.
+    * **A map's slope instead of its rate.** ``scale * f(rate * x)`` near the linear limit
+      depends on scale * rate alone, so the fit moves log(scale * rate) (the slope at
+      0, up to f's constant) and log scale (the ceiling).
+    * **Phase differences.** A phase common to every member cancels in |sum_i a_i|^2, so
+      member 0's offset is held at 0 (a shared scalar offset is no parameter at all) and
+      the others, on the circle, are reported in (-pi, pi].
+
+    Each coordinate is a sum of the parameters' coordinates (``N``); ``M`` maps back.
+    The box of a sum is the sum of the boxes, so every point of the parameters' box
+    remains reachable. ``joint=False`` (the :data:`PIECEWISE` methods, whose pattern
+    search steps along one coordinate at a time) keeps the temperatures as they are: a
+    step of the fused temperature alone would move every member's through coordinate
+    and flip decisions at once.
+    """
+
+    def __init__(self, layout: "_Layout", lower: np.ndarray, upper: np.ndarray, *,
+                 joint: bool = True):
+        at = {k: layout.slice_of(k) for k in layout.keys}
+        joint = ({"calib.member_temperature": "calib.temperature", "phase.rate": "phase.scale"}
+                 if joint else {"phase.rate": "phase.scale"})
+        rows = []
+        for k in layout.keys:
+            partner = at.get(joint.get(k, ""))
+            for j, i in enumerate(at[k]):
+                if k == "phase.offset" and j == 0:
+                    continue  # the common phase
+                rows.append([int(i)] + ([int(partner[0])] if partner is not None else []))
+        self.N = np.zeros((len(rows), layout.size))
+        for r, ids in enumerate(rows):
+            self.N[r, ids] = 1.0
+        self.M = np.linalg.pinv(self.N) if rows else np.zeros((layout.size, 0))
+        self.lower = np.array([sum(lower[i] for i in ids) for ids in rows])
+        self.upper = np.array([sum(upper[i] for i in ids) for ids in rows])
+        self._offset = at.get("phase.offset")
+        keep = [r for r, ids in enumerate(rows) if self._offset is not None
+                and ids[0] in set(self._offset.tolist())]
+        self._circle = np.asarray(keep, np.int64)
+
+    @property
+    def size(self) -> int:
+        return self.N.shape[0]
+
+    def to_x(self, v: np.ndarray) -> np.ndarray:
+        """The parameters' coordinates -> the fitted ones (member 0's phase subtracted
+        from every member's: the same fused distribution)."""
+        v = np.array(v, np.float64)
+        if self._offset is not None:
+            v[self._offset] -= v[self._offset[0]]
+        return self.wrap(self.N @ v)
+
+    def to_v(self, x: np.ndarray) -> np.ndarray:
+        return self.M @ np.asarray(x, np.float64)
+
+    def wrap(self, x: np.ndarray) -> np.ndarray:
+        """x with its phase differences in (-pi, pi] (the same function)."""
+        if not self._circle.size:
+            return x
+        x = np.array(x, np.float64)
+        x[self._circle] = -((np.pi - x[self._circle]) % (2 * np.pi)) + np.pi
+        return x
 
 
 class _Layout:

@@ -210,11 +210,24 @@ def nll_sentence(c: dict, variant: str, unit: str = "position") -> str:
         what = f"{c['brf']} has HIGHER test NLL than the best baseline {c['baseline']}"
     else:
         what = (f"{c['brf']} and the best baseline {c['baseline']} are not "
-                f"distinguishable in test NLL")
+                f"distinguishable in test NLL" + (" (fit)" if fit_undecided(c) else ""))
     return (f"Comparing methods {VARIANT_WORDS.get(variant, variant)}: {what}: mean "
             f"difference {c['mean_difference']:+.4f} nats/{unit}, 95% CI "
-            f"[{lo:+.4f}, {hi:+.4f}] (paired block bootstrap)."
+            f"[{lo:+.4f}, {hi:+.4f}] (paired block bootstrap{spread_words(c)})."
             + ties_sentence(c, ("brf", "baseline"), "baseline"))
+
+
+def fit_undecided(c: dict) -> bool:
+    """Whether a difference's bootstrap interval alone clears 0 but not once widened by
+    the two rows' fit spreads: 'not distinguishable (fit)'."""
+    raw = c.get("statistical_ci")
+    return raw is not None and _where(raw) != "undecided" and _where(c["ci"]) == "undecided"
+
+
+def spread_words(c: dict) -> str:
+    """', widened by the fit spread s' where the rows' fit spreads widen the CI."""
+    s = c.get("fit_spread") or 0.0
+    return f", widened by the rows' fit spread {s:.4f}" if s > 0 else ""
 
 
 def _ci(c: dict) -> str:
@@ -227,7 +240,9 @@ def fair_sentence(c: dict, variant: str, unit: str = "position") -> str:
     b, r = c["brf"], c["rival"]
     lo, hi = c["ci"]
     edge = ("BRF's edge survives" if hi < 0 else "BRF is WORSE" if lo > 0 else
-            "no edge either way is shown")
+            "no edge either way is shown" + (" (not distinguishable (fit): the bootstrap "
+                                              "interval alone clears 0, the rows' fit "
+                                              "spread does not)" if fit_undecided(c) else ""))
     out = (f"[{variant}] Best BRF row {b['label']} ({b['free_parameters']} free parameters; "
            f"best of {c['brf_candidates']} BRF rows on calibration) minus the best of the "
            f"{c['rival_candidates']} other rows, {r['label']} ({r['role']}, "

@@ -146,7 +146,8 @@ def run(plan: Plan, *, load_model: Callable[[str], Any] | None = None) -> dict |
         if not lead:
             continue
         if rep is None:
-            rep = {"schema": study_report.STUDY_SCHEMA, "config": plan.config,
+            rep = {"schema": study_report.STUDY_SCHEMA, "code": study_report.provenance(),
+                   "config": plan.config,
                    "corpora": [c.info() for c in corpora], **section}
         else:
             section["moved"] = compare.level_moves(rep, section).as_dict()

@@ -20,6 +20,24 @@ from brf.eval.caches import write_json
 STUDY_SCHEMA = "brf.study/3"
 
 
+def provenance(path: str | None = None) -> dict:
+    """The code a report was made by: brf's git commit and whether its working tree was
+    clean (no tracked file changed, no untracked file outside what git ignores); both
+    None where brf does not run from a git checkout (an installed copy)."""
+    import subprocess
+    root = path or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD")
+        clean = git("status", "--porcelain", "--untracked-files=normal") == ""
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "clean": None}
+    return {"commit": commit, "clean": clean}
+
+
 def write(out_dir: str, rep: dict) -> None:
     """report.json, report.md and the plots of the study."""
     write_json(os.path.join(out_dir, "report.json"), rep, indent=1)
@@ -226,11 +244,19 @@ def precision_sentence(p: dict) -> str:
                                              if weak else "."))
 
 
+def _made_by(code: dict | None) -> str:
+    """The line naming the commit a report was made at."""
+    if not code or not code.get("commit"):
+        return "Made by brf outside a git checkout (no commit recorded)."
+    state = "a clean tree" if code.get("clean") else "a tree with uncommitted changes"
+    return f"Made at brf commit `{code['commit'][:12]}` ({state})."
+
+
 def markdown(rep: dict) -> str:
     lines = ["# Born Rule Fusion: the study", "",
              "Each corpus has its full report (every method, the tests, the sweep, "
              "forking tokens, plots) in its own directory; this page gathers the verdicts.",
-             "", "## Corpora", "",
+             "", _made_by(rep.get("code")), "", "## Corpora", "",
              "| corpus | source | licence | characters | co-aligned positions | prefix |",
              "|---|---|---|---|---|---|"]
     for c in rep["corpora"]:
