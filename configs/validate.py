@@ -213,8 +213,9 @@ def get_config(arg=None):
 
 # The main job's BRF rows: the two reference points, the fitted constant offset, one
 # saturating per-position map and one per-token map (the controls' row). The other
-# curves (linear, sigmoid, arctan, log1p and their per-token forms) are nested in or
-# end within a few 1e-4 nats of these on the study's tables and are kept for ":full".
+# curves (linear, sigmoid, arctan, log1p and their per-token forms) answer no test of
+# the paper that these do not, and are kept for ":full" (docs/study.md, "The default
+# and :full", says how far their fits end from these).
 MAIN_PHASE_MAPS = ("hellinger (equal phases)", "linear pool (pi/2)", "constant (fitted offset)",
                    "tanh", "token_tanh")
 
