@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from brf.align.vocab import encode_template, encode_text
 from brf.errors import UserError
 from brf.models.config import ModelConfig
 
@@ -42,6 +43,11 @@ class Member:
             ``{prompt}`` (and optionally ``{prefix}``), e.g. Gemma's
             ``"<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"``;
             special-token literals in it become special tokens.
+
+    Text is text: a special token's characters in the prompt or the prefix are
+    read as those characters (`brf.align.vocab.encode_text`); control tokens come
+    only from the chat template, the member's template and the tokenizer's BOS /
+    EOS rules.
     """
 
     name: str
@@ -60,19 +66,21 @@ class Member:
             if self.chat:
                 raise EnsembleInputError(f"member {self.name!r}: give chat=True or a template, "
                                          "not both")
-            text = self.template.format(prompt=prompt, prefix=self.prefix)
-            return [int(i) for i in tok(text, add_special_tokens=True)["input_ids"]]
+            return encode_template(tok, lambda f: self.template.format(**f),
+                                   {"prompt": prompt, "prefix": self.prefix},
+                                   add_special_tokens=True)
         if self.chat:
             if getattr(tok, "chat_template", None) is None:
                 raise EnsembleInputError(f"member {self.name!r}: chat=True but its tokenizer "
                                          "has no chat template")
-            msgs = ([{"role": "system", "content": self.prefix}] if self.prefix else [])
-            msgs.append({"role": "user", "content": prompt})
-            out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if hasattr(out, "keys"):  # BatchEncoding in newer transformers
-                out = out["input_ids"]
-            return [int(i) for i in out]
-        return [int(i) for i in tok(self.prefix + prompt, add_special_tokens=True)["input_ids"]]
+
+            def render(f):
+                msgs = ([{"role": "system", "content": f["prefix"]}] if f["prefix"] else [])
+                msgs.append({"role": "user", "content": f["prompt"]})
+                return tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                               tokenize=False)
+            return encode_template(tok, render, {"prompt": prompt, "prefix": self.prefix})
+        return encode_text(tok, self.prefix + prompt, add_special_tokens=True)
 
     def eos_ids(self) -> frozenset[int]:
         """Token ids that end a sequence for this member (model config and tokenizer)."""

@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from brf import sharding
+from brf.align.vocab import encode_text
 from brf.eval import scoring
 from brf.eval.plan import Member, ValidationError
 
@@ -59,7 +60,7 @@ _BARRIERS = itertools.count()
 
 def encode(tokenizer, model_cfg, text: str) -> np.ndarray:
     """``[BOS] + tokens(text)`` (no BOS for a model without one), int32."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = encode_text(tokenizer, text)
     if model_cfg.bos_id is not None:
         ids = [model_cfg.bos_id] + list(ids)
     return np.asarray(ids, np.int32)
@@ -68,7 +69,7 @@ def encode(tokenizer, model_cfg, text: str) -> np.ndarray:
 def prefix_ids(tokenizer, prefix: str) -> list[int]:
     """A member's prefix as the tokens it reads between BOS and each segment (the byte
     level reads the same ones, :mod:`brf.eval.byte_scorer`)."""
-    return list(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
+    return encode_text(tokenizer, prefix) if prefix else []
 
 
 def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
