@@ -171,7 +171,10 @@ def _event_tokens_path(codec, union) -> str | None:
         rules = hashlib.sha256(backend.to_str().encode()).hexdigest()
     except AttributeError:
         return None
-    key = hashlib.sha256("/".join((codec.table.digest, rules) + tuple(union.digests)).encode())
+    # "text": the events are encoded as text (special strings as characters, issue 71);
+    # files from before that rule are not read.
+    key = hashlib.sha256("/".join(("text", codec.table.digest, rules)
+                                  + tuple(union.digests)).encode())
     return os.path.join(default_cache_dir(), f"events-{key.hexdigest()[:24]}.npz")
 
 
