@@ -212,11 +212,10 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
     Returns:
       {"rows", "rows_written", "seconds", "texts", "path"}.
     """
-    from brf.ensemble.member import Member, check_prompt_fits
+    from brf.ensemble.member import Member, check_prompt_fits, check_prompts
     from brf.fusion import Sampler
     cfg, tok = model.cfg, model.tokenizer
-    if not prompts:
-        raise DumpError("no prompts to generate from")
+    prompts = check_prompts(prompts)
     if max_new_tokens < 1:
         raise DumpError(f"max_new_tokens={max_new_tokens} must be >= 1")
     sampler = Sampler.parse(sampler)
@@ -399,8 +398,7 @@ def check_config(c) -> None:
 
 def _prompts(c) -> list[str]:
     from brf.ensemble.run import read_prompts
-    prompts = [p for p in str(c.prompts).split("\n") if p.strip()]
-    return read_prompts(prompts, c.prompts_file)
+    return read_prompts(c.prompts, c.prompts_file, lines=True)
 
 
 def run(c) -> dict:
