@@ -79,6 +79,32 @@ def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
     return tb[:vocab_size] + [b""] * (vocab_size - len(tb))
 
 
+def check_distinct(members: Sequence[Member], models: dict[str, Any]) -> None:
+    """Refuses two members that load the same model with the same prefix, by what they
+    load (`brf.checkpoints.store.identity` of the checkpoint), not by how they are
+    named: a registered name and the cache's path to its checkpoint, or one GGUF by
+    two paths, would study a model against itself. (config.members naming one
+    member twice is refused before any model loads, brf.eval.plan.)
+
+    Raises:
+        ValidationError: naming both members as given.
+    """
+    from brf.checkpoints import store
+    seen: dict[tuple, Member] = {}
+    for m in members:
+        path = getattr(models[m.name], "path", None)
+        if not path or not os.path.isdir(path) or not store.is_checkpoint(path):
+            continue  # a model built in memory (tests): nothing to compare
+        key = (store.identity(path), m.prefix)
+        if key in seen and seen[key].label != m.label:
+            raise ValidationError(
+                f"config.members: {seen[key].label!r} and {m.label!r} load the same model "
+                f"(the same checkpoint content), so the study would compare a model with "
+                f"itself; give one of them another prefix= (a prompt ensemble) or name "
+                f"another model")
+        seen.setdefault(key, m)
+
+
 def _job(member: Member, model, segments: Sequence[str]) -> _Job:
     """The member's token ids per segment, checked against its context."""
     pre = prefix_ids(model.tokenizer, member.prefix)
@@ -129,6 +155,8 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
     for m in members:
         if m.name not in models:
             models[m.name] = load_model(m.name)
+    check_distinct(members, models)
+    for m in members:
         jobs.append(_job(m, models[m.name], segments))
     meshes = sharding.per_member(meshes, len(jobs))
     call = next(_BARRIERS)  # this call's barrier names, the same on every process
