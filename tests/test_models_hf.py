@@ -6,6 +6,7 @@ references only.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -309,3 +310,39 @@ def test_refuses_unmapped_tensor():
     cfg = hf_ckpt.config_from_hf(GOOD_LLAMA)
     with pytest.raises(ValueError, match="bias"):
         hf_ckpt.convert_tensors(cfg, [("model.layers.0.self_attn.q_proj.bias", np.zeros(4))])
+
+
+def test_non_finite_weights_refused_naming_the_tensor():
+    """Issue 71: a checkpoint whose weights held NaN converted, and generated an empty
+    text with exit 0. Every tensor of a Llama checkpoint, NaN or inf in it: refused at
+    conversion naming that tensor (the GGUF reader writes through the same Assembler)."""
+    from brf.checkpoints.assemble import kernel
+    from brf.models.transformer import param_shapes
+    cfg = hf_ckpt.config_from_hf(dict(GOOD_LLAMA, tie_word_embeddings=False))
+    shapes = param_shapes(cfg)
+    rng = np.random.default_rng(0)
+    tensors = []
+    for pattern, path, fn in hf_ckpt.LLAMA_MAP:
+        name = pattern.replace(r"model\.layers\.(\d+)\.", "model.layers.1.").replace("\\", "")
+        ours = shapes["layers"][path[7:]][1:] if path.startswith("layers/") else shapes[path]
+        tensors.append((name, ours[::-1] if fn is kernel else ours))
+    assert len(tensors) == 12
+    for k, (bad, _) in enumerate(tensors):
+        arrays = []
+        for layer in range(cfg.n_layers):
+            for name, shape in tensors:
+                if "layers" not in name and layer:
+                    continue
+                name = name.replace("layers.1.", f"layers.{layer}.")
+                x = rng.standard_normal(shape).astype(np.float32)
+                if name == bad:
+                    x.reshape(-1)[2] = np.nan if k % 2 else -np.inf
+                arrays.append((name, x))
+        with pytest.raises(hf_ckpt.HFCheckpointError,
+                           match=rf"tensor '{re.escape(bad)}' .*holds "
+                                 rf"{'NaN' if k % 2 else 'inf'}.*non-finite"):
+            hf_ckpt.convert_tensors(cfg, arrays)
+    good = [(n.replace("layers.1.", f"layers.{layer}."), rng.standard_normal(s)
+             .astype(np.float32)) for layer in range(cfg.n_layers) for n, s in tensors
+            if "layers" in n or not layer]
+    hf_ckpt.convert_tensors(cfg, good)  # the same without a bad value converts

@@ -37,11 +37,11 @@ hard boundary, and the text after them is encoded canonically on its own.
 go through the tokenizer (no BOS/EOS added); bytes that are not valid UTF-8 (a
 character cut after its first byte, or a stray byte token) are single byte
 tokens (`<0xNN>` / the byte-level byte). A character completed by a later step
-is then retracted and re-encoded as a whole. Caveats: text containing the
-literal of a special token (e.g. '<|im_end|>') is encoded by the tokenizer as
-that special token, which decodes to no bytes -- `reencode` raises ValueError
-then, as it does for bytes a member's vocabulary cannot express (SmolLM2 has no
-token for 0x04, 0xC0, 0xF5..0xFF, ...).
+is then retracted and re-encoded as a whole. Text is text: the characters of a
+special token (e.g. '<|im_end|>') are encoded as those characters
+(`brf.align.vocab.encode_text`), never as the control token. `reencode` raises
+ValueError for bytes a member's vocabulary cannot express (SmolLM2 has no token
+for 0x04, 0xC0, 0xF5..0xFF, ...).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from brf.align.vocab import TokenTable, token_table
+from brf.align.vocab import TokenTable, encode_text, token_table
 
 
 class Codec(NamedTuple):
@@ -105,27 +105,22 @@ class Step(NamedTuple):
     pending: tuple[int, ...]
 
 
-def _backend(tokenizer):
-    return getattr(tokenizer, "backend_tokenizer", tokenizer)
-
-
 def encode_bytes(codec: Codec, data: bytes) -> list[int]:
     """The canonical token ids of arbitrary bytes (see the module docstring).
 
     Raises:
         ValueError: the result does not decode back to `data` (bytes the
-            vocabulary lacks, or a special token's literal in the text).
+            vocabulary lacks).
     """
     if not data:
         return []
-    backend = _backend(codec.tokenizer)
     text = data.decode("utf-8", errors="surrogateescape")
     ids: list[int] = []
     run: list[str] = []
 
     def flush():
         if run:
-            ids.extend(backend.encode("".join(run), add_special_tokens=False).ids)
+            ids.extend(encode_text(codec.tokenizer, "".join(run)))
             run.clear()
 
     for ch in text:
@@ -140,8 +135,7 @@ def encode_bytes(codec: Codec, data: bytes) -> list[int]:
     flush()
     if codec.table.decode(ids) != data:
         raise ValueError(f"the tokenizer cannot express {data!r} losslessly (got "
-                         f"{codec.table.decode(ids)!r}): bytes outside its vocabulary or a "
-                         "special token's literal text")
+                         f"{codec.table.decode(ids)!r}): bytes outside its vocabulary")
     return ids
 
 
@@ -155,7 +149,7 @@ def check_reencodable(codec: Codec, name: str = "the tokenizer") -> None:
     Raises:
         ValueError: naming `name` and what to use instead.
     """
-    ids = _backend(codec.tokenizer).encode("a", add_special_tokens=False).ids
+    ids = encode_text(codec.tokenizer, "a")
     got = codec.table.decode(ids)
     if got != b"a" and got.endswith(b"a") and got[:-1].strip() == b"":
         raise ValueError(f"{name} puts a space before every text (a SentencePiece dummy "

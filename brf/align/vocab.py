@@ -22,18 +22,29 @@ A decoder `Strip` step (Llama's removal of the leading space at the start of a
 text) is position dependent and ignored: the table gives a token's bytes in
 the middle of a text. Decoders this module does not know raise ValueError.
 
+Text is text: `encode_text` encodes a text as the characters it holds. A
+corpus, a prompt or a prefix that contains the *characters* of a special token
+(`<|im_start|>`, `<bos>`) gets the tokens that spell those characters, never
+the control token (a tokenizer called directly matches them as control
+tokens). Control tokens come only from a template (`encode_template`: a chat
+template or a member's prompt template, whose own markers stay control tokens
+while the text filled into it stays text) and from the tokenizer's BOS / EOS
+rules (`add_special_tokens=True`).
+
 `load_tokenizer(name)` builds a registered model's tokenizer from its GGUF
 metadata only (no weights are read), once per process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import re
-from typing import Any, NamedTuple
+import uuid
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -199,6 +210,111 @@ def token_table(tokenizer: Any) -> TokenTable:
     return TokenTable(kind, token_bytes, control_V, _digest(kind, token_bytes, control_V))
 
 
+@contextlib.contextmanager
+def _plain(backend):
+    """The backend with special-token matching off: a special token's characters in
+    the text are encoded as text (`tokenizers`' `encode_special_tokens`)."""
+    was = backend.encode_special_tokens
+    backend.encode_special_tokens = True
+    try:
+        yield backend
+    finally:
+        backend.encode_special_tokens = was
+
+
+def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """The token ids of ``text`` read as text: a special token's characters in it are
+    those characters, never the control token.
+
+    Args:
+        tokenizer: a `tokenizers.Tokenizer` or a transformers fast tokenizer.
+        text: the text.
+        add_special_tokens: add what the tokenizer's own rules add around a text
+            (BOS, and EOS where it is told to), as ``tokenizer(text)`` does.
+
+    Returns:
+        The ids; without ``add_special_tokens`` they decode to exactly the text's
+        bytes (`token_table(tokenizer).decode`) wherever the vocabulary spells it.
+    """
+    with _plain(_backend(tokenizer)) as backend:
+        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """`encode_text` of many texts in one batch call (no BOS / EOS added)."""
+    with _plain(_backend(tokenizer)) as backend:
+        return [list(e.ids) for e in backend.encode_batch(list(texts),
+                                                          add_special_tokens=False)]
+
+
+def _special_strings(backend) -> tuple[str, ...]:
+    """The special added tokens' strings, longest first (the ones matched in text)."""
+    added = backend.get_added_tokens_decoder().values()
+    return tuple(sorted({t.content for t in added if t.special and t.content},
+                        key=len, reverse=True))
+
+
+def encode_template(tokenizer: Any, render: Callable[[Mapping[str, str]], str],
+                    fields: Mapping[str, str], *, add_special_tokens: bool = False
+                    ) -> list[int]:
+    """The ids of a rendered template whose markers are control tokens and whose
+    filled-in fields are text.
+
+    ``render(fields)`` gives the text (a chat template applied to messages, a
+    format string filled). Special-token strings the template writes itself
+    (``<|im_start|>``, ``<start_of_turn>``) become control tokens; those inside a
+    field's value are encoded as their characters (`encode_text`). When no field
+    holds a special token's string, the ids are the tokenizer's own for the
+    rendered text.
+
+    Args:
+        tokenizer: a `tokenizers.Tokenizer` or a transformers fast tokenizer.
+        render: fields -> the template's text.
+        fields: the values filled in (user text).
+        add_special_tokens: as in `encode_text`.
+    """
+    backend = _backend(tokenizer)
+    specials = _special_strings(backend)
+    if not any(s in v for v in fields.values() for s in specials):
+        return list(backend.encode(render(fields), add_special_tokens=add_special_tokens).ids)
+    # Each special string inside a field is hidden behind a marker no tokenizer
+    # matches; the template is split at the control tokens the tokenizer finds in
+    # what remains (the template's own), and the text between them, markers put
+    # back, is encoded as text.
+    nonce = uuid.uuid4().hex
+    hidden: dict[str, str] = {}
+
+    def hide(m: re.Match) -> str:
+        key = f"\ue000{nonce}{len(hidden)}\ue001"
+        hidden[key] = m.group(0)
+        return key
+
+    pattern = re.compile("|".join(re.escape(s) for s in specials))
+    rendered = render({k: pattern.sub(hide, v) for k, v in fields.items()})
+    back = re.compile(f"\ue000{nonce}\\d+\ue001")
+    control = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    pieces, start = [], 0
+    whole = backend.encode(rendered, add_special_tokens=False)
+
+    def text(a: int, b: int):
+        if b > a:
+            piece = back.sub(lambda m: hidden[m.group(0)], rendered[a:b])
+            with _plain(backend):
+                pieces.append(backend.encode(piece, add_special_tokens=False))
+
+    for i, (a, b) in zip(whole.ids, whole.offsets):
+        if i in control:
+            text(start, a)
+            pieces.append(backend.encode(rendered[a:b], add_special_tokens=False))
+            start = b
+    text(start, len(rendered))
+    from tokenizers import Encoding
+    merged = Encoding.merge(pieces) if pieces else backend.encode("", add_special_tokens=False)
+    if add_special_tokens:
+        merged = backend.post_process(merged, add_special_tokens=True)
+    return list(merged.ids)
+
+
 @functools.lru_cache(maxsize=None)
 def load_tokenizer(source: str | os.PathLike) -> Any:
     """The tokenizer of a registered model name or a model path, without its weights.
@@ -207,9 +323,15 @@ def load_tokenizer(source: str | os.PathLike) -> Any:
     a GGUF file only its metadata is read (Gemma 3's 262k-token tokenizer still
     takes ~10 s to build, hence the per-process cache).
     """
-    from brf.checkpoints.registry import resolve
+    from brf.checkpoints.registry import orphan_checkpoint, resolve
     from brf.checkpoints.tokenizer import load_tokenizer as _load
-    return _load(resolve(source))
+    try:
+        return _load(resolve(source))
+    except FileNotFoundError:  # a registered model's source gone: its cached checkpoint
+        ckpt = orphan_checkpoint(os.fspath(source))
+        if ckpt is None or not os.path.isdir(os.path.join(ckpt, "tokenizer")):
+            raise
+        return _load(os.path.join(ckpt, "tokenizer"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,4 +341,5 @@ def load_token_table(source: str | os.PathLike) -> TokenTable:
 
 
 __all__ = ["BYTE_LEVEL", "SENTENCEPIECE", "TokenTable", "bytes_to_unicode", "decoder_kind",
-           "load_token_table", "load_tokenizer", "token_table"]
+           "encode_template", "encode_text", "encode_texts", "load_token_table",
+           "load_tokenizer", "token_table"]

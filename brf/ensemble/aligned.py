@@ -30,6 +30,7 @@ import numpy as np
 
 from brf import align
 from brf.align.reencode import check_reencodable
+from brf.align.vocab import encode_texts
 from brf.ensemble.member import EnsembleInputError, Member
 
 
@@ -170,7 +171,10 @@ def _event_tokens_path(codec, union) -> str | None:
         rules = hashlib.sha256(backend.to_str().encode()).hexdigest()
     except AttributeError:
         return None
-    key = hashlib.sha256("/".join((codec.table.digest, rules) + tuple(union.digests)).encode())
+    # "text": the events are encoded as text (special strings as characters, issue 71);
+    # files from before that rule are not read.
+    key = hashlib.sha256("/".join(("text", codec.table.digest, rules)
+                                  + tuple(union.digests)).encode())
     return os.path.join(default_cache_dir(), f"events-{key.hexdigest()[:24]}.npz")
 
 
@@ -187,10 +191,9 @@ def _encode_events(codec, union) -> EventTokens:
             which.append(u)
         except UnicodeDecodeError:
             pass
-    backend = getattr(codec.tokenizer, "backend_tokenizer", codec.tokenizer)
     ids: list = [()] * len(strings)
-    for u, enc in zip(which, backend.encode_batch(texts, add_special_tokens=False)):
-        ids[u] = tuple(enc.ids)
+    for u, enc in zip(which, encode_texts(codec.tokenizer, texts)):
+        ids[u] = tuple(enc)
     lengths = np.zeros(len(strings), np.int32)
     decode = codec.table.decode
     for u, data in enumerate(strings):

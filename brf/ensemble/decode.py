@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.ensemble import catchup
-from brf.ensemble.member import (EnsembleInputError, Member, check_prompt_fits,
+from brf.ensemble.member import (EnsembleInputError, Member, check_prompt_fits, check_prompts,
                                  normalised_weights)
 from brf.ensemble.space import IdentitySpace
 from brf.text import TextStream
@@ -253,7 +253,7 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
         :class:`Piece` objects, in step order.
     """
     members = list(members)
-    prompts = list(prompts)
+    prompts = check_prompts(prompts)
     sampler = Sampler.parse(sampler) if not isinstance(sampler, Sampler) else sampler
     method_params = dict(method_params or {})
     _check_request(mode, choice, prompts, max_new_tokens, method, method_params, sampler)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from brf.align.vocab import encode_template, encode_text
 from brf.errors import UserError
 from brf.models.config import ModelConfig
 
@@ -42,6 +43,11 @@ class Member:
             ``{prompt}`` (and optionally ``{prefix}``), e.g. Gemma's
             ``"<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"``;
             special-token literals in it become special tokens.
+
+    Text is text: a special token's characters in the prompt or the prefix are
+    read as those characters (`brf.align.vocab.encode_text`); control tokens come
+    only from the chat template, the member's template and the tokenizer's BOS /
+    EOS rules.
     """
 
     name: str
@@ -60,19 +66,21 @@ class Member:
             if self.chat:
                 raise EnsembleInputError(f"member {self.name!r}: give chat=True or a template, "
                                          "not both")
-            text = self.template.format(prompt=prompt, prefix=self.prefix)
-            return [int(i) for i in tok(text, add_special_tokens=True)["input_ids"]]
+            return encode_template(tok, lambda f: self.template.format(**f),
+                                   {"prompt": prompt, "prefix": self.prefix},
+                                   add_special_tokens=True)
         if self.chat:
             if getattr(tok, "chat_template", None) is None:
                 raise EnsembleInputError(f"member {self.name!r}: chat=True but its tokenizer "
                                          "has no chat template")
-            msgs = ([{"role": "system", "content": self.prefix}] if self.prefix else [])
-            msgs.append({"role": "user", "content": prompt})
-            out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if hasattr(out, "keys"):  # BatchEncoding in newer transformers
-                out = out["input_ids"]
-            return [int(i) for i in out]
-        return [int(i) for i in tok(self.prefix + prompt, add_special_tokens=True)["input_ids"]]
+
+            def render(f):
+                msgs = ([{"role": "system", "content": f["prefix"]}] if f["prefix"] else [])
+                msgs.append({"role": "user", "content": f["prompt"]})
+                return tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                               tokenize=False)
+            return encode_template(tok, render, {"prompt": prompt, "prefix": self.prefix})
+        return encode_text(tok, self.prefix + prompt, add_special_tokens=True)
 
     def eos_ids(self) -> frozenset[int]:
         """Token ids that end a sequence for this member (model config and tokenizer)."""
@@ -207,6 +215,90 @@ def check_shared_vocabulary(members: Sequence[Member]) -> None:
         if len(m.tokenizer) > m.cfg.vocab_size:
             raise EnsembleInputError(f"member {m.name!r}: tokenizer has {len(m.tokenizer)} "
                                      f"tokens, the model only {m.cfg.vocab_size} logits")
+
+
+def _check_prompt(prompt: Any, where: str) -> str:
+    """One prompt against the rule of :func:`check_prompts`; returns it."""
+    if not isinstance(prompt, str):
+        raise EnsembleInputError(f"{where} must be a string (text); got "
+                                 f"{type(prompt).__name__} {prompt!r}"[:200])
+    if not prompt.strip():
+        raise EnsembleInputError(f"{where} is {'empty' if not prompt else 'only whitespace'}; "
+                                 "give it text or leave it out (each prompt makes one output "
+                                 "row, in order)")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # A command-line argument with bytes that are not UTF-8 arrives surrogate-escaped,
+        # a JSON line may hold a lone \udXXX escape; neither can be tokenized.
+        try:
+            shown = repr(prompt.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            shown = repr(prompt)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        raise EnsembleInputError(f"{where} is not valid UTF-8 text (at character "
+                                 f"{e.start}): {shown}") from None
+    return prompt
+
+
+def check_prompts(prompts: Any, where: str = "prompts") -> list[str]:
+    """The prompts as a list, each checked by the one rule for prompts.
+
+    The rule, for every source (a list or tuple given to the Python API or a
+    config, the lines of a prompts file or of dump_logits' ``config.prompts``, a
+    JSONL line's ``"prompt"``): a prompt is a string of valid UTF-8 text that is
+    not empty and not only whitespace. Nothing is skipped, so prompt i is output
+    row i (``seq = i - 1``). One string is one prompt.
+
+    Args:
+        prompts: a string, or a sequence of strings.
+        where: how the user gave them, for messages (``config.prompts``).
+
+    Raises:
+        EnsembleInputError: no prompts, or the first prompt that breaks the rule,
+            named by its number.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    try:
+        out = None if isinstance(prompts, (bytes, bytearray, dict)) else list(prompts)
+    except TypeError:
+        out = None
+    if out is None:
+        raise EnsembleInputError(f"{where} must be a string or a list of strings; got "
+                                 f"{type(prompts).__name__} {prompts!r}"[:200])
+    if not out:
+        raise EnsembleInputError(f"no prompts: {where} is empty")
+    return [_check_prompt(p, f"{where}: prompt {i}") for i, p in enumerate(out, 1)]
+
+
+def prompt_lines(text: str, where: str) -> list[str]:
+    """The prompts of a text with one prompt a line (a prompts file, dump_logits'
+    ``config.prompts``); a line that is a JSON object gives its ``"prompt"`` field.
+    Every line is a prompt under the rule of :func:`check_prompts`: a blank line
+    is refused (skipping it would shift the rows against the lines), except that a
+    text with no prompt at all says so.
+
+    Raises:
+        EnsembleInputError: naming ``where`` and the line.
+    """
+    import json
+    lines = text.splitlines()
+    if not any(line.strip() for line in lines):
+        raise EnsembleInputError(f"{where} holds no prompts (it is empty or blank)")
+    out = []
+    for i, line in enumerate(lines, 1):
+        at = f"{where}, line {i}"
+        if line.lstrip().startswith("{"):
+            try:
+                line = json.loads(line)["prompt"]
+            except (ValueError, KeyError, TypeError):
+                raise EnsembleInputError(f"{at}: a JSON line needs a string field "
+                                         "'prompt'") from None
+            at += ": 'prompt'"
+        out.append(_check_prompt(line, at))
+    return out
 
 
 def check_prompt_fits(m: Member, prompt_ids: Sequence[int], max_new_tokens: int) -> None:

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from brf.align.vocab import encode_text
 from brf.ensemble.member import EnsembleInputError, Member
 from brf.fusion.weights import perplexity_weights
 from brf.models.scoring import score_tokens
@@ -27,8 +28,8 @@ from brf.models.scoring import score_tokens
 
 def _conditioning_split(m: Member, prompt: str) -> tuple[list[int], int]:
     tok = m.tokenizer
-    full = [int(i) for i in tok(m.prefix + prompt, add_special_tokens=True)["input_ids"]]
-    ctx = [int(i) for i in tok(m.prefix, add_special_tokens=True)["input_ids"]]
+    full = encode_text(tok, m.prefix + prompt, add_special_tokens=True)
+    ctx = encode_text(tok, m.prefix, add_special_tokens=True)
     n = 0
     while n < min(len(full), len(ctx)) and full[n] == ctx[n]:
         n += 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import sys
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -21,7 +20,8 @@ import numpy as np
 from brf import schema as S
 from brf import sharding
 from brf.ensemble.decode import CHOICES, ENGINES, MODES, Generation, Piece, generate
-from brf.ensemble.member import EnsembleInputError, Member, check_template, same_vocabulary
+from brf.ensemble.member import (EnsembleInputError, Member, check_prompts, check_template,
+                                 prompt_lines, same_vocabulary)
 from brf.errors import UserError
 from brf.specs import parse_list, parse_spec
 
@@ -163,78 +163,35 @@ def auto_aligner(members: Sequence[Member]) -> str:
     return "identity" if all(same_vocabulary(members[0], m) for m in members) else "union"
 
 
-def _check_prompt_text(prompt: str, where: str) -> None:
-    """Refuses a prompt that is not valid Unicode text: a command-line argument with
-    bytes that are not UTF-8 arrives surrogate-escaped, a JSON line may hold a lone
-    ``\\udXXX`` escape; neither can be tokenized."""
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        try:
-            shown = repr(prompt.encode("utf-8", "surrogateescape"))
-        except UnicodeEncodeError:
-            shown = repr(prompt)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        raise EnsembleInputError(f"{where} is not valid UTF-8 text (at character "
-                                 f"{e.start}): {shown}") from None
+def read_prompts(prompts: Iterable[str] | str, prompts_file: str = "", *,
+                 lines: bool = False) -> list[str]:
+    """The prompts: those of a file if one is named (one a line, or JSONL with a
+    'prompt' field), which replace ``prompts``; else ``prompts``, every one of them.
+    Every prompt is checked by the one rule (`brf.ensemble.member.check_prompts`):
+    nothing is skipped, so prompt i is output row i.
 
-
-def read_prompts(prompts: Iterable[str], prompts_file: str = "") -> list[str]:
-    """The prompts: those of a file if one is named (one per line, or JSONL with a
-    'prompt' field; blank lines skipped), which replace ``prompts``; else
-    ``prompts``, every one of them (one output row each, in order).
+    Args:
+        prompts: the config's prompts: a sequence of strings (one string: one prompt).
+        prompts_file: a file that replaces them ('' for none).
+        lines: ``prompts`` is one string with a prompt a line (dump_logits').
 
     Raises:
         EnsembleInputError: no prompts (a prompts file without any is an error of
-            its own), an empty prompt in ``prompts`` (dropping it would shift the
-            rows against the prompts), a file that cannot be read, a bad JSON line,
-            or a prompt that is not valid UTF-8 text.
+            its own), a prompt that breaks the rule (empty or blank, not a string,
+            not valid UTF-8 text; named by its number or line), a file that cannot
+            be read, or a bad JSON line.
     """
     if not prompts_file:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        out = list(prompts)
-        for i, p in enumerate(out, 1):
-            if not isinstance(p, str):
-                raise EnsembleInputError(f"config.prompts: prompt {i} must be a string; got "
-                                         f"{p!r}")
-            if not p:
-                raise EnsembleInputError(f"config.prompts: prompt {i} of {len(out)} is empty; "
-                                         "give it text or leave it out (each prompt makes one "
-                                         "output row, in order)")
-            _check_prompt_text(p, f"config.prompts: prompt {i}")
-    else:
-        out = []
-        try:
-            with open(prompts_file, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise EnsembleInputError(f"cannot read config.prompts_file {prompts_file}: "
-                                     f"{getattr(e, 'strerror', None) or e}") from None
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                try:
-                    prompt = json.loads(line)["prompt"]
-                except (ValueError, KeyError, TypeError):
-                    raise EnsembleInputError(f"{prompts_file}, line {i}: a JSON line needs a "
-                                             "string field 'prompt'") from None
-                if not isinstance(prompt, str):
-                    raise EnsembleInputError(f"{prompts_file}, line {i}: 'prompt' must be a "
-                                             "string")
-                _check_prompt_text(prompt, f"{prompts_file}, line {i}: 'prompt'")
-                out.append(prompt)
-            else:
-                out.append(line)
-        if not out:
-            raise EnsembleInputError(f"config.prompts_file {prompts_file} holds no prompts (it is "
-                                     "empty or blank); a prompts file replaces "
-                                     "config.prompts")
-    if not out:
-        raise EnsembleInputError("no prompts: set config.prompts or config.prompts_file")
-    return out
+        if lines:
+            return prompt_lines(str(prompts), "config.prompts")
+        return check_prompts(prompts, "config.prompts")
+    try:
+        with open(prompts_file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise EnsembleInputError(f"cannot read config.prompts_file {prompts_file}: "
+                                 f"{getattr(e, 'strerror', None) or e}") from None
+    return prompt_lines(text, f"config.prompts_file {prompts_file}")
 
 
 def aligner_params(aligner: str, params) -> dict | None:

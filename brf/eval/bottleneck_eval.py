@@ -16,6 +16,7 @@ import numpy as np
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from brf.align.vocab import encode_text
 from brf.eval import hypotheses
 from brf.eval.fitting import NLL_CAP
 from brf.fusion import bottleneck, fuse
@@ -50,7 +51,7 @@ def full_logits(model, label: str, prefixes: tuple[str, str], segments: list[str
     """
     tok, cfg = model.tokenizer, model.cfg
     bos = [cfg.bos_id] if cfg.bos_id is not None else []
-    seg_ids = [list(tok.encode(segments[s], add_special_tokens=False)) for s in test_segments]
+    seg_ids = [encode_text(tok, segments[s]) for s in test_segments]
     total = sum(max(len(x) - 1, 0) for x in seg_ids)
     picks = set(np.linspace(0, total - 1, min(n_positions, total)).astype(int).tolist())
     logits, gold, k = [[], []], [], 0
@@ -62,7 +63,7 @@ def full_logits(model, label: str, prefixes: tuple[str, str], segments: list[str
             continue
         gold += [x[r + 1] for r in local]
         for i, pre in enumerate(prefixes):
-            p = list(tok.encode(pre, add_special_tokens=False)) if pre else []
+            p = encode_text(tok, pre) if pre else []
             ids = np.asarray(bos + p + x, np.int32)
             rows = np.asarray(local) + len(bos) + len(p)
             logits[i].append(_rows_logits(model, ids, rows, 256))

@@ -34,6 +34,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from brf import schema as S
+from brf.align.vocab import encode_template, encode_text
 from brf.errors import UserError
 from brf.eval.logit_csv import CsvWriter, RowBlock, vocab_texts
 from brf.eval.scoring import raw_summary
@@ -67,12 +68,11 @@ def context_ids(model, *, system: str = "", prefix: str = "") -> list[int]:
         if getattr(tok, "chat_template", None) is None:
             raise DumpError("system prompt given but the model's tokenizer has no chat "
                             "template; use prefix instead")
-        out = tok.apply_chat_template([{"role": "system", "content": system}], tokenize=True)
-        out = out["input_ids"] if hasattr(out, "keys") else out
-        out = [int(i) for i in out]
+        out = encode_template(tok, lambda f: tok.apply_chat_template(
+            [{"role": "system", "content": f["system"]}], tokenize=False), {"system": system})
         ids += out[1:] if ids and out and out[0] == ids[0] else out
     if prefix:
-        ids += [int(i) for i in tok.encode(prefix, add_special_tokens=False)]
+        ids += encode_text(tok, prefix)
     return ids
 
 
@@ -114,7 +114,7 @@ def dump_scores(model, text: str, path: str, *, k: int = 20, system: str = "",
         raise DumpError(f"max_positions={max_positions} must be >= 0 (0: all) and "
                         f"chunk={chunk} >= 1")
     ctx = context_ids(model, system=system, prefix=prefix)
-    ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
+    ids = np.asarray(encode_text(tok, text), np.int32)
     if max_positions:
         ids = ids[:max_positions]
     n_ctx = len(ctx)
@@ -212,11 +212,10 @@ def dump_generations(model, prompts: Sequence[str], path: str, *, k: int = 20,
     Returns:
       {"rows", "rows_written", "seconds", "texts", "path"}.
     """
-    from brf.ensemble.member import Member, check_prompt_fits
+    from brf.ensemble.member import Member, check_prompt_fits, check_prompts
     from brf.fusion import Sampler
     cfg, tok = model.cfg, model.tokenizer
-    if not prompts:
-        raise DumpError("no prompts to generate from")
+    prompts = check_prompts(prompts)
     if max_new_tokens < 1:
         raise DumpError(f"max_new_tokens={max_new_tokens} must be >= 1")
     sampler = Sampler.parse(sampler)
@@ -399,8 +398,7 @@ def check_config(c) -> None:
 
 def _prompts(c) -> list[str]:
     from brf.ensemble.run import read_prompts
-    prompts = [p for p in str(c.prompts).split("\n") if p.strip()]
-    return read_prompts(prompts, c.prompts_file)
+    return read_prompts(c.prompts, c.prompts_file, lines=True)
 
 
 def run(c) -> dict:

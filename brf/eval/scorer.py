@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from brf import sharding
+from brf.align.vocab import encode_text
 from brf.eval import scoring
 from brf.eval.plan import Member, ValidationError
 
@@ -59,7 +60,7 @@ _BARRIERS = itertools.count()
 
 def encode(tokenizer, model_cfg, text: str) -> np.ndarray:
     """``[BOS] + tokens(text)`` (no BOS for a model without one), int32."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = encode_text(tokenizer, text)
     if model_cfg.bos_id is not None:
         ids = [model_cfg.bos_id] + list(ids)
     return np.asarray(ids, np.int32)
@@ -68,7 +69,7 @@ def encode(tokenizer, model_cfg, text: str) -> np.ndarray:
 def prefix_ids(tokenizer, prefix: str) -> list[int]:
     """A member's prefix as the tokens it reads between BOS and each segment (the byte
     level reads the same ones, :mod:`brf.eval.byte_scorer`)."""
-    return list(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
+    return encode_text(tokenizer, prefix) if prefix else []
 
 
 def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
@@ -76,6 +77,32 @@ def member_token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
     from brf.align.vocab import token_table
     tb = list(token_table(tokenizer).token_bytes)
     return tb[:vocab_size] + [b""] * (vocab_size - len(tb))
+
+
+def check_distinct(members: Sequence[Member], models: dict[str, Any]) -> None:
+    """Refuses two members that load the same model with the same prefix, by what they
+    load (`brf.checkpoints.store.identity` of the checkpoint), not by how they are
+    named: a registered name and the cache's path to its checkpoint, or one GGUF by
+    two paths, would study a model against itself. (config.members naming one
+    member twice is refused before any model loads, brf.eval.plan.)
+
+    Raises:
+        ValidationError: naming both members as given.
+    """
+    from brf.checkpoints import store
+    seen: dict[tuple, Member] = {}
+    for m in members:
+        path = getattr(models[m.name], "path", None)
+        if not path or not os.path.isdir(path) or not store.is_checkpoint(path):
+            continue  # a model built in memory (tests): nothing to compare
+        key = (store.identity(path), m.prefix)
+        if key in seen and seen[key].label != m.label:
+            raise ValidationError(
+                f"config.members: {seen[key].label!r} and {m.label!r} load the same model "
+                f"(the same checkpoint content), so the study would compare a model with "
+                f"itself; give one of them another prefix= (a prompt ensemble) or name "
+                f"another model")
+        seen.setdefault(key, m)
 
 
 def _job(member: Member, model, segments: Sequence[str]) -> _Job:
@@ -128,6 +155,8 @@ def score_members(members: Sequence[Member], segments: Sequence[str], run_dir: s
     for m in members:
         if m.name not in models:
             models[m.name] = load_model(m.name)
+    check_distinct(members, models)
+    for m in members:
         jobs.append(_job(m, models[m.name], segments))
     meshes = sharding.per_member(meshes, len(jobs))
     call = next(_BARRIERS)  # this call's barrier names, the same on every process

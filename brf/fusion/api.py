@@ -29,8 +29,8 @@ from brf.fusion import bottleneck as _bottleneck  # noqa: F401  (registers "bott
 from brf.fusion import controls as _controls  # noqa: F401  (registers the controls)
 from brf.fusion import pools as _pools  # noqa: F401  (registers the baselines)
 from brf.fusion import methods as M
-from brf.fusion.checks import (FusionInputError, check_inputs, check_shapes, is_concrete,
-                               uniform_weights, value_status)
+from brf.fusion.checks import (FusionInputError, bad_rows, check_inputs, check_shapes,
+                               is_concrete, uniform_weights, value_status)
 from brf.fusion.born import xla_sincos as born_xla_sincos, xla_sincos_on
 from brf.fusion.phase import check_offset
 
@@ -56,15 +56,21 @@ def _uniform(n: int, dtype) -> jax.Array:
     return uniform_weights(n, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("name", "static", "check", "xla_sincos"))
-def _fuse_jit(logits, weights, where, dynamic, *, name, static, check=False, xla_sincos=False):
-    """The method as one program; with ``check`` also the inputs' value status.
+@functools.partial(jax.jit, static_argnames=("name", "static", "check", "xla_sincos",
+                                             "poison"))
+def _fuse_jit(logits, weights, where, dynamic, *, name, static, check=False, xla_sincos=False,
+              poison=False):
+    """The method as one program; with ``check`` also the inputs' value status; with
+    ``poison`` NaN in every entry of a row whose inputs break the value checks (a call
+    traced inside the caller's jit, where no check can raise).
     ``xla_sincos``: the caller's :func:`brf.fusion.born.xla_sincos` mode (part of the
     program's identity: a nested jit's trace is cached by its static arguments, not by
     the context it was called in)."""
     TRACE_COUNTS[name] += 1
     with born_xla_sincos(xla_sincos):
         out, info = _apply(logits, weights, where, dynamic, name=name, static=static)
+    if poison:
+        out = jnp.where(bad_rows(logits, weights, where)[..., None], jnp.nan, out)
     if check:
         return out, info, value_status(logits, weights, where)
     return out, info
@@ -134,7 +140,8 @@ class Fuser:
                 raise FusionInputError(f"bad input to {self.name!r} (status {status})")
         else:
             out, info = _fuse_jit(logits_XnV, weights, where, self._dynamic, name=self.name,
-                                  static=self._static, xla_sincos=xla_sincos_on())
+                                  static=self._static, xla_sincos=xla_sincos_on(),
+                                  poison=validate)
         return (out, info) if return_info else out
 
 
@@ -207,9 +214,11 @@ def fuse(method: str, logits_XnV: jax.Array, weights: jax.Array | None = None,
       where: optional bool mask broadcastable to the logits; False = token not
         allowed (as if its logit were -inf).
       return_info: also return the method's diagnostics (``fallback`` etc.).
-      validate: check inputs before computing (value checks only apply to
-        concrete arrays, i.e. outside a jit trace; they run on the device and
-        the call waits for their 4-byte answer).
+      validate: check inputs before computing (value checks run on the device
+        and the call waits for their 4-byte answer). Inside the caller's
+        ``jax.jit`` values cannot be read: shapes, dtypes and parameters still
+        raise, and a row whose values are bad (NaN / +inf logits, a member with
+        no valid token, weights off the simplex) comes out NaN in every entry.
       **params: the method's parameters (see ``METHODS.get(method).params``).
 
     Returns:
@@ -218,7 +227,8 @@ def fuse(method: str, logits_XnV: jax.Array, weights: jax.Array | None = None,
 
     Raises:
       FusionInputError: unknown method or parameter, bad parameter value, bad
-        shapes, NaN/+inf logits, weights off the simplex.
+        shapes, NaN/+inf logits, weights off the simplex (the last two outside
+        ``jax.jit``; see ``validate``).
     """
     fuser = cached_fuser(method, params)
     return fuser(logits_XnV, weights, where=where, return_info=return_info,

@@ -3,7 +3,10 @@
 Checks run *before* any computation and raise :class:`FusionInputError` with a
 message that names the offending argument. Shape checks always run; checks that
 need values (NaN, weights on the simplex) run only on concrete arrays, i.e.
-outside ``jax.jit`` — inside a trace the caller is responsible for its inputs.
+outside ``jax.jit``. Inside a trace nothing can raise on a value: a checked
+call there (`brf.fuse`, a `Fuser` with ``validate=True``) returns NaN in every
+entry of a row whose values break the checks (:func:`bad_rows`), so that a bad
+row can never pass for a distribution.
 """
 
 from __future__ import annotations
@@ -173,6 +176,24 @@ def value_status(logits, weights=None, where=None):
                | jnp.any(jnp.abs(jnp.sum(w, axis=-1) - 1.0) > WEIGHT_SUM_ATOL))
         status = status | jnp.where(bad, BAD_WEIGHTS, 0)
     return jnp.asarray(status, jnp.int32)
+
+
+def bad_rows(logits, weights=None, where=None):
+    """The value checks of :func:`check_inputs` per fused row, bool [...] (jit-able):
+    True where a row's logits hold NaN or +inf, a member has no valid token, or its
+    weights are off the simplex. What a traced call (inside the caller's ``jax.jit``,
+    where no check can raise) marks as NaN in its output."""
+    top = jnp.max(logits, axis=-1)  # [..., n]: NaN propagates, +inf is the max
+    bad = jnp.any(jnp.isnan(top) | (top == jnp.inf) | (top == -jnp.inf), axis=-1)
+    if where is not None:
+        kept = jnp.max(jnp.where(where, logits, -jnp.inf), axis=-1)
+        bad = bad | jnp.any(kept == -jnp.inf, axis=-1)
+    if weights is not None:
+        w = jnp.asarray(weights, jnp.float32)
+        off = (jnp.any(~jnp.isfinite(w) | (w < 0), axis=-1)
+               | (jnp.abs(jnp.sum(w, axis=-1) - 1.0) > WEIGHT_SUM_ATOL))
+        bad = bad | jnp.broadcast_to(off, bad.shape)
+    return bad
 
 
 def uniform_weights(n: int, dtype):

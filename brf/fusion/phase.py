@@ -155,9 +155,12 @@ def _literal(node: ast.AST):
         v = _literal(node.operand)
         return -v if isinstance(node.op, ast.USub) else v
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        from brf.specs import arithmetic  # bounded: 9**9**9 is refused, not computed
-        return arithmetic(type(node.op), _literal(node.left), _literal(node.right),
-                          ast.unparse(node))
+        from brf.specs import SpecError, arithmetic  # bounded: 9**9**9 is refused
+        try:
+            return arithmetic(type(node.op), _literal(node.left), _literal(node.right),
+                              ast.unparse(node))
+        except SpecError as e:  # the library's documented error, as every other one here
+            raise FusionInputError(f"phase map parameter {e}") from None
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e) for e in node.elts]
     raise FusionInputError(
