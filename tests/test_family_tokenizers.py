@@ -151,6 +151,8 @@ def sentencepiece_as_llamacpp_writes(sp, arch, path):
         kv["tokenizer.ggml.add_space_prefix"] = False  # Gemma2Model.set_vocab
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in kv.items():
+        if isinstance(value, int) and value < 0:  # sentencepiece's -1: no such token
+            continue
         (w.add_bool if isinstance(value, bool) else w.add_string if isinstance(value, str)
          else w.add_uint32)(key, value)
     w.add_array("tokenizer.ggml.tokens", [sp.id_to_piece(i) for i in range(n)])

@@ -70,7 +70,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from brf.align.vocab import TokenTable, token_table
+from brf.align.vocab import SENTENCEPIECE, TokenTable, token_table
 
 
 class Codec(NamedTuple):
@@ -235,13 +235,16 @@ def encode_bytes(codec: Codec, data: bytes) -> list[int]:
             ids.extend(backend.encode("".join(run), add_special_tokens=False).ids)
             run.clear()
 
+    # SentencePiece reads '▁' in the text as its space marker: the character itself
+    # is only expressible through byte fallback tokens
+    marker = "▁" if codec.table.kind == SENTENCEPIECE else None
     for ch in text:
-        if "\udc80" <= ch <= "\udcff":  # an invalid byte, escaped by surrogateescape
+        if "\udc80" <= ch <= "\udcff" or ch == marker:  # an invalid byte (surrogateescape)
             flush()
-            b = ord(ch) - 0xDC00
-            if codec.byte_ids[b] < 0:
-                raise ValueError(f"the vocabulary has no token for the byte {b:#04x}")
-            ids.append(int(codec.byte_ids[b]))
+            for b in (ch.encode() if ch == marker else [ord(ch) - 0xDC00]):
+                if codec.byte_ids[b] < 0:
+                    raise ValueError(f"the vocabulary has no token for the byte {b:#04x}")
+                ids.append(int(codec.byte_ids[b]))
         else:
             run.append(ch)
     flush()

@@ -187,7 +187,9 @@ def _encode_events(codec, union) -> EventTokens:
             which.append(u)
         except UnicodeDecodeError:
             pass
-    backend = getattr(codec.tokenizer, "backend_tokenizer", codec.tokenizer)
+    # text in the middle of a string: without a dummy prefix (`brf.align.reencode`)
+    backend = codec.mid if codec.mid is not None else getattr(
+        codec.tokenizer, "backend_tokenizer", codec.tokenizer)
     ids: list = [()] * len(strings)
     for u, enc in zip(which, backend.encode_batch(texts, add_special_tokens=False)):
         ids[u] = tuple(enc.ids)
@@ -233,6 +235,12 @@ class AlignedSpace:
         """Per member and sequence, the prompt tokens (frozen up to the last control token)."""
         self.states = [[align.from_ids(c, ids) for ids in per_b]
                        for c, per_b in zip(self.codecs, prompt_ids)]
+
+    def lead_pending(self) -> bool:
+        """Whether some member's prompt still lacks its dummy prefix (`brf.align.from_ids`):
+        its first event's tokens then spell the prefix and the event."""
+        return any(len(st.text) > (st.ends[-1] if st.ends else 0)
+                   for per_b in self.states for st in per_b)
 
     def _vocab(self, i, logits_BxV):
         return logits_BxV[:, :self.codecs[i].table.size]  # drop padding rows of the head
