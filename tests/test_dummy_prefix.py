@@ -285,3 +285,46 @@ def test_gemma_style_sentencepiece_is_unchanged(tmp_dir):
     assert R.lead_after(codec, [2]) == b""
     st = R.from_ids(codec, [2] + _ids(tok, "the dog"))
     assert st.text == b"the dog"
+
+
+def test_refused_before_converting(tmp_path, monkeypatch):
+    """A member brf cannot fuse across vocabularies (here a prefix step it does not
+    know) is refused by configs/generate.py's run, in one line naming it, before its
+    model is converted into the cache; alone or with its own vocabulary it is not."""
+    torch = pytest.importorskip("torch")
+    from tokenizers import Tokenizer, normalizers
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    from brf.checkpoints import registry
+    from brf.ensemble.member import EnsembleInputError
+    from brf.ensemble.run import check_fusable, run
+    from test_ensemble import _generate_config_module
+    monkeypatch.setenv("BRF_CACHE", str(tmp_path / "cache"))
+    tok = real_tokenizer(V1, "prepend", tmp_path)
+    odd = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    odd.normalizer = normalizers.Sequence([normalizers.Prepend("▁▁"),
+                                           normalizers.Replace(" ", "▁")])
+    odd = TokenizersBackend(tokenizer_object=odd, bos_token="<s>", eos_token="</s>")
+    dirs = []
+    for name, t in [("odd", odd), ("fine", tiny_tokenizer())]:
+        torch.manual_seed(0)
+        conf = transformers.LlamaConfig(hidden_size=16, intermediate_size=32,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        num_hidden_layers=1, vocab_size=len(t),
+                                        max_position_embeddings=64)
+        transformers.LlamaForCausalLM(conf).save_pretrained(tmp_path / name)
+        t.save_pretrained(tmp_path / name)
+        dirs.append(str(tmp_path / name))
+    c = _generate_config_module().get_config("tiny")
+    c.members = f'{dirs[0]}(name="odd"), random:{dirs[1]}'
+    c.prompts = ("the cat",)
+    c.max_new_tokens = 2
+    with pytest.raises(EnsembleInputError, match="cannot be fused across vocabularies.*"
+                                                 "Prepend.*before converting"):
+        run(c)
+    assert not registry.converted(dirs[0])
+    assert not os.path.exists(tmp_path / "cache" / "checkpoints")
+    check_fusable([dict(model=dirs[0])], aligner="auto")  # alone: its own vocabulary
+    check_fusable([dict(model=dirs[1]), dict(model="random:" + dirs[0])], aligner="identity")
+    check_fusable([dict(model=dirs[1]), dict(model=f"random:{dirs[1]}:1")], level="bytes")
+    with pytest.raises(EnsembleInputError, match="'.*odd'.*cannot be fused"):
+        check_fusable([dict(model=dirs[0])], level="bytes")

@@ -332,6 +332,16 @@ def _load(source, dtype, cache, cache_root, progress, mesh=None, layout="stacked
     return Model(cfg, params, tokenizer, ckpt)
 
 
+def converted(source: str | os.PathLike, cache_root: str | None = None) -> bool:
+    """Whether `load` would read ``source`` without converting it: a brf checkpoint
+    directory, or a source whose cached checkpoint is usable."""
+    source = os.fspath(source)
+    if os.path.isdir(source) and store.is_checkpoint(source):
+        return True
+    name = source if source in MODELS.names() else None
+    return _state(cache_path(source, cache_root), resolve(source), name)[0] == "ok"
+
+
 def _state(ckpt: str, path: str, name: str | None) -> tuple[str, str]:
     """Whether the cached checkpoint can be used: ("ok", ""), ("missing", ""),
     ("stale", "") (converted from another version of the source: converted
@@ -345,5 +355,5 @@ def _state(ckpt: str, path: str, name: str | None) -> tuple[str, str]:
     return ("ok" if fingerprint == _fingerprint(path, name) else "stale"), ""
 
 
-__all__ = ["MODELS", "CacheError", "Model", "cache_dir", "cache_path", "convert", "load",
+__all__ = ["MODELS", "CacheError", "Model", "cache_dir", "cache_path", "convert", "converted", "load",
            "load_module", "read_source", "resolve"]
