@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,6 @@ import pytest
 pytest.importorskip("sentencepiece")
 transformers = pytest.importorskip("transformers")
 
-import brf.align  # noqa: E402,F401
-import sys  # noqa: E402
 from brf.align import token_table  # noqa: E402
 from brf.bytes.generate import generate_bytes  # noqa: E402
 from brf.bytes.lm import ByteLM, score_text  # noqa: E402
