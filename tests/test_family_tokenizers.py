@@ -151,6 +151,8 @@ def sentencepiece_as_llamacpp_writes(sp, arch, path):
         kv["tokenizer.ggml.add_space_prefix"] = False  # Gemma2Model.set_vocab
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in kv.items():
+        if isinstance(value, int) and value < 0:  # sentencepiece's -1: no such token
+            continue
         (w.add_bool if isinstance(value, bool) else w.add_string if isinstance(value, str)
          else w.add_uint32)(key, value)
     w.add_array("tokenizer.ggml.tokens", [sp.id_to_piece(i) for i in range(n)])
@@ -219,26 +221,40 @@ def test_sentencepiece_from_gguf_equals_sentencepiece(tmp_path, arch):
                       "<start_of_turn>model\n")
 
 
-def test_a_dummy_prefix_is_refused_where_text_is_re_encoded(tmp_path):
-    """Phi-3's SentencePiece puts a space before every text: across tokenizers and on
-    bytes that is refused up front in one line; within its own vocabulary it runs."""
+def test_a_dummy_prefix_joins_union_ensembles_and_bytes(tmp_path):
+    """Phi-3's SentencePiece puts a space before every text (from GGUF: a Prepend('▁')
+    normalizer): it fuses across tokenizers (the member's ids spell its lead, the prompt
+    and the text) and on bytes, as within its own vocabulary; a prefix step brf cannot
+    remove is refused up front in one line."""
+    from brf.align import make_codec, token_table
     from brf.bytes.state import ByteInputError
     from brf.ensemble import EnsembleInputError, generate
     from tests.byte_reference import tiny_model
     from tiny_lm import tiny_member, tiny_tokenizer
+    from tokenizers import Tokenizer, normalizers
     sentencepiece_as_llamacpp_writes(trained_sentencepiece("phi3"), "phi3",
                                      tmp_path / "tok.gguf")
     tok = tokenizer_from_gguf(tmp_path / "tok.gguf")
+    assert make_codec(tok).lead == b" "
     phi, other = tiny_member(0, tok, name="phi"), tiny_member(1, tiny_tokenizer(), name="b")
-    with pytest.raises(EnsembleInputError, match="member 0's tokenizer puts a space before "
-                                                 "every text.*aligner='identity'"):
-        generate([phi, other], ["the dog"], aligner="union", max_new_tokens=2)
+    got = generate([phi, other], ["the dog"], aligner="union", max_new_tokens=4,
+                   sampler="greedy")[0]
+    assert token_table(tok).decode(got.member_ids[0]) == b" the dog" + got.data
     cfg, params = tiny_model(len(tok))
-    with pytest.raises(ByteInputError, match="phi's tokenizer puts a space"):
-        ByteLM(params, cfg, tok, name="phi")
+    assert ByteLM(params, cfg, tok, name="phi").lead == b" "
     same = generate([phi, tiny_member(2, tok, name="phi2")], ["the dog"], max_new_tokens=2,
                     sampler="greedy")
     assert same[0].n_events == 2
+    odd = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    odd.normalizer = normalizers.Sequence([normalizers.Prepend("▁▁"),
+                                           normalizers.Replace(" ", "▁")])
+    odd = TokenizersBackend(tokenizer_object=odd, eos_token="</s>", bos_token="<s>")
+    weird = tiny_member(0, odd, name="odd")
+    with pytest.raises(EnsembleInputError, match="member 0's tokenizer puts a space before "
+                                                 "every text.*aligner='identity'"):
+        generate([weird, other], ["the dog"], aligner="union", max_new_tokens=2)
+    with pytest.raises(ByteInputError, match="odd's tokenizer puts a space"):
+        ByteLM(params, cfg, odd, name="odd")
 
 
 EXACT = dict(beam=10**6, threshold=0.0, max_lag=0, pad_to=16)
@@ -257,11 +273,12 @@ def _family_dir(tmp_path, cls, conf, tok):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3"])
 def test_family_byte_view_equals_brute_force(tmp_path, family):
-    """A Qwen2 with the BPE and a Gemma 2 with the SentencePiece tokenizer, read by
-    registry.load from their directories: the byte-level prefix probabilities of
-    short strings are the brute-force sums over their covers (float64)."""
+    """A Qwen2 with the BPE, a Gemma 2 and a Phi-3 with the SentencePiece tokenizer,
+    read by registry.load from their directories: the byte-level prefix probabilities
+    of short strings are the brute-force sums over their covers (float64); Phi-3's
+    are conditioned on its dummy prefix, P(lead x) / P(lead)."""
     small = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4,
                  num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=64)
     if family == "qwen2":
@@ -271,7 +288,7 @@ def test_family_byte_view_equals_brute_force(tmp_path, family):
                                         eos_token_id=tok.eos_token_id)
         path = _family_dir(tmp_path, transformers.Qwen2ForCausalLM, conf, tok)
         texts = ["ü d".encode()]  # a two-byte character, a space
-    else:
+    elif family == "gemma2":
         sp = trained_sentencepiece("gemma2")
         sentencepiece_as_llamacpp_writes(sp, "gemma2", tmp_path / "tok.gguf")
         tok = tokenizer_from_gguf(tmp_path / "tok.gguf")
@@ -280,15 +297,26 @@ def test_family_byte_view_equals_brute_force(tmp_path, family):
                                          pad_token_id=0)
         path = _family_dir(tmp_path / "model", transformers.Gemma2ForCausalLM, conf, tok)
         texts = [" ı€".encode()]  # '€' only as <0xNN> byte tokens
+    else:
+        sp = trained_sentencepiece("phi3")
+        sentencepiece_as_llamacpp_writes(sp, "phi3", tmp_path / "tok.gguf")
+        tok = tokenizer_from_gguf(tmp_path / "tok.gguf")
+        conf = transformers.Phi3Config(**small, vocab_size=len(tok) + 3, bos_token_id=2,
+                                       eos_token_id=1, pad_token_id=0)
+        path = _family_dir(tmp_path / "model", transformers.Phi3ForCausalLM, conf, tok)
+        texts = ["Th€".encode(), b" d"]
     model = registry.load(path, cache=False, progress=False)
     assert model.cfg.arch == family and model.tokenizer is not None
     with jax.enable_x64(True):
         params = cast_params(model.params, jnp.float64)
         lm = ByteLM(params, model.cfg, model.tokenizer, name=family, dtype=jnp.float64)
         bf = BruteForce(params, model.cfg, lm.codec.table, lm.context(), dtype=jnp.float64)
+        assert lm.lead == (b" " if family == "phi3" else b"")
+        lead = bf.prefix_prob(lm.lead)[0] if lm.lead else 1.0
         for text in texts:
             r = score_text(lm, text, **EXACT)
             gold = r.logp[np.arange(len(text)), np.frombuffer(text, np.uint8)]
-            P, _ = bf.prefix_prob(text)
-            np.testing.assert_allclose(gold.sum(), np.log(P), rtol=1e-6, err_msg=repr(text))
+            P, _ = bf.prefix_prob(lm.lead + text)
+            np.testing.assert_allclose(gold.sum(), np.log(P / lead), rtol=1e-6,
+                                       err_msg=repr(text))
             assert r.stats["byte_ll"] >= r.stats["canonical_ll"] - 1e-9

@@ -47,6 +47,14 @@ decodes. Either way the streamed pieces (`BytePiece`) hold complete
 characters only; with ``utf8=False`` bytes that can never decode show as
 U+FFFD.
 
+**A dummy prefix.** A member whose tokenizer puts a space before every text
+(`brf.bytes.lm`'s module docstring) reads that space first wherever its
+tokenizer would put one after its context (`ByteLM.lead_after`: an empty
+prompt after BOS, a chat template that ends with a control token); a prompt
+with text after its last control token already holds it, and the generated
+bytes go on after it. The member is then conditioned on the lead, its first
+token ('▁The') half read, and reports ``member_ids`` that spell the lead too.
+
 **Precision.** With ``threshold=0`` and a beam no smaller than the cover
 nothing is pruned and each member's distribution is exact. With pruning,
 ``pruned`` reports the mass each member dropped; generation never merges, so a
@@ -234,6 +242,23 @@ class _Member:
         self.tables: dict = {0: NextTokens(lm.trie, self.tree.first, self.eos_ids)}
         self.beam, self.threshold = beam, threshold
         self.computed = 0  # distributions computed (the first one excluded)
+        self.lead = lm.lead_after(ctx)
+        if self.lead:
+            self._read_lead()
+
+    def _read_lead(self) -> None:
+        """Reads the dummy prefix the member's tokenizer puts before the text
+        (`ByteLM.lead_after`), then counts offsets from the text after it: its
+        hypotheses are then conditioned on the lead (a first token such as '▁The'
+        is half read), and every offset is the shared text's."""
+        for b in self.lead:
+            if self.read(b) is None:
+                raise ByteInputError(f"{self.lm.name}: its dummy prefix does not fit in its "
+                                     "context")
+        L = len(self.lead)
+        self.state = ByteState(self.state.offset - L, tuple(
+            h._replace(start=h.start - L) for h in self.state.hyps))
+        self.seqs.shift(-L)
 
     def advance(self, state: ByteState, byte: int):
         """(the state after ``byte``, the step's `brf.bytes.state.Step`)."""
@@ -295,7 +320,7 @@ class _Member:
     def _chain(self, seq: int, text: bytes, end: int) -> list[int]:
         """``seq`` followed by the canonical tokens of the text after it, up to ``end``."""
         out, start = [], self.seqs.end[seq]
-        if end <= start:
+        if end <= start or start < 0:  # (< 0: inside the dummy prefix)
             return out
         try:
             toks = self.lm.encode(text[start:end])

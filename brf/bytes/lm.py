@@ -39,6 +39,18 @@ With ``threshold=0`` and a beam no smaller than the cover, nothing is pruned
 and the distributions are exact (the tests check it against brute force). The
 number of covering sequences grows exponentially with the text's length, so
 exact mode is for short texts.
+
+**A dummy prefix.** A SentencePiece tokenizer that puts a space before every
+text (Llama 2, Mistral 7B, Phi-3: ``ByteLM.lead``) makes the model a
+distribution over byte strings that start with that space. Its view of a text
+x is that distribution conditioned on the space: P(x | lead) = P(lead x) /
+P(lead). `score_text` reads lead + x with the same hypotheses (every
+tokenization of lead + x counts, the lead inside a first token such as
+'▁The' included) and returns the rows of x's bytes; text read after
+``context_ids`` gets the lead only where the tokenizer would put one there
+(`brf.align.reencode.lead_after`: no text after the context's last control
+token). The canonical tokenization is that of lead + x, i.e. the tokenizer's
+own ids for x.
 """
 
 from __future__ import annotations
@@ -51,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brf.bytes import DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
-from brf.align.reencode import check_reencodable, encode_bytes, make_codec
+from brf.align.reencode import check_reencodable, encode_bytes, lead_after, make_codec
 from brf.align.union import default_cache_dir
 from brf.bytes.masses import N_EVENTS, PathTable, device_vocab, path_tables
 from brf.bytes.state import (ByteInputError, ByteState, SeqTree, advance, check_bounds,
@@ -74,6 +86,8 @@ class ByteLM:
         cfg: the ModelConfig.
         codec: tokenizer + TokenTable (`brf.align.reencode.make_codec`).
         trie: the vocabulary's ByteTrie.
+        lead: the bytes the tokenizer puts before a text (b" ": a SentencePiece
+            dummy prefix; module docstring).
         eos_ids: the tokens whose mass is the end-of-text event (``cfg.eos_ids``).
         dtype: compute dtype of the forward passes.
     """
@@ -92,6 +106,7 @@ class ByteLM:
             raise ValueError(f"{name}: the tokenizer has {self.codec.table.size} tokens, the "
                              f"model {cfg.vocab_size} logits")
         self.trie = byte_trie(self.codec.table, cache_dir)
+        self.lead = self.codec.lead
         self.eos_ids = tuple(int(i) for i in (cfg.eos_ids if eos_ids is None else eos_ids))
         self.vocab = device_vocab(self.trie, self.eos_ids)
         self.dtype = jnp.dtype(dtype)
@@ -117,8 +132,14 @@ class ByteLM:
                                  "that the first byte has a context")
         return ctx
 
+    def lead_after(self, ctx: Sequence[int]) -> bytes:
+        """The dummy prefix text read after the tokens ``ctx`` starts with (b"" when the
+        text goes on after text of the context; `brf.align.reencode.lead_after`)."""
+        return lead_after(self.codec, ctx)
+
     def encode(self, text: bytes) -> list[int]:
-        """The canonical tokens of ``text`` (UnexpressibleByteError for bytes it lacks)."""
+        """The canonical tokens of ``text`` in the middle of a string (no dummy prefix
+        added; UnexpressibleByteError for bytes it lacks)."""
         self.trie.check_text(text)
         try:
             return encode_bytes(self.codec, text)
@@ -365,7 +386,8 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
 
     Args:
         lm: the member.
-        text: the bytes to score (read after BOS and the prefix tokens).
+        text: the bytes to score (read after BOS and the prefix tokens; after the
+            member's dummy prefix, ``lm.lead``, which it is conditioned on).
         prefix_ids: tokens read before the text (e.g. an instruction).
         beam: at most this many hypotheses are kept after each byte.
         threshold: hypotheses below this fraction of the prefix mass are dropped
@@ -391,14 +413,16 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
             (the canonical tokenization is the whole text's, cut after the token
             that reaches byte ``n_bytes``): a slice of a scored text, rescored.
         context_ids: the whole context, BOS included (None: BOS and ``prefix_ids``),
-            e.g. the chat-templated prompt a generation was read after.
+            e.g. the chat-templated prompt a generation was read after; the text
+            goes on after it (a dummy prefix only where `ByteLM.lead_after` says).
 
     Returns:
         TextScores. ``stats`` holds: ``bytes``; ``byte_ll`` (sum of the gold
         bytes' log-probs, nats); ``canonical_ll`` (log-prob of the canonical
         tokenization, conditioned on text + EOS tokens like the byte view) and
         ``canonical_ll_raw`` (the model's own, as token-level scoring reports
-        it); ``lost`` (-sum log(1 - pruned): how far the reported NLL may lie
+        it; both of the tokens of lead + text); ``lead_ll`` (log P(lead), the
+        dummy prefix the text is conditioned on; 0 without one); ``lost`` (-sum log(1 - pruned): how far the reported NLL may lie
         below the exact one, at most); ``merged`` (the summed fractions of merged mass);
         ``canonical_tokens``, ``context_tokens``, ``extra_tokens`` (tokens of
         alternative tokenizations run), ``padded_tokens`` (every token a call
@@ -417,10 +441,15 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
     ctx = lm.context(prefix_ids) if context_ids is None else [int(i) for i in context_ids]
     if not ctx:
         raise ByteInputError(f"{lm.name}: an empty context; the first byte needs one")
-    canon = lm.encode(text)
-    N = len(text) if n_bytes is None else int(n_bytes)
-    if not 0 <= N <= len(text):
+    n_text = len(text) if n_bytes is None else int(n_bytes)
+    if not 0 <= n_text <= len(text):
         raise ValueError(f"n_bytes must lie in [0, {len(text)}]; got {n_bytes!r}")
+    # rows [0, L) are the dummy prefix's, conditioned on and not returned
+    lead = lm.lead if context_ids is None else lm.lead_after(ctx)
+    L = len(lead)
+    text = lead + bytes(text)
+    canon = lm.encode(text)
+    N = L + n_text
     if N < len(text):  # the canonical tokens up to the one that reaches byte N
         ends = np.cumsum([len(lm.codec.table.token_bytes[t]) for t in canon])
         canon = canon[:int(np.searchsorted(ends, N)) + 1]
@@ -431,7 +460,7 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
     pruned = np.zeros(N, np.float32)
     merged = np.zeros(N, np.float32)
     n_hyp = np.zeros(N, np.int32)
-    byte_ll, lookaheads, used = 0.0, 0, set()
+    byte_ll, lead_ll, lookaheads, used = 0.0, 0.0, 0, set()
     state = initial_state()
     tx.runner.live = lambda: tx.live(state)
     for k in range(N):
@@ -442,14 +471,18 @@ def score_text(lm: ByteLM, text: bytes, *, prefix_ids: Sequence[int] = (),
         lp, _ = next_byte(state, tx.tables)
         logp[k] = lp
         n_hyp[k] = len(state.hyps)
-        byte_ll += lp[text[k]]
+        if k < L:
+            lead_ll += lp[text[k]]
+        else:
+            byte_ll += lp[text[k]]
         state, step = advance(state, text[k], tx.tables, lm.trie, tx.seqs, beam=beam,
                               threshold=threshold, max_lag=max_lag)
         pruned[k], merged[k] = step.pruned, step.merged
     r = tx.runner
-    stats = dict(bytes=N, byte_ll=float(byte_ll), canonical_ll=float(tx.canon_lp[n]),
-                 canonical_ll_raw=tx.canon_raw,
-                 lost=float(-np.log1p(-np.minimum(pruned.astype(np.float64), 1.0 - 1e-16)).sum()),
+    lost = float(-np.log1p(-np.minimum(pruned.astype(np.float64), 1.0 - 1e-16)).sum())
+    logp, pruned, merged, n_hyp = logp[L:], pruned[L:], merged[L:], n_hyp[L:]
+    stats = dict(bytes=N - L, byte_ll=float(byte_ll), canonical_ll=float(tx.canon_lp[n]),
+                 canonical_ll_raw=tx.canon_raw, lead_ll=float(lead_ll), lost=lost,
                  merged=float(merged.astype(np.float64).sum()),
                  canonical_tokens=n, context_tokens=len(ctx), extra_tokens=r.tokens - r.n,
                  padded_tokens=r.padded, tree_calls=r.calls, compactions=r.compactions,

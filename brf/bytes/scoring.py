@@ -180,7 +180,7 @@ def score_segments(lm: ByteLM, segments: Sequence[str | bytes], *,
         done = load_partial(store_path, data, meta) if store_path else []
     ctx = len(lm.context(prefix_ids))
     # One KV-cache shape for every segment (one compilation): the longest, padded.
-    longest = max([ctx + len(lm.encode(s)) for s in data] + [pad_to, 1])
+    longest = max([ctx + len(lm.encode(lm.lead + s)) for s in data] + [pad_to, 1])
     pad_to = -(-longest // chunk) * chunk
     bar = tqdm(total=sum(len(s) for s in data), initial=sum(len(s) for s in data[:len(done)]),
                desc=desc, unit="B", unit_scale=True, dynamic_ncols=True)

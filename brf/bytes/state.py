@@ -119,6 +119,11 @@ class SeqTree:
             self.synced.append(self.synced[seq] + 1 if same else 0)
         return got
 
+    def shift(self, by: int) -> None:
+        """Moves every sequence's end ``by`` bytes (offsets counted from elsewhere)."""
+        self.end = [e + by for e in self.end]
+        self._at_end = {e + by: i for e, i in self._at_end.items()}
+
     def is_protected(self, seq: int) -> bool:
         return seq <= self.n_protected
 

@@ -368,6 +368,20 @@ def orphan_checkpoint(source: str, cache_root: str | None = None) -> str | None:
     return ckpt if converted_from == f"model:{source}" else None
 
 
+def converted(source: str | os.PathLike, cache_root: str | None = None) -> bool:
+    """Whether `load` would read ``source`` without converting it: a brf checkpoint
+    directory, or a source whose cached checkpoint is usable."""
+    source = os.fspath(source)
+    if os.path.isdir(source) and store.is_checkpoint(source):
+        return True
+    name = source if source in MODELS.names() else None
+    try:
+        path = resolve(source)
+    except FileNotFoundError:  # a registered model whose file is gone: its cached copy
+        return orphan_checkpoint(source, cache_root) is not None
+    return _state(cache_path(source, cache_root), path, name)[0] == "ok"
+
+
 def _state(ckpt: str, path: str, name: str | None) -> tuple[str, str]:
     """Whether the cached checkpoint can be used: ("ok", ""), ("missing", ""),
     ("stale", "") (converted from another version of the source: converted
@@ -381,5 +395,5 @@ def _state(ckpt: str, path: str, name: str | None) -> tuple[str, str]:
     return ("ok" if fingerprint == _fingerprint(path, name) else "stale"), ""
 
 
-__all__ = ["MODELS", "CacheError", "Model", "cache_dir", "cache_path", "convert", "load",
-           "load_module", "orphan_checkpoint", "read_source", "resolve"]
+__all__ = ["MODELS", "CacheError", "Model", "cache_dir", "cache_path", "convert", "converted",
+           "load", "load_module", "orphan_checkpoint", "read_source", "resolve"]

@@ -192,7 +192,9 @@ def _encode_events(codec, union) -> EventTokens:
         except UnicodeDecodeError:
             pass
     ids: list = [()] * len(strings)
-    for u, enc in zip(which, encode_texts(codec.tokenizer, texts)):
+    # text in the middle of a string: without a dummy prefix (`brf.align.reencode`)
+    encoder = codec.mid if codec.mid is not None else codec.tokenizer
+    for u, enc in zip(which, encode_texts(encoder, texts)):
         ids[u] = tuple(enc)
     lengths = np.zeros(len(strings), np.int32)
     decode = codec.table.decode
@@ -236,6 +238,12 @@ class AlignedSpace:
         """Per member and sequence, the prompt tokens (frozen up to the last control token)."""
         self.states = [[align.from_ids(c, ids) for ids in per_b]
                        for c, per_b in zip(self.codecs, prompt_ids)]
+
+    def lead_pending(self) -> bool:
+        """Whether some member's prompt still lacks its dummy prefix (`brf.align.from_ids`):
+        its first event's tokens then spell the prefix and the event."""
+        return any(len(st.text) > (st.ends[-1] if st.ends else 0)
+                   for per_b in self.states for st in per_b)
 
     def _vocab(self, i, logits_BxV):
         return logits_BxV[:, :self.codecs[i].table.size]  # drop padding rows of the head

@@ -291,12 +291,18 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
                trace=trace, prompt_ids=prompt_ids)
     from brf.ensemble.aligned import AlignedSpace
     known = isinstance(space, (IdentitySpace, AlignedSpace))  # not a custom factory's
+    # A member whose dummy prefix is still to come (no text after its prompt's last
+    # control token) reads it with its first event's tokens, which the device's
+    # per-event table does not hold.
+    leads = isinstance(space, AlignedSpace) and space.lead_pending()
     on_device = (known and (mode == "fuse" or isinstance(space, IdentitySpace)) and not trace
-                 and _colocated(members))
+                 and _colocated(members) and not leads)
     if engine == "device" and not on_device:
         raise EnsembleInputError("engine='device' runs mode 'fuse', or a mixture mode in a "
                                  "shared vocabulary, without trace, with every member on the "
-                                 "same devices; use engine='host' or 'auto'")
+                                 "same devices and no member's dummy prefix still to come "
+                                 "(a prompt ending in a control token); use engine='host' or "
+                                 "'auto'")
     if engine != "host" and on_device:
         return _run_device(job, results, block_steps)
     return _run(job, results)

@@ -115,6 +115,68 @@ def check_member_specs(specs: str | Sequence[Any]) -> list[dict]:
     return out
 
 
+def _tokenizer_only(source: str):
+    """A member source's tokenizer without its weights (a GGUF's metadata, a
+    directory's tokenizer files, a cached checkpoint's); None when it has none."""
+    from brf.checkpoints import registry, store
+    from brf.checkpoints.tokenizer import load_tokenizer
+    import os
+    if source.startswith("random:"):
+        return _tokenizer_only(source.split(":")[1])
+    if os.path.isdir(source) and store.is_checkpoint(source):
+        path = os.path.join(source, "tokenizer")
+    elif registry.converted(source):
+        path = os.path.join(registry.cache_path(source), "tokenizer")
+    else:
+        path = registry.resolve(source)
+    try:
+        return load_tokenizer(path)
+    except FileNotFoundError:  # no tokenizer files: `load_members` says so
+        return None
+
+
+def check_fusable(specs: str | Sequence[Any], *, aligner: str = "auto",
+                  level: str = "tokens") -> None:
+    """Refuses a member brf cannot fuse *before* any model is converted into the cache.
+
+    Across vocabularies (level 'bytes', an aligner other than 'identity', or 'auto'
+    with members of different vocabularies) every member's tokenizer must read as
+    bytes (`brf.align.token_table`: a known decoder) and re-encode text in the
+    middle of a generation (`brf.align.reencode.check_reencodable`). Only the
+    tokenizers are read, and only when some member is not converted yet (a
+    converted one loads in seconds and is checked as it loads).
+
+    Raises:
+        EnsembleInputError: naming the member and what it cannot do.
+    """
+    from brf import align
+    from brf.align.reencode import check_reencodable
+    from brf.checkpoints import registry
+    sources = list(dict.fromkeys(s["model"] for s in member_specs(specs)))
+    if (level == "tokens" and aligner == "identity") or all(
+            s.startswith("random:") or registry.converted(s) for s in sources):
+        return
+    toks = {s: t for s in sources if (t := _tokenizer_only(s)) is not None}
+    codecs, vocabs = {}, set()
+    for s, tok in toks.items():
+        try:
+            codecs[s] = align.make_codec(tok)
+            vocabs.add(codecs[s].table.digest)
+        except ValueError as e:
+            codecs[s] = e
+            vocabs.add(hash(tuple(sorted(tok.get_vocab().items()))))
+    if level == "tokens" and aligner == "auto" and len(vocabs) <= 1:
+        return  # one vocabulary: 'auto' picks 'identity'
+    for s, c in codecs.items():
+        try:
+            if isinstance(c, Exception):
+                raise c
+            check_reencodable(c, f"{s!r}'s tokenizer")
+        except ValueError as e:
+            raise EnsembleInputError(f"member {s!r} cannot be fused across vocabularies: {e} "
+                                     "(refused before converting it into the cache)") from None
+
+
 def load_members(specs: str | Sequence[Any], dtype=None, mesh=None) -> list[Member]:
     """Members from config specs; each distinct model is loaded once and shared.
 
@@ -525,6 +587,7 @@ def _run_tokens(req: Request, on_piece: Callable[[Piece], None] | None) -> list[
         meshes = sharding.member_meshes(req.mesh, len(req.members))
         if sharding.on_one_device(meshes):
             meshes = None  # one device
+    check_fusable(req.members, aligner=req.aligner)
     members = place_members(load_members(req.members, mesh=meshes), meshes)
     prompts = list(req.prompts)
     aligner = req.aligner if req.aligner != "auto" else auto_aligner(members)
@@ -592,6 +655,7 @@ def _run_bytes(req: Request, on_piece: Callable[[Piece], None] | None) -> list[d
     from brf.align.union import default_cache_dir
     from brf.fusion import Sampler
 
+    check_fusable(req.members, level="bytes")
     members = load_members(req.members)
     views: dict[int, ByteLM] = {}
     for m in members:
