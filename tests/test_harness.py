@@ -68,7 +68,13 @@ def both(hf_dir):
 
 def test_loglikelihood_equals_the_harness_hf_backend(both):
     ours, theirs = both
-    reqs = [_req("loglikelihood", p, i) for i, p in enumerate(PAIRS)]
+    pairs = list(PAIRS)
+    for ctx in ("The cat", "in the house", "a b"):  # the model's own greedy next token
+        ids = theirs.tokenizer.encode(ctx)
+        with torch.no_grad():
+            top = int(theirs.model(torch.tensor([ids])).logits[0, -1].argmax())
+        pairs.append((ctx, theirs.tokenizer.decode([top])))
+    reqs = [_req("loglikelihood", p, i) for i, p in enumerate(pairs)]
     got, want = ours.loglikelihood(reqs), theirs.loglikelihood(reqs)
     assert ours.level == "tokens"
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], atol=ATOL)

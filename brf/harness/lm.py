@@ -188,7 +188,7 @@ class BRFLM(LM):
             windows, owner = [], []
             for i, d in enumerate(docs):
                 for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                        token_list=tok.encode(d, add_special_tokens=False),
+                        token_list=tok.encode(d),  # as the harness's HF backend: BOS too
                         prefix_token=prefix, max_seq_len=e.max_length, context_len=1)):
                     windows.append(([list(ctx)] * len(e.members), list(cont)))
                     owner.append(i)
