@@ -5,7 +5,6 @@ args)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Mapping
 
 from lm_eval.api.model import LM
@@ -20,7 +19,6 @@ KEYS = ("members", "method", "phase", "level", "precision", "beam", "threshold",
         "batch_size", "max_length", "max_gen_toks", "max_gen_bytes", "seed", "dtype")
 # What the harness passes to every model whatever the user wrote (not used here).
 HARNESS_KEYS = ("device", "max_batch_size")
-log = logging.getLogger(__name__)
 
 
 def commas(text: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 from brf.harness.ensemble import HarnessInputError
 
