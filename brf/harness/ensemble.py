@@ -1,0 +1,263 @@
+"""A brf ensemble as the evaluation harness asks for it: continuations scored, documents
+scored, text generated. No lm_eval import here (brf/harness/__init__.py adapts it).
+
+Two levels, one code path each whatever the number of members (one member is an
+ensemble of one):
+
+* **tokens** (members share one vocabulary): each member reads its context tokens and
+  the continuation's tokens in one batched forward pass; the members' logits at the
+  continuation's positions are fused by the method (``brf.fuse``), and the
+  continuation's log-probability is the sum of the fused log-probs of its tokens.
+  Requests are sorted by length, longest first, and run ``batch_size`` at a time, as
+  the harness's own backends do; rows are padded to a multiple of ``PAD`` tokens so
+  that few shapes compile.
+* **bytes** (members with different tokenizers): each member reads its context's
+  tokens, then the continuation byte by byte with every tokenization its beam keeps
+  (`brf.bytes.lm.score_text`); the members' next-byte distributions (257 events) are
+  fused per byte as byte-level generation fuses them, and the continuation's
+  log-probability is the sum over its bytes. ``lost`` (per member, nats) is the log-mass
+  pruning dropped: a reported log-probability lies at most that far below the exact
+  one (0 in the exact mode). One request at a time (each has its own cover).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from brf.ensemble.member import Member, check_shared_vocabulary, normalised_weights
+from brf.errors import UserError
+
+PAD = 32  # token rows are padded to a multiple of this (one compiled shape per bucket)
+
+
+class HarnessInputError(UserError):
+    """A request or setting the harness model cannot honour (named in the message)."""
+
+
+@dataclasses.dataclass
+class ByteReport:
+    """What one byte-level answer rests on: per member, the pruned log-mass (nats)."""
+    lost: list[float]
+    n_bytes: int
+
+
+def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Context and continuation tokens as the harness's causal backends make them:
+    the context's trailing whitespace moves to the continuation, the whole text is
+    encoded and split after the context's own tokens; an empty context becomes the
+    prefix token (BOS, else EOS)."""
+    if not context:
+        cont = tok.encode(continuation, add_special_tokens=False)
+        prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        return ([prefix], cont) if not cont or cont[0] != prefix else (cont[:1], cont[1:])
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = tok.encode(context + continuation)
+    ctx = tok.encode(context)
+    return ctx, whole[len(ctx):]
+
+
+def split_spaces(context: str, continuation: str) -> tuple[str, str]:
+    """The context's trailing whitespace moved to the continuation (as `encode_pair`)."""
+    n = len(context) - len(context.rstrip())
+    return (context[:-n], context[-n:] + continuation) if n else (context, continuation)
+
+
+@jax.jit
+def _gather_rows(logits_BxTxV, pos_BxC):
+    """Rows ``pos`` of each sequence's logits: [B, C, V]."""
+    return jnp.take_along_axis(logits_BxTxV, pos_BxC[:, :, None], axis=1)
+
+
+class Ensemble:
+    """Members, a fusion method and its parameters; scoring and generation on either level.
+
+    Args:
+        members: the members (`brf.ensemble.member.Member`), weights as given on them.
+        method, method_params: a registered fusion method and its parameters.
+        level: 'tokens' or 'bytes'.
+        beam, threshold: the byte level's pruning (`brf.bytes.Settings`).
+        batch_size: token-level requests per forward pass.
+        max_length: the most tokens a member reads at once (contexts are cut on the left).
+        dtype: the members' compute dtype.
+    """
+
+    def __init__(self, members: Sequence[Member], method: str, method_params: Mapping[str, Any],
+                 *, level: str, beam: int, threshold: float, batch_size: int, max_length: int,
+                 dtype=jnp.float32):
+        self.members = list(members)
+        self.weights = normalised_weights(self.members)
+        self.method, self.method_params = method, dict(method_params)
+        self.level, self.beam, self.threshold = level, beam, threshold
+        self.batch_size, self.max_length, self.dtype = batch_size, max_length, jnp.dtype(dtype)
+        if level == "tokens":
+            check_shared_vocabulary(self.members)
+        self._views = None
+
+    # -- the token level -------------------------------------------------------------
+
+    def token_requests(self, pairs: Sequence[tuple[str, str]]):
+        """Each (context, continuation) as (per-member context ids, continuation ids)."""
+        tok = self.members[0].tokenizer
+        out = []
+        for context, continuation in pairs:
+            ctx, cont = encode_pair(tok, context, continuation)
+            if not cont:
+                raise HarnessInputError(f"an empty continuation after {context[-40:]!r}")
+            plain_ctx = split_spaces(context, continuation)[0]
+            per = [ctx if not (m.prefix or m.chat or m.template is not None)
+                   else m.prompt_ids(plain_ctx) for m in self.members]
+            out.append((per, cont))
+        return out
+
+    def score_tokens(self, requests, bar=None) -> list[tuple[float, bool]]:
+        """(log-prob, greedy) of each request ((per-member context ids, continuation ids)),
+        batched, longest first; answers in the requests' order."""
+        order = sorted(range(len(requests)), key=lambda i: -max(
+            len(c) for c in requests[i][0]) - len(requests[i][1]))
+        out: list[Any] = [None] * len(requests)
+        for s in range(0, len(order), self.batch_size):
+            idx = order[s:s + self.batch_size]
+            for i, ans in zip(idx, self._token_batch([requests[i] for i in idx])):
+                out[i] = ans
+            if bar is not None:
+                bar.update(len(idx))
+        return out
+
+    def _token_batch(self, batch) -> list[tuple[float, bool]]:
+        B, C = len(batch), max(len(cont) for _, cont in batch)
+        logits = []
+        for j, m in enumerate(self.members):
+            rows = [(ctx[j] + cont)[-(self.max_length + 1):][:-1] for ctx, cont in batch]
+            W = -(-max(len(r) for r in rows) // PAD) * PAD
+            toks = np.zeros((B, W), np.int32)
+            valid = np.zeros((B, W), bool)
+            pos = np.zeros((B, C), np.int32)
+            for b, (r, (_, cont)) in enumerate(zip(rows, batch)):
+                toks[b, :len(r)], valid[b, :len(r)] = r, True
+                first = len(r) - len(cont)  # the row predicting the first continuation token
+                pos[b, :len(cont)] = np.arange(first, len(r))
+            from brf.models import forward
+            x, _ = forward(m.params, m.cfg, jnp.asarray(toks), jnp.asarray(valid),
+                           dtype=self.dtype)
+            logits.append(_gather_rows(x, jnp.asarray(pos)))
+        V = min(int(x.shape[-1]) for x in logits)
+        logq = self._fuse_tokens(jnp.stack([x[..., :V] for x in logits], axis=2))
+        gold = np.zeros((B, C), np.int32)
+        for b, (_, cont) in enumerate(batch):
+            gold[b, :len(cont)] = cont
+        lp, top = jax.device_get(_gold_and_top(logq, jnp.asarray(gold)))
+        return [(float(np.sum(lp[b, :len(cont)], dtype=np.float64)),
+                 bool(np.all(top[b, :len(cont)] == cont))) for b, (_, cont) in enumerate(batch)]
+
+    def _fuse_tokens(self, logits_BxCxnxV):
+        from brf.fusion import fuse
+        return fuse(self.method, logits_BxCxnxV, jnp.asarray(self.weights, jnp.float32),
+                    **self.method_params)
+
+    # -- the byte level --------------------------------------------------------------
+
+    def views(self):
+        """Each member's byte-level view (`brf.bytes.lm.ByteLM`), built once."""
+        if self._views is None:
+            from brf.align.union import default_cache_dir
+            from brf.bytes.lm import ByteLM
+            made: dict[int, Any] = {}
+            for m in self.members:
+                if id(m.params) not in made:
+                    made[id(m.params)] = ByteLM(m.params, m.cfg, m.tokenizer, name=m.name,
+                                                dtype=self.dtype, cache_dir=default_cache_dir())
+            self._views = [made[id(m.params)] for m in self.members]
+        return self._views
+
+    def byte_context(self, m: Member, lm, context: str) -> list[int]:
+        """Member ``m``'s context tokens on the byte level (BOS, or EOS where the model
+        has none, for an empty plain context)."""
+        ids = m.prompt_ids(context) if context or m.prefix or m.chat or m.template else []
+        if not ids:
+            ids = list(lm.context()) if lm.cfg.bos_id is not None else sorted(m.eos_ids())[:1]
+        return ids
+
+    def score_bytes(self, pairs: Sequence[tuple[str, str]], bar=None
+                    ) -> list[tuple[float, bool, ByteReport]]:
+        """(log-prob, greedy, report) of each (context, continuation) on the byte level,
+        longest continuation first; answers in the requests' order. Greedy: every byte
+        is the fused distribution's most likely event."""
+        from brf.bytes.generate import _fused
+        from brf.bytes.lm import score_text
+        lms = self.views()
+        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][1].encode("utf-8")))
+        out: list[Any] = [None] * len(pairs)
+        for i in order:
+            context, continuation = split_spaces(*pairs[i])
+            data = continuation.encode("utf-8")
+            if not data:
+                raise HarnessInputError(f"an empty continuation after {context[-40:]!r}")
+            rows, lost = [], []
+            for m, lm in zip(self.members, lms):
+                sc = score_text(lm, data, context_ids=self.byte_context(m, lm, context),
+                                beam=self.beam, threshold=self.threshold)
+                rows.append(sc.logp)
+                lost.append(float(sc.stats["lost"]))
+            logp_Nxn = np.stack(rows, axis=1)
+            total, greedy = 0.0, True
+            for k, b in enumerate(data):
+                logq = _fused(self.method, self.method_params, logp_Nxn[k], self.weights)
+                total += float(logq[b])
+                greedy &= int(np.argmax(logq)) == b
+            out[i] = (total, bool(greedy), ByteReport(lost, len(data)))
+            if bar is not None:
+                bar.update(1)
+        return out
+
+    # -- generation ------------------------------------------------------------------
+
+    def generate(self, contexts: Sequence[str], *, until: Sequence[str], max_gen_toks: int,
+                 max_gen_bytes: int, sampler, seed: int) -> list[str]:
+        """Fused generation for each context (one gen_kwargs group), cut before the first
+        stop string; tokens in batches of ``batch_size``, bytes one context at a time."""
+        stop = [s for s in until if s]
+        if self.level == "bytes":
+            from brf.bytes.generate import generate_bytes
+            lms = self.views()
+            texts = []
+            for c in contexts:
+                g = generate_bytes(lms, [self.byte_context(m, lm, c)
+                                         for m, lm in zip(self.members, lms)],
+                                   weights=self.weights, method=self.method,
+                                   method_params=self.method_params, sampler=sampler,
+                                   max_bytes=max_gen_bytes, stop=stop, seed=seed,
+                                   beam=self.beam, threshold=self.threshold,
+                                   eos_ids=[sorted(m.eos_ids()) for m in self.members])
+                texts.append(g.text)
+            return [cut(t, stop) for t in texts]
+        from brf.ensemble import generate
+        texts = []
+        for s in range(0, len(contexts), self.batch_size):
+            gens = generate(self.members, list(contexts[s:s + self.batch_size]),
+                            weights=self.weights, method=self.method,
+                            method_params=self.method_params, sampler=sampler,
+                            max_new_tokens=max_gen_toks, stop=stop, seed=seed,
+                            aligner="identity", dtype=self.dtype)
+            texts += [g.text for g in gens]
+        return [cut(t, stop) for t in texts]
+
+
+@jax.jit
+def _gold_and_top(logq_BxCxV, gold_BxC):
+    return (jnp.take_along_axis(logq_BxCxV, gold_BxC[:, :, None], axis=-1)[..., 0],
+            jnp.argmax(logq_BxCxV, axis=-1))
+
+
+def cut(text: str, stop: Sequence[str]) -> str:
+    """``text`` before the first occurrence of each stop string (the harness's rule)."""
+    for s in stop:
+        if s:
+            text = text.split(s)[0]
+    return text
