@@ -556,6 +556,12 @@ def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
     check_derived(run, vocab_size)
 
 
+def _slack(x: np.ndarray) -> np.ndarray:
+    """The tolerance of a comparison with ``x`` (a rounded number, ``_REL``); 0 where
+    ``x`` is not finite."""
+    return _REL * np.maximum(1.0, np.abs(np.where(np.isfinite(x), x, 0.0)))
+
+
 # The entropy column is computed over the whole vocabulary in float32: its rounding
 # grows with the vocabulary, hence a wider slack than a logit's.
 _ENTROPY_SLACK = 1e-3
@@ -595,9 +601,8 @@ def check_derived(run: LogitRun, vocab_size: int | None = None) -> None:
         j = np.argmax(hit, axis=1)
         listed = hit.any(axis=1)
         at = top[np.arange(len(top)), j]
-        slack = _REL * np.maximum(1.0, np.abs(np.where(np.isfinite(at), at, 0.0)))
         with np.errstate(invalid="ignore"):
-            wrong = listed & ~((tl == at) | (np.abs(tl - at) <= slack))
+            wrong = listed & ~((tl == at) | (np.abs(tl - at) <= _slack(at)))
         if wrong.any():
             r = int(np.argmax(wrong))
             raise CsvError(f"{run.where(r, 'token_logit')}: {tl[r]:.9g} but token_id "
@@ -605,9 +610,7 @@ def check_derived(run: LogitRun, vocab_size: int | None = None) -> None:
                            f"{at[r]:.9g}")
         last = top[:, -1]
         with np.errstate(invalid="ignore"):
-            above = ~listed & np.isfinite(last) & (
-                tl > last + _REL * np.maximum(1.0, np.abs(np.where(np.isfinite(last), last,
-                                                                    0.0))))
+            above = ~listed & np.isfinite(last) & (tl > last + _slack(last))
         if above.any():
             r = int(np.argmax(above))
             raise CsvError(f"{run.where(r, 'token_logit')}: {tl[r]:.9g} is above "
