@@ -142,9 +142,29 @@ def _config_file_error(value, name: str, argv: list[str]) -> str | None:
     return f"flag --{name}{'=' + path if path else ''}: cannot load the config file: {reason}{hint}"
 
 
+def _help_printed() -> None:
+    """Ends the program after absl printed the usage (--help, --helpfull), which it
+    ends with status 1 and whose EPIPE it swallows: status 0, or 141 (quietly) when
+    the reader of stdout has gone (``--helpfull | head``), as the mains end otherwise."""
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        if e.errno == errno.EPIPE:
+            _end_closed_stdout()
+        raise
+    if _stdout_closed():
+        _end_closed_stdout()
+    sys.exit(0)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     try:
         rest = flags.FLAGS(argv)
+    except SystemExit:
+        if any(a.split("=")[0] in ("--help", "-h", "--helpfull", "--helpshort", "-?")
+               for a in argv[1:]):
+            _help_printed()
+        raise
     except flags.Error as e:
         text = str(e)
         first = text.splitlines()[0] if text else type(e).__name__

@@ -67,16 +67,33 @@ class DraftSpec:
     cost: float | None = None
     text: str = ""
 
+    def within(self, limit: int) -> "DraftSpec":
+        """This drafter with k at most ``limit``, what a round can use (a generation's
+        max_new_tokens or max_bytes: no round emits more, and a round's last drafted
+        token is never verified past it). A larger k drafts nothing more; the
+        schedule (`KSchedule`) and a compiled round's shapes grow with k, so
+        ``ngram(k=1000000000000)`` would never end its first round."""
+        return dataclasses.replace(self, k=max(1, min(self.k, int(limit))))
+
+
+# The most tokens (bytes) one round may draft. A round verifies its drafts in one
+# forward pass and accepts the i-th only after the i - 1 before it, so beyond a few
+# dozen nothing more is accepted, while the schedule's choice of k (`KSchedule`)
+# costs k^2 a round: k=1000 already took twice k=6; k=100000 never finished.
+MAX_K = 1024
 
 _PARAMS = {"member": {"k", "index", "adaptive", "cost"},
            "ngram": {"k", "n", "min_n", "adaptive", "cost"}}
 _DEFAULT_K = {"member": 4, "ngram": 6}
 
 
-def _int_param(spec: str, key: str, value, least: int) -> int:
+def _int_param(spec: str, key: str, value, least: int, most: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise DrafterError(f"speculative drafter {spec!r}: {key} must be an integer "
-                                 f">= {least}; got {value!r}")
+                           f">= {least}; got {value!r}")
+    if most is not None and value > most:
+        raise DrafterError(f"speculative drafter {spec!r}: {key} must be an integer "
+                           f"<= {most} (what a round can use); got {value!r}")
     return value
 
 
@@ -85,7 +102,7 @@ def parse_drafter(spec: str | DraftSpec | None) -> DraftSpec | None:
     adaptive=True)'``, ``'ngram(n=3, k=6)'``; '' or None: no speculation.
 
     Raises:
-        DrafterError: an unknown drafter or parameter, k < 1, n < 1,
+        DrafterError: an unknown drafter or parameter, k outside [1, MAX_K], n < 1,
             min_n outside [1, n], a negative index, adaptive not a bool.
     """
     if spec is None or isinstance(spec, DraftSpec):
@@ -107,7 +124,7 @@ def parse_drafter(spec: str | DraftSpec | None) -> DraftSpec | None:
     if unknown:
         raise DrafterError(f"speculative drafter {spec!r}: unknown parameter(s) "
                                  f"{sorted(unknown)}; {name} takes {sorted(_PARAMS[name])}")
-    k = _int_param(spec, "k", params.get("k", _DEFAULT_K[name]), 1)
+    k = _int_param(spec, "k", params.get("k", _DEFAULT_K[name]), 1, MAX_K)
     adaptive = params.get("adaptive", False)
     if not isinstance(adaptive, bool):
         raise DrafterError(f"speculative drafter {spec!r}: adaptive must be True or "
@@ -355,5 +372,5 @@ class SpecStats:
                           for k, v in sorted(self.by_k.items())})
 
 
-__all__ = ["DRAFTERS", "DraftSpec", "DrafterError", "KSchedule", "SpecStats", "drafter_index",
+__all__ = ["DRAFTERS", "MAX_K", "DraftSpec", "DrafterError", "KSchedule", "SpecStats", "drafter_index",
            "ngram_draft", "param_count", "parse_drafter"]

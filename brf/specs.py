@@ -12,7 +12,9 @@ parentheses. The name is any text without top-level parentheses or commas (model
 names such as ``smollm2-135m-instruct`` and file paths are names). Values are
 Python literals (numbers, quoted strings, True/False/None, lists), arithmetic on
 numbers and ``pi``, or a nested spec such as ``phase=tanh(rate=0.5)``, which is
-kept as its source text. A list of specs is separated by top-level commas.
+kept as its source text. A list of specs is separated by top-level commas. Every
+number is finite (``nan`` and ``inf`` are refused, as are results beyond float range);
+each grammar bounds its own fields (tests/test_specs.py walks them all).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 # hours and gigabytes; no setting needs a number beyond float range).
 MAX_INT_BITS = 1024
 _OPEN, _CLOSE = "([{", ")]}"
+# Bare names that mean a non-finite number (refused, not kept as a nested spec's text).
+_NOT_FINITE = ("nan", "inf", "infinity")
 
 
 def split_list(text: str) -> list[str]:
@@ -113,6 +117,9 @@ def _value(node: ast.AST, source: str) -> Any:
         return math.pi
     if isinstance(node, ast.Name) and node.id in ("true", "false"):
         return node.id == "true"
+    if isinstance(node, ast.Name) and node.id.lower() in _NOT_FINITE:
+        # not a nested spec: a number the user meant, which no setting takes
+        raise SpecError(f"{node.id!r} is not a finite number (no setting takes one)")
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         v = _value(node.operand, source)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -177,7 +184,10 @@ def parse_spec(text: str, what: str = "spec") -> tuple[str, dict[str, Any]]:
             raise SpecError(f"{what} spec {text!r}: '**' is not allowed")
         if kw.arg in params:
             raise SpecError(f"{what} spec {text!r}: {kw.arg!r} is given twice")
-        params[kw.arg] = _value(kw.value, source)
+        try:
+            params[kw.arg] = _value(kw.value, source)
+        except SpecError as e:  # the field, as typed
+            raise SpecError(f"{what} spec {text!r}: {kw.arg}: {e}") from None
     return name, params
 
 

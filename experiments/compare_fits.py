@@ -43,6 +43,7 @@ from brf import cli
 from brf.errors import UserError
 from brf.eval import study_report
 from brf.eval.compare import analysis_moves, run_moves
+from brf.eval.report import SCHEMA as ANALYSIS_SCHEMA
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("old", "results/study", "the earlier study directory")
@@ -59,13 +60,30 @@ def _load(path: str, what: str):
         raise UserError(f"cannot read {what} {path!r}: {e}") from None
 
 
+def _known_schema(rep, path: str, current: str) -> None:
+    """Refuses a report whose ``schema`` is not ``current``'s family at a version up
+    to ``current``'s (a later brf's report, or another file): read as this version,
+    its fields would be misread without a word."""
+    family, _, newest = current.rpartition("/")
+    schema = rep.get("schema") if isinstance(rep, dict) else None
+    got_family, _, version = str(schema).rpartition("/")
+    if not (isinstance(schema, str) and got_family == family and version.isdigit()
+            and 1 <= int(version) <= int(newest)):
+        raise UserError(f"{path!r} is a report of format {schema!r}; this brf reads "
+                        f"{family}/1 to {current} (a report of a later brf: compare it "
+                        f"with that brf)")
+
+
 def _reports(root: str) -> dict[str, dict]:
     paths = (glob.glob(os.path.join(root, "*", "report-*.json"))
              + glob.glob(os.path.join(root, "*", "bytes", "report-*.json")))
     if not paths:
         raise UserError(f"no per-analysis reports (*/report-*.json) under {root!r}")
-    return {os.path.relpath(p, root): _load(p, "the analysis report")
-            for p in sorted(paths)}
+    out = {}
+    for p in sorted(paths):
+        out[os.path.relpath(p, root)] = rep = _load(p, "the analysis report")
+        _known_schema(rep, p, ANALYSIS_SCHEMA)
+    return out
 
 
 def _study(root: str) -> dict | None:
@@ -74,6 +92,7 @@ def _study(root: str) -> dict | None:
     if not os.path.exists(path):
         return None
     rep = _load(path, "the study's report")
+    _known_schema(rep, path, study_report.STUDY_SCHEMA)
     if not isinstance(rep, dict) or "per_corpus" not in rep:
         raise UserError(f"{path!r} is not a study report (no 'per_corpus')")
     return rep

@@ -177,6 +177,9 @@ CASES = [
      "config.max_positions must be an integer >= 0 (0: all); got -1"),
     (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
       "--config.output={d}/c.csv", "--config.k=100000"], "config.k must be an integer <= 1024"),
+    # issue 71: '-' was written as a file named '-' (generate.py prints to stdout)
+    (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny",
+      "--config.output=-"], "config.output='-' would be a file named '-'"),
     (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny,generate",
       "--config.output={d}/c.csv", "--config.seed=1180591620717411303424"],
      "config.seed must be an integer <= 4294967295"),
@@ -388,3 +391,22 @@ def test_an_interrupt_while_scoring_is_one_line_and_exit_130(tmp_path):
     run.wait_for("pos/s]", where="stderr")
     lines = run.interrupt("dump_logits.py")
     assert any(ln.startswith("dumping ") for ln in lines[:-1]), lines
+
+
+def test_help_piped_into_a_reader_that_has_gone_ends_141():
+    """Issue 71: `--helpfull | head` exited 1 (absl's status after the usage, its
+    EPIPE swallowed) where README promises 141. The usage into a pipe whose reader
+    has gone ends quietly with 141; read whole, with 0."""
+    import os
+    import subprocess
+    import sys
+    main = [sys.executable, "experiments/compare_fits.py", "--helpfull"]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run(main, stdout=write, stderr=subprocess.PIPE, cwd=ROOT, timeout=300)
+    finally:
+        os.close(write)
+    assert r.returncode == 141 and r.stderr == b"", r.stderr
+    r = subprocess.run(main, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0 and "--tolerance" in r.stdout, r.stderr

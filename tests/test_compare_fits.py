@@ -48,3 +48,35 @@ def test_compare_fits_runs_without_study_reports(tmp_path):
                          cwd=ROOT, check=True).stdout
     assert "No study report (report.json)" in out
     assert "1 of " in out and f"| {NAME}: nll [calibrated] |" in out
+
+
+def test_a_report_of_an_unknown_format_version_is_refused(tmp_path):
+    """Issue 71: compare_fits read a report of a format version it does not know as
+    its own. A per-analysis or study report of a later (or no) schema ends in one
+    line naming the file and its format, exit 2."""
+    old, new = _runs(tmp_path)
+    rep = json.loads((new / NAME).read_text())
+    for schema in ("brf.analysis/99", "brf.study/3", None):
+        if schema is None:
+            rep.pop("schema", None)
+        else:
+            rep["schema"] = schema
+        (new / NAME).write_text(json.dumps(rep))
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments",
+                                                         "compare_fits.py"),
+                            f"--old={old}", f"--new={new}"], capture_output=True, text=True,
+                           cwd=ROOT)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert NAME in lines[0] and f"of format {schema!r}" in lines[0], lines[0]
+        assert "brf.analysis/1 to brf.analysis/3" in lines[0], lines[0]
+    shutil.copy(os.path.join(ROOT, "results", "study", "report.json"), old / "report.json")
+    shutil.copy(os.path.join(ROOT, "results", "study", NAME), new / NAME)
+    study = json.loads((old / "report.json").read_text())
+    study["schema"] = "brf.study/4"
+    shutil.copy(os.path.join(ROOT, "results", "study", "report.json"), new / "report.json")
+    (old / "report.json").write_text(json.dumps(study))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "compare_fits.py"),
+                        f"--old={old}", f"--new={new}"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "of format 'brf.study/4'" in r.stderr, r.stderr

@@ -351,10 +351,12 @@ def test_dump_records_its_context_and_old_files_still_resume(tmp_path):
 
 
 def _hand_csv(path, logits_RxK, ids_RxK, lse, tok, tok_logit, positions=None,
-              extra_header=None, bad=None):
-    """Writes the documented columns with the csv module; quoted fields allowed."""
+              extra_header=None, bad=None, derived=None):
+    """Writes the documented columns with the csv module; quoted fields allowed.
+    ``derived``: optional columns ({'gap': [R], 'entropy': [R]}) written too."""
     r, k = logits_RxK.shape
-    header = (["position", "token_id", "token_logit", "lse"]
+    derived = derived or {}
+    header = (["position", "token_id", "token_logit", "lse", *derived]
               + [f"logit_{j + 1}" for j in range(k)] + [f"id_{j + 1}" for j in range(k)])
     if extra_header:
         header = [h for h in header if h != extra_header]
@@ -367,6 +369,7 @@ def _hand_csv(path, logits_RxK, ids_RxK, lse, tok, tok_logit, positions=None,
                    "token_logit": repr(float(tok_logit[i])), "lse": repr(float(lse[i]))}
             row.update({f"logit_{j + 1}": repr(float(logits_RxK[i, j])) for j in range(k)})
             row.update({f"id_{j + 1}": int(ids_RxK[i, j]) for j in range(k)})
+            row.update({name: repr(float(v[i])) for name, v in derived.items()})
             if bad == "text" and i == 7:
                 row["logit_3"] = "twelve"
             w.writerow([row[h] for h in header])
@@ -464,6 +467,72 @@ def test_rows_that_break_their_columns_promises_are_refused(tmp_path, kind, patt
     _hand_csv(p, top, order, lse, tok, tl, positions=pos)
     with pytest.raises(lc.CsvError, match=r"broken\.csv: " + pattern):
         lc.read_csv(p, vocab_size=50)
+
+
+def _entropy(logits):
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    return -(np.exp(logp) * logp).sum(1)
+
+
+@pytest.mark.parametrize("kind,pattern", [
+    ("gap", r"column 'gap': 7 but the row's logit_1 - logit_2 = "),
+    ("token_logit of a listed token", r"column 'token_logit': .* but token_id \d+ is id_2, "
+                                      r"whose logit is"),
+    ("token_logit of an unlisted token", r"column 'token_logit': .* is above logit_5 = .* "
+                                         r"but token_id \d+ is not among the row's top 5"),
+    ("entropy below -log p_1", r"column 'entropy': 0.001\d* is below -log p_1"),
+    ("entropy above log V", r"column 'entropy': 9 is above log\(vocab size\) = 3.9"),
+])
+def test_derived_columns_the_logits_contradict_are_refused(tmp_path, kind, pattern):
+    """Issue 71: a gap of 7.0 that the row's own logits contradict was analysed (the
+    coherence statistics changed). gap, token_logit and entropy are checked against
+    the logits they summarise; the first contradicted value is named (file, line, row,
+    column). The consistent file reads."""
+    rng = np.random.default_rng(4)
+    _, members = _hand_pair(tmp_path, rng, n=12)
+    logits, top, order, lse, tok, tl = members[0]
+    derived = {"gap": top[:, 0] - top[:, 1], "entropy": _entropy(logits)}
+    p = str(tmp_path / "ok.csv")
+    _hand_csv(p, top, order, lse, tok, tl, derived=derived)
+    assert lc.read_csv(p, vocab_size=50).n_rows == 12
+    tok, tl = tok.copy(), tl.copy()
+    derived = {k: v.copy() for k, v in derived.items()}
+    if kind == "gap":
+        derived["gap"][5] = 7.0
+    elif kind == "token_logit of a listed token":
+        tok[5], tl[5] = order[5, 1], top[5, 1] - 0.25
+    elif kind == "token_logit of an unlisted token":
+        tok[5] = np.setdiff1d(np.arange(50), order[5])[0]
+        tl[5] = top[5, 4] + 0.5
+    elif kind == "entropy below -log p_1":
+        derived["entropy"][5] = 0.001
+    else:
+        derived["entropy"][5] = 9.0
+    p = str(tmp_path / "broken.csv")
+    _hand_csv(p, top, order, lse, tok, tl, derived=derived)
+    with pytest.raises(lc.CsvError, match=r"broken\.csv: line 8 \(row 6\), " + pattern):
+        lc.read_csv(p, vocab_size=50)
+
+
+def test_the_same_run_given_twice_is_refused(tmp_path):
+    """Issue 71: one CSV given twice was analysed (R-bar = 1.000, AUROC 0.96) without a
+    word. The same file by two paths, or a copy (other comments, other number
+    format: the same rows) is refused naming both; two runs are not."""
+    rng = np.random.default_rng(2)
+    paths, members = _hand_pair(tmp_path, rng, n=20)
+    logits, top, order, lse, tok, tl = members[0]
+    copy = str(tmp_path / "copy.csv")
+    _hand_csv(copy, top, order, lse, tok, tl, bad="quote")  # quoted fields: another file
+    (tmp_path / "sub").mkdir()
+    link = tmp_path / "sub" / "link.csv"
+    link.symlink_to(paths[0])
+    for given, pattern in (([paths[0], paths[0]], r"hand0\.csv is the same file as .*hand0"),
+                           ([paths[0], str(link)], r"link\.csv is the same file as "),
+                           ([paths[0], paths[1], copy], r"copy\.csv holds the same rows as "
+                                                        r".*hand0\.csv")):
+        with pytest.raises(csv_analysis.UserError, match=pattern):
+            csv_analysis.load_table(given, vocab_sizes=[50] * len(given))
+    assert csv_analysis.load_table(paths, vocab_sizes=[50, 50])[2].n_positions == 20
 
 
 def test_analysis_progress_names_each_stage(tmp_path, capsys):
@@ -592,11 +661,18 @@ def _bad_inputs(tmp_path):
     pathlib.Path(p).write_bytes(bytes(range(256)) * 4)
     cases["bad file"] = ([paths[0], p], r"binary\.csv: not a text \(UTF-8\) file")
     cases["no file"] = ([paths[0], str(tmp_path / "nope.csv")], r"nope\.csv: cannot read")
+    cases["one run twice"] = ([paths[0], paths[0]], r"hand0\.csv is the same file as ")
+    p = str(tmp_path / "gap.csv")
+    gap = top[:, 0] - top[:, 1]
+    gap[3] = 7.0
+    _hand_csv(p, top, order, lse, tok, tl, derived={"gap": gap})
+    cases["gap contradicted"] = ([paths[0], p], r"gap\.csv: line 6 \(row 4\), column 'gap': "
+                                                r"7 but the row's logit_1 - logit_2")
     return cases
 
 
 @pytest.mark.parametrize("case", ["missing column", "mismatched positions", "non-numeric",
-                                  "bad file", "no file"])
+                                  "bad file", "no file", "one run twice", "gap contradicted"])
 def test_analyze_main_bad_input_is_one_line(case, tmp_path):
     import re
     paths, pattern = _bad_inputs(tmp_path)[case]

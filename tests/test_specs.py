@@ -104,8 +104,8 @@ def test_arithmetic_is_bounded_and_finite(text, needle):
 
 
 def test_a_phase_map_bounds_its_arithmetic_too():
-    from brf.fusion import phase_map
-    with pytest.raises(SpecError, match="too large a number"):
+    from brf.fusion import FusionInputError, phase_map
+    with pytest.raises(FusionInputError, match="too large a number"):  # issue 71, item 4
         phase_map("tanh(rate=9**9**9)")
     assert float(phase_map("tanh(rate=2**-2)").params["rate"]) == 0.25
 
@@ -122,3 +122,144 @@ def test_a_method_refuses_a_non_finite_parameter(params):
     with pytest.raises(FusionInputError, match="temperature=.* must be finite"):
         brf.fuse("loglinear", logits, None, **params)
     assert np.isfinite(np.asarray(brf.fuse("loglinear", logits, None, temperature=1e30))).all()
+
+
+# ------------------------------------------------------------- every field of every grammar
+
+# The bad values of issue 71 (item 3), as a user types them into a spec: a zero, a
+# negative, a huge number, NaN, infinity and values of the wrong type.
+BAD = {"zero": "0", "negative": "-1", "huge": "10**12", "nan": "nan", "inf": "inf",
+       "inf literal": "1e999", "text": "'x'", "list": "[1, 2]", "bool": "True"}
+# Brf's own grammars, field by field: the bad values each accepts (a zero meaning
+# "off" or "the first", a text field's text); every other one is refused.
+OWN = {
+    "drafter member(k)": ({"member(k={})"}, set()),
+    "drafter member(index)": ({"member(index={})"}, {"zero", "huge"}),  # vs. the members
+    "drafter member(adaptive)": ({"member(adaptive={})"}, {"bool"}),
+    "drafter member(cost)": ({"member(cost={})"}, {"zero"}),
+    "drafter ngram(k)": ({"ngram(k={})"}, set()),
+    "drafter ngram(n)": ({"ngram(n={})", "ngram(min_n=1, n={})"}, {"huge"}),
+    "drafter ngram(min_n)": ({"ngram(n=3, min_n={})"}, set()),
+    "drafter ngram(adaptive)": ({"ngram(adaptive={})"}, {"bool"}),
+    "drafter ngram(cost)": ({"ngram(cost={})"}, {"zero"}),
+    "weighting(temperature)": ({"perplexity(temperature={})"}, {"huge"}),  # uniform
+    "member(weight)": ({"smollm2-135m-instruct(weight={})"}, {"zero", "huge"}),
+    "member(prefix)": ({"smollm2-135m-instruct(prefix={})"}, {"text"}),
+    "member(name)": ({"smollm2-135m-instruct(name={})"}, {"text"}),
+    "member(chat)": ({"smollm2-135m-instruct(chat={})"}, {"bool"}),
+    "member(template)": ({"smollm2-135m-instruct(template={})"}, set()),
+    "study member(prefix)": ({"smollm2-135m-instruct(prefix={})"}, {"text"}),
+    "corpus(max_chars)": ({"c.txt(max_chars={})"}, {"zero"}),
+    "corpus(skip_chars)": ({"c.txt(skip_chars={})"}, {"zero"}),
+    "corpus(prefix)": ({"c.txt(prefix={})"}, {"text"}),
+    "corpus(label)": ({"c.txt(label={})"}, {"text"}),
+    "sampler(temperature)": ({"temperature={}"}, {"zero"}),  # (10**12: not a number
+    "sampler(top_k)": ({"top_k={}"}, {"zero"}),  # in its key=number grammar)
+    "sampler(top_p)": ({"top_p={}"}, set()),
+    "sampler(min_p)": ({"min_p={}"}, {"zero"}),
+}
+
+
+def _boundary(grammar: str):
+    """What a main runs on the spec before any model loads: the generation config's
+    key (its schema check, which names the key and the value) or the study plan's."""
+    from brf.ensemble import run
+    from brf.eval import plan
+    kind = grammar.split("(")[0]
+    key = {"drafter member": "speculative", "drafter ngram": "speculative",
+           "weighting": "weighting", "member": "members", "sampler": "sampler",
+           "method": "method", "phase": "phase"}.get(kind)
+    if key:
+        return lambda text: run.SCHEMA[key].validate(text, f"config.{key}")
+    return {"study member": plan._members, "corpus": plan._corpora,
+            "study method": lambda t: plan._methods(t, ()),
+            "study phase map": plan._phase_maps}[kind]
+
+
+def _outcome(check, text: str) -> str | None:
+    """None when accepted; else the refusal's message (a UserError, one line), within
+    a few seconds (a hang fails)."""
+    import signal
+
+    from brf.errors import UserError
+
+    def hang(*_):
+        raise AssertionError(f"{text!r} was still being checked after 10 s")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(10)
+    try:
+        check(text)
+        return None
+    except UserError as e:
+        msg = str(e)
+        assert "\n" not in msg, msg
+        return msg
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("grammar", OWN)
+@pytest.mark.parametrize("bad", BAD)
+def test_every_field_of_brfs_own_grammars_is_bounded(grammar, bad):
+    """Issue 71: ngram(n=3, k=1000000000000) hung. Each field of each of brf's own spec
+    grammars (drafters, weightings, members, corpora, samplers) with each bad value is
+    refused as one line naming the field, or is one the table accepts."""
+    forms, accepted = OWN[grammar]
+    field = grammar[grammar.index("(") + 1:-1]
+    for form in forms:
+        text = form.format(BAD[bad])
+        msg = _outcome(_boundary(grammar), text)
+        if bad in accepted:
+            assert msg is None, (text, msg)
+        else:
+            assert msg is not None, f"{text!r} was accepted"
+            assert field in msg, (text, msg)
+
+
+def _fusion_fields():
+    from brf.fusion import METHODS
+    from brf.fusion.phase import PHASE_MAPS
+    out = []
+    for name in METHODS.names():
+        for field, p in METHODS.get(name).params.items():
+            if p.kind != "array":
+                out += [("method", f"{name}({field}={{}})", field),
+                        ("study method", f"{name}({field}={{}})", field)]
+    for name in PHASE_MAPS.names():
+        for field in [*PHASE_MAPS.get(name).defaults, "offset"]:
+            out += [("phase", f"{name}({field}={{}})", field),
+                    ("study phase map", f"{name}({field}={{}})", field)]
+    return out
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_every_field_of_every_method_and_phase_map_is_checked(bad):
+    """Every parameter of every fusion method and phase map, at the generation config
+    and the study plan: a bad value is refused as one line naming it, never a raw
+    TypeError / ValueError (born_shuffled(seed='x') was one) nor a hang, and NaN,
+    infinity and text are always refused. (Which numbers a method takes is its own
+    rule, brf/fusion: this walks what reaches the user.)"""
+    for kind, form, field in _fusion_fields():
+        text = form.format(BAD[bad])
+        msg = _outcome(_boundary(kind), text)
+        if bad in ("nan", "inf", "inf literal", "text") and not (
+                field == "inner" or (kind.endswith("method") and field == "criterion")):
+            assert msg is not None, f"{kind} {text!r} was accepted"
+        if msg is not None:
+            assert field in msg, (kind, text, msg)
+
+
+def test_a_drafters_k_is_bounded_by_what_a_round_can_use():
+    """Issue 71: ngram(n=3, k=1000000000000) and k=100000 hung. k is at most
+    brf.drafting.MAX_K, and a generation drafts at most max_new_tokens (max_bytes)
+    a round: the schedule of a k above that is that of max_new_tokens."""
+    from brf.drafting import MAX_K, DrafterError, KSchedule, parse_drafter
+    for k in (10**12, 100000, MAX_K + 1):
+        with pytest.raises(DrafterError, match=f"k must be an integer <= {MAX_K}"):
+            parse_drafter(f"ngram(n=3, k={k})")
+    spec = parse_drafter(f"ngram(n=3, k={MAX_K})")
+    assert spec.within(8).k == 8 and spec.within(10**6).k == MAX_K
+    assert parse_drafter("ngram(k=6)").within(0).k == 1
+    wide, narrow = KSchedule(spec.within(8)), KSchedule(parse_drafter("ngram(n=3, k=8)"))
+    assert (wide.k, wide.size, wide.can_pay) == (narrow.k, narrow.size, narrow.can_pay)

@@ -168,6 +168,7 @@ def generate_bytes_speculative(
         members, contexts, weights, prompt, utf8, mode="fuse", method=method,
         method_params=method_params, sampler=sampler, beam=beam, threshold=threshold,
         max_bytes=max_bytes)
+    spec = spec.within(max_bytes)  # no round uses more (DraftSpec.within)
     index = None
     if spec.kind == "member":
         index = drafter_index(spec, [param_count(m.params) for m in members],

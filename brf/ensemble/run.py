@@ -360,8 +360,15 @@ def check_method_params(name: str, params: Mapping[str, Any]) -> None:
     from brf.fusion.methods import resolve_params
     m = get_method(name)
     declared = {k: p for k, p in m.params.items() if p.kind != "array"}
-    resolve_params(dataclasses.replace(m, params=declared),
-                   {k: v for k, v in params.items() if k not in set(m.params) - set(declared)})
+    try:
+        resolve_params(dataclasses.replace(m, params=declared),
+                       {k: v for k, v in params.items()
+                        if k not in set(m.params) - set(declared)})
+    except UserError:
+        raise
+    except (TypeError, ValueError) as e:  # a value of the wrong kind (int('x'), int([1]))
+        raise EnsembleInputError(f"method {name!r}: a parameter of the wrong kind in "
+                                 f"{params}: {e}") from None
 
 
 def _method_check(value: str) -> None:

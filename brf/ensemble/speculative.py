@@ -288,6 +288,7 @@ def generate_speculative(members: Sequence[Member], prompts: Sequence[str], *,
     method_params = _with_unembeddings(method, method_params, members)
     _check_method(method, method_params, len(members))
     check_speculative(members, spec)
+    spec = spec.within(max_new_tokens)  # no round uses more (DraftSpec.within)
     if engine not in ENGINES:
         raise EnsembleInputError(f"unknown engine {engine!r}; use one of {ENGINES}")
     B = len(prompts)

@@ -34,8 +34,8 @@ from brf.errors import UserError
 from brf.eval import hypotheses, report as report_lib
 from brf.event_table import EventTable
 from brf.eval.fitting import Fitted, evaluate
-from brf.eval.logit_csv import (CsvError, LogitRun, align_bytes, align_positions, event_table,
-                                read_csv)
+from brf.eval.logit_csv import (CsvError, LogitRun, align_bytes, align_positions,
+                                content_digest, event_table, read_csv)
 from brf.fusion import METHODS, FusionInputError, phase_map
 
 DEFAULT_PHASE_MAPS = {
@@ -76,6 +76,7 @@ def load_table(paths: Sequence[str], *, align: str = "auto",
     for p in paths:
         _stage(progress, f"reading {p}")
         runs.append(read_csv(p, vocab_size=_given(vocab_sizes, len(runs))))
+    check_distinct_runs(runs)
     if align == "auto":
         sizes = {(vocab_sizes[j] if vocab_sizes and vocab_sizes[j] else r.meta.get("vocab_size"))
                  for j, r in enumerate(runs)}
@@ -91,6 +92,26 @@ def load_table(paths: Sequence[str], *, align: str = "auto",
     _stage(progress, f"event table: {len(rows)} {align}-aligned positions")
     table = event_table(runs, rows, by=by, vocab_sizes=vocab_sizes, progress=progress)
     return runs, rows, table, align
+
+
+def check_distinct_runs(runs: Sequence[LogitRun]) -> None:
+    """Refuses one run given twice (issue 71: one CSV given twice was analysed, with
+    R-bar = 1.000 and AUROC 0.96, without a word): the same file by two paths, or two
+    files whose rows say the same (`brf.eval.logit_csv.content_digest`).
+
+    Raises:
+      UserError: naming both files.
+    """
+    seen: dict[str, str] = {}
+    for run in runs:
+        for key in (f"file:{os.path.realpath(run.path)}", f"rows:{content_digest(run)}"):
+            if key in seen:
+                how = "is the same file as" if key.startswith("file:") else \
+                    "holds the same rows as"
+                raise UserError(f"{run.path} {how} {seen[key]}: one run given twice would be "
+                                f"compared with itself; give the CSVs of different runs")
+        for key in (f"file:{os.path.realpath(run.path)}", f"rows:{content_digest(run)}"):
+            seen[key] = run.path
 
 
 def _given(vocab_sizes, j: int) -> int | None:

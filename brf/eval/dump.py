@@ -359,12 +359,19 @@ def _sampler_check(value: str) -> None:
     Sampler.parse(value)
 
 
+def _output_check(value: str) -> None:
+    if value.strip() == "-":  # generate.py's stdout: a dump is a file it can resume
+        raise UserError("config.output='-' would be a file named '-' (generate.py's --config.output=- "
+                        "prints to stdout, but a dump is a CSV file it resumes and appends "
+                        "to); give a file path, e.g. runs/logits.csv")
+
+
 # configs/dump_logits.py, every key (brf.schema): checked by run before the model loads.
 SCHEMA = {
     "model": S.text(empty=False, check=_model_check,
                     note="give a model name, .gguf file or directory"),
     "mode": S.text(choices=("score", "generate")),
-    "output": S.text(),
+    "output": S.text(check=_output_check),
     "overwrite": S.flag(),
     "k": S.integer(2, K_MAX, note="and at most the model's vocabulary"),
     "system": S.text(),

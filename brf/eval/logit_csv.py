@@ -480,7 +480,8 @@ def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
     * ``logit_1..logit_k`` not descending (``-inf`` only at the end);
     * ``lse`` below the log-sum-exp of the row's top logits (the top k would hold
       more than all the probability), or ``token_logit`` above ``lse``;
-    * a negative ``entropy`` or ``gap``.
+    * a negative ``entropy`` or ``gap``;
+    * a derived column that the row's logits contradict (:func:`check_derived`).
 
     Raises:
       CsvError: file, line, row and column of the first broken row.
@@ -552,6 +553,88 @@ def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
         if arr is not None and (arr < -_REL).any():
             r = int(np.argmax(arr < -_REL))
             raise CsvError(f"{run.where(r, name)}: {float(arr[r]):.9g} is negative")
+    check_derived(run, vocab_size)
+
+
+def _slack(x: np.ndarray) -> np.ndarray:
+    """The tolerance of a comparison with ``x`` (a rounded number, ``_REL``); 0 where
+    ``x`` is not finite."""
+    return _REL * np.maximum(1.0, np.abs(np.where(np.isfinite(x), x, 0.0)))
+
+
+# The entropy column is computed over the whole vocabulary in float32: its rounding
+# grows with the vocabulary, hence a wider slack than a logit's.
+_ENTROPY_SLACK = 1e-3
+
+
+def check_derived(run: LogitRun, vocab_size: int | None = None) -> None:
+    """Refuses derived columns that the row's own logits contradict (issue 71: a
+    ``gap`` of 7.0 in a row whose top logits differ by 0.5, with its checksum
+    recomputed, changed the coherence statistics), naming the first:
+
+    * ``gap`` other than ``logit_1 - logit_2``;
+    * ``token_logit`` other than ``logit_j`` where ``token_id`` is ``id_j``, or above
+      ``logit_k`` where the token is not among the top k (it would be one of them);
+    * ``entropy`` below ``lse - logit_1`` (the entropy is at least the min-entropy
+      ``-log p_1``) or above ``log(vocab_size)`` (when known).
+
+    The slack is that of another tool's rounded numbers (``_REL``; the entropy's
+    ``_ENTROPY_SLACK``).
+
+    Raises:
+      CsvError: file, line, row and column of the first contradicted value.
+    """
+    top = run.top_logits.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        gap = top[:, 0] - top[:, 1]
+    scale = np.maximum(1.0, np.maximum(np.abs(top[:, 0]), np.abs(np.nan_to_num(
+        top[:, 1], neginf=0.0))))
+    ok = np.isfinite(gap)
+    off = ok & (np.abs(run.gap.astype(np.float64) - np.where(ok, gap, 0.0)) > 4 * _REL * scale)
+    if off.any():
+        r = int(np.argmax(off))
+        raise CsvError(f"{run.where(r, 'gap')}: {float(run.gap[r]):.9g} but the row's "
+                       f"logit_1 - logit_2 = {gap[r]:.9g} (gap is that difference)")
+    if run.token_id is not None and run.token_logit is not None:
+        tl = run.token_logit.astype(np.float64)
+        hit = run.top_ids == run.token_id[:, None]
+        j = np.argmax(hit, axis=1)
+        listed = hit.any(axis=1)
+        at = top[np.arange(len(top)), j]
+        with np.errstate(invalid="ignore"):
+            wrong = listed & ~((tl == at) | (np.abs(tl - at) <= _slack(at)))
+        if wrong.any():
+            r = int(np.argmax(wrong))
+            raise CsvError(f"{run.where(r, 'token_logit')}: {tl[r]:.9g} but token_id "
+                           f"{int(run.token_id[r])} is id_{int(j[r]) + 1}, whose logit is "
+                           f"{at[r]:.9g}")
+        last = top[:, -1]
+        with np.errstate(invalid="ignore"):
+            above = ~listed & np.isfinite(last) & (tl > last + _slack(last))
+        if above.any():
+            r = int(np.argmax(above))
+            raise CsvError(f"{run.where(r, 'token_logit')}: {tl[r]:.9g} is above "
+                           f"logit_{run.k} = {last[r]:.9g} but token_id {int(run.token_id[r])} "
+                           f"is not among the row's top {run.k} ids")
+    if run.entropy is not None:
+        h = run.entropy.astype(np.float64)
+        lse = run.lse.astype(np.float64)
+        floor = lse - top[:, 0]  # -log p_1, the min-entropy
+        slack = _ENTROPY_SLACK * np.maximum(1.0, np.abs(floor)) + _REL * np.abs(lse)
+        low = h < floor - slack
+        if low.any():
+            r = int(np.argmax(low))
+            raise CsvError(f"{run.where(r, 'entropy')}: {h[r]:.9g} is below -log p_1 = "
+                           f"lse - logit_1 = {floor[r]:.9g} (no distribution whose largest "
+                           f"probability is p_1 has less entropy)")
+        if vocab_size:
+            ceiling = float(np.log(vocab_size))
+            high = h > ceiling + _ENTROPY_SLACK * max(1.0, ceiling)
+            if high.any():
+                r = int(np.argmax(high))
+                raise CsvError(f"{run.where(r, 'entropy')}: {h[r]:.9g} is above log(vocab "
+                               f"size) = {ceiling:.9g}, the entropy of the uniform "
+                               f"distribution over {vocab_size} tokens")
 
 
 def _text_lines(path: str) -> list[str]:
@@ -635,6 +718,20 @@ def _run_from_columns(path: str, meta: dict, cols: list, col: dict, k: int,
 # ---------------------------------------------------------------------------
 # Two (or more) runs on the same text: alignment and the event table.
 # ---------------------------------------------------------------------------
+
+
+def content_digest(run: LogitRun) -> str:
+    """SHA-256 of what a run's rows say (positions, top ids and logits, lse, the
+    token's id and logit), whatever the file's name, comments or number format: two
+    files with the same digest are one run."""
+    import hashlib
+    h = hashlib.sha256()
+    for arr in (run.seq, run.position, run.top_ids, run.top_logits, run.lse,
+                run.token_id, run.token_logit):
+        if arr is not None:
+            a = np.ascontiguousarray(arr)
+            h.update(str(a.dtype).encode() + str(a.shape).encode() + a.tobytes())
+    return h.hexdigest()
 
 
 def _key_rows(run: LogitRun) -> dict:
@@ -827,6 +924,6 @@ def _listed_mass(keys, top_lp, *, skip_empty: bool) -> dict:
 
 __all__ = ["CsvError", "CsvWriter", "FIXED_COLUMNS", "FORMAT", "LogitRun", "MAGIC",
            "REQUIRED", "RowBlock", "VERSION", "align_bytes", "align_positions",
-           "check_invariants", "columns",
+           "check_derived", "check_invariants", "columns", "content_digest",
            "escape_bytes", "escape_token", "event_table", "format_rows", "read_csv",
            "unescape", "vocab_texts"]

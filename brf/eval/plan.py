@@ -610,7 +610,7 @@ def _methods(value, baselines: Sequence[str]) -> list[MethodSpec]:
             m = get_method(spec.method)
             given = {**spec.fixed, **spec.fit, **{k: v[0] for k, v in spec.grid.items() if v}}
             resolve_params(m, {k: v for k, v in given.items() if not k.startswith("phase.")})
-        except ValueError as e:
+        except (TypeError, ValueError) as e:  # TypeError: int([1, 2]), a wrong kind
             raise ValidationError(f"config.methods[{spec.label!r}]: {e}") from None
         role = "baseline" if spec.method in baselines else "other"
         out.append(dataclasses.replace(spec, role=role))
@@ -624,7 +624,7 @@ def _phase_maps(value) -> list[PhaseMapEntry]:
         try:
             phase_map(spec)
         except ValueError as e:
-            raise ValidationError(f"config.phase_maps[{label!r}]: {e}") from None
+            raise ValidationError(f"config.phase_maps[{label!r}] {spec!r}: {e}") from None
         out.append(PhaseMapEntry(label, spec, fixed))
     return out
 
