@@ -104,7 +104,7 @@ CASES = [
       "--config.compilation_cache=False"], "prompts_file {d}/blank.txt holds no prompts"),
     (["experiments/dump_logits.py", "--config=configs/dump_logits.py:tiny,generate",
       "--config.output={d}/gen.csv", "--config.prompts=caf\udcc3",
-      "--config.compilation_cache=False"], "config.prompts: prompt 1 is not valid UTF-8"),
+      "--config.compilation_cache=False"], "config.prompts, line 1 is not valid UTF-8"),
     # convert: bad files and names
     (["experiments/convert.py", "--source={d}/junk.gguf", "--out={d}/o1"], "junk.gguf"),
     (["experiments/convert.py", "--source={d}/hf", "--out={d}/o2"], "config.json"),
@@ -150,7 +150,7 @@ CASES = [
           "random:smollm2-135m-instruct:1"], "names unknown field(s) {{bogus}}"),
     (G + ["--config.members=random:smollm2-135m-instruct:0(template='Say hi.'), "
           "random:smollm2-135m-instruct:1"], "has no {{prompt}} field"),
-    (G + ['--config.prompts=("", "hi")'], "config.prompts: prompt 1 of 2 is empty"),
+    (G + ['--config.prompts=("", "hi")'], "config.prompts: prompt 1 is empty"),
     (G + ["--config.speculative=ngram(n=2, k=9**9**9)"], "'9**9**9' is too large a number"),
     (G + ["--config.speculative=ngram(n=2, cost=1)"], "cost must be a number in [0, 1)"),
     (G + ["--config.method=loglinear(temperature=1e999)"], "'1e999' is not a finite number"),
@@ -201,7 +201,7 @@ CASES = [
     (["experiments/generate.py", "--config=configs/generate.py:tiny,bigly"],
      "flag --config=configs/generate.py:tiny,bigly: unknown config argument(s) ['bigly']"),
     (["experiments/validate.py", "--config=configs/validate.py:bigly"],
-     "unknown config arg 'bigly'; use '' or 'short'"),
+     "unknown config arg 'bigly'; use '', 'full' or 'short'"),
     (["experiments/dump_logits.py", "--config=configs/dump_logits.py:bigly"],
      "unknown config argument(s) ['bigly']; use generate, tiny"),
     (["experiments/analyze_csv.py", "--config=configs/analyze_csv.py:bigly"],

@@ -128,10 +128,12 @@ def _tokenizer_only(source: str):
     elif registry.converted(source):
         path = os.path.join(registry.cache_path(source), "tokenizer")
     else:
-        path = registry.resolve(source)
+        path = None
     try:
+        if path is None:
+            path = registry.resolve(source)
         return load_tokenizer(path)
-    except FileNotFoundError:  # no tokenizer files: `load_members` says so
+    except FileNotFoundError:  # no such source, or no tokenizer files: `load_members` says so
         return None
 
 
