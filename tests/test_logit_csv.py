@@ -40,13 +40,20 @@ def test_control_tokens_are_distinct_from_text():
 
 
 def _random_block(rng, c=50, k=6, v=1000):
+    """Random rows whose derived columns agree with their logits (the reader checks
+    them): the token is one of the row's top k, the normaliser lies above the
+    log-sum-exp of the top k and the entropy between lse - logit_1 and log(v)."""
     top = np.sort(rng.normal(0, 8, (c, k)).astype(np.float32), axis=1)[:, ::-1]
-    return lc.RowBlock(np.zeros(c, np.int64), np.arange(c), rng.integers(0, v, c),
-                       rng.normal(0, 8, c).astype(np.float32),
-                       rng.normal(30, 5, c).astype(np.float32),
-                       rng.uniform(0, 8, c).astype(np.float32),
-                       (top[:, 0] - top[:, 1]).astype(np.float32), top,
-                       rng.integers(0, v, (c, k)))
+    ids = np.stack([rng.choice(v, k, replace=False) for _ in range(c)])
+    pick = rng.integers(0, k, c)
+    above = rng.uniform(0.1, 3.0, c).astype(np.float32)
+    t64 = top.astype(np.float64)
+    lse = (np.log(np.exp(t64 - t64[:, :1]).sum(1)) + t64[:, 0] + above).astype(np.float32)
+    entropy = np.minimum(lse - top[:, 0] + rng.uniform(0.01, 1.5, c),
+                         np.log(v) - 0.1).astype(np.float32)
+    return lc.RowBlock(np.zeros(c, np.int64), np.arange(c), ids[np.arange(c), pick],
+                       top[np.arange(c), pick], lse, entropy,
+                       (top[:, 0] - top[:, 1]).astype(np.float32), top, ids)
 
 
 def test_written_values_read_back_bit_exact(tmp_path):
