@@ -22,7 +22,8 @@ import ml_collections
 
 from brf.bytes import CHECK_BYTES, DEFAULT_BEAM, DEFAULT_MAX_LAG, DEFAULT_THRESHOLD, REFERENCE
 from brf.errors import UserError
-from brf.specs import format_spec, split_list
+from brf.eval.config_specs import phase_map_entries
+from brf.specs import format_spec
 
 
 class ConfigArgError(UserError):
@@ -227,7 +228,6 @@ def _main_job(c) -> None:
     (the other phase maps, the top-256 event space, the same-model pair and its
     softmax-bottleneck rows): ":full" runs those too."""
     c.phase_maps = ", ".join(spec for spec in PHASE_MAPS
-                             if split_list(spec)[0].split("(")[0] in MAIN_PHASE_MAPS
-                             or any(f'label="{m}"' in spec for m in MAIN_PHASE_MAPS))
+                             if next(iter(phase_map_entries(spec))) in MAIN_PHASE_MAPS)
     c.topk_sensitivity = 0
     c.prompts.second_prefix = ""

@@ -16,6 +16,7 @@ import numpy as np
 
 from brf.eval import stats
 from brf.eval.analysis import AnalysisResult, Comparison, controls_answer, side
+from brf.eval.report import fit_undecided
 
 ALPHA = 0.05  # a phase map "links" the members when its permutation p is below this
 
@@ -296,15 +297,14 @@ def pooled(per_corpus: Sequence[tuple[str, AnalysisResult]], variants: Sequence[
         found = []
         for choice in _choices(options):
             chosen = [o[j] for o, j in zip(options, choice)]
-            pairs = [(res.by_label(b).test_nll, res.by_label(a).test_nll)
-                     for (_, res), (b, a) in zip(results, chosen)]
+            rows = [(res.by_label(b), res.by_label(a)) for (_, res), (b, a) in zip(results, chosen)]
+            pairs = [(rb.test_nll, ra.test_nll) for rb, ra in rows]
             ci = stats.pooled_paired_bootstrap_ci(pairs, n_boot=n_boot,
                                                   rng=np.random.default_rng(seed),
                                                   block_size=32)
             # the corpora weigh equally: the pooled difference's fit spread is the mean of
             # each corpus's two rows' spreads (brf.eval.analysis.fit_spread)
-            spread = float(np.mean([res.by_label(b).spread + res.by_label(a).spread
-                                    for (_, res), (b, a) in zip(results, chosen)]))
+            spread = float(np.mean([rb.spread + ra.spread for rb, ra in rows]))
             found.append(PooledAlternative(
                 tuple((label, b, a) for (label, _), (b, a) in zip(results, chosen)),
                 ci.estimate, (ci.ci_low - spread, ci.ci_high + spread), ci.p_value))
@@ -462,10 +462,9 @@ def _difference_answers(c: dict, other_key: str, low: str, high: str) -> Answer:
     def one(x: dict) -> Answer:
         b = x["brf"]["label"] if isinstance(x["brf"], dict) else x["brf"]
         o = x[other_key]["label"] if isinstance(x[other_key], dict) else x[other_key]
-        fit = side(x.get("statistical_ci") or x["ci"]) != side(x["ci"])
         return _ci_answer(x["ci"], x["mean_difference"], low, high,
-                          "not distinguishable (fit)" if fit else "not distinguishable",
-                          rows=(b, o))
+                          "not distinguishable (fit)" if fit_undecided(x)
+                          else "not distinguishable", rows=(b, o))
     return one(c).with_alternatives(one(a) for a in c.get("alternatives", []))
 
 

@@ -1244,12 +1244,14 @@ class _Coords:
         at = {k: layout.slice_of(k) for k in layout.keys}
         joint = ({"calib.member_temperature": "calib.temperature", "phase.rate": "phase.scale"}
                  if joint else {"phase.rate": "phase.scale"})
-        rows = []
+        rows, circle = [], []
         for k in layout.keys:
             partner = at.get(joint.get(k, ""))
             for j, i in enumerate(at[k]):
-                if k == "phase.offset" and j == 0:
-                    continue  # the common phase
+                if k == "phase.offset":
+                    if j == 0:
+                        continue  # the common phase
+                    circle.append(len(rows))
                 rows.append([int(i)] + ([int(partner[0])] if partner is not None else []))
         self.N = np.zeros((len(rows), layout.size))
         for r, ids in enumerate(rows):
@@ -1258,9 +1260,7 @@ class _Coords:
         self.lower = np.array([sum(lower[i] for i in ids) for ids in rows])
         self.upper = np.array([sum(upper[i] for i in ids) for ids in rows])
         self._offset = at.get("phase.offset")
-        keep = [r for r, ids in enumerate(rows) if self._offset is not None
-                and ids[0] in set(self._offset.tolist())]
-        self._circle = np.asarray(keep, np.int64)
+        self._circle = np.asarray(circle, np.int64)
 
     @property
     def size(self) -> int:
