@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brf.align.vocab import encode_text
 from brf.ensemble.member import Member, check_shared_vocabulary, normalised_weights
 from brf.errors import UserError
 
@@ -52,14 +53,14 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[i
     encoded and split after the context's own tokens; an empty context becomes the
     prefix token (BOS, else EOS)."""
     if not context:
-        cont = tok.encode(continuation, add_special_tokens=False)
+        cont = encode_text(tok, continuation)
         prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         return ([prefix], cont) if not cont or cont[0] != prefix else (cont[:1], cont[1:])
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
-    whole = tok.encode(context + continuation)
-    ctx = tok.encode(context)
+    whole = encode_text(tok, context + continuation, add_special_tokens=True)
+    ctx = encode_text(tok, context, add_special_tokens=True)
     return ctx, whole[len(ctx):]
 
 

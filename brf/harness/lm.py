@@ -11,6 +11,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+from brf.align.vocab import encode_text
 from brf.harness.ensemble import ByteReport, Ensemble, HarnessInputError
 
 NAME = "brf"
@@ -186,7 +187,7 @@ class BRFLM(LM):
             windows, owner = [], []
             for i, d in enumerate(docs):
                 for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                        token_list=tok.encode(d),  # as the harness's HF backend: BOS too
+                        token_list=encode_text(tok, d, add_special_tokens=True),  # as HF's: BOS too
                         prefix_token=prefix, max_seq_len=e.max_length, context_len=1)):
                     windows.append(([list(ctx)] * len(e.members), list(cont)))
                     owner.append(i)
