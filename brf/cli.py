@@ -131,8 +131,12 @@ def _config_file_error(value, name: str, argv: list[str]) -> str | None:
     missing file's error inside the flag's value until it is read), else None."""
     if type(value).__name__ != "_ErrorConfig":
         return None
-    error = object.__getattribute__(value, "_error")
-    reason = _reason(str(error))
+    return _file_error_line(str(object.__getattribute__(value, "_error")), name, argv)
+
+
+def _file_error_line(error: str, name: str, argv: list[str]) -> str:
+    """One line naming config flag ``name``'s file and why it could not be loaded."""
+    reason = _reason(error)
     path = next((a.split("=", 1)[1] for a in argv[1:]
                  if a.startswith(f"--{name}=")), None)
     hint = ""
@@ -175,12 +179,25 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except UserError as e:  # a config file's get_config refusing its argument
         fail(str(e))
     except (SyntaxError, OSError) as e:  # a config file that is not Python, or unreadable
-        fail(f"cannot load the config file: {type(e).__name__}: {e}")
+        # A missing file read by an override (--config=x.py --config.a=1): the file's
+        # own error, kept in the flag's value, names it; else the first line.
+        if "failure to load" in str(e):  # ml_collections' words for a missing file
+            fail(_file_error_line(str(e), "config", argv))
+        fail(f"cannot load the config file: {type(e).__name__}: "
+             f"{str(e).splitlines()[0] if str(e) else ''}")
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         # ml_collections' config overrides: an unknown field or a value of the
         # wrong type, raised while absl parses --config.<field>=<value>.
         args = " ".join(a for a in argv[1:] if a.startswith("--config"))
         fail(f"bad --config override ({args}): {type(e).__name__}: {e}")
+    reason = _first_config_file_error(argv)
+    if reason:
+        fail(reason)
+    return rest
+
+
+def _first_config_file_error(argv: list[str]) -> str | None:
+    """The first config flag whose file could not be loaded, said in one line."""
     for name in list(flags.FLAGS):
         try:
             value = flags.FLAGS[name].value
@@ -188,8 +205,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
             continue
         reason = _config_file_error(value, name, argv)
         if reason:
-            fail(reason)
-    return rest
+            return reason
+    return None
 
 
 INTERRUPTED = interrupts.STATUS  # exit status after Ctrl-C: 128 + SIGINT

@@ -361,7 +361,16 @@ def initialize_distributed(spec: Mapping[str, Any] | None) -> bool:
                             "process_id")
     if n is not None and pid is not None and not 0 <= pid < n:
         raise ShardingError(f"config.distributed.process_id={pid} must lie in [0, {n})")
-    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid)
+    try:
+        jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid)
+    except ValueError as e:  # nothing given, and no cluster JAX can read them from
+        if addr is not None:
+            raise
+        raise ShardingError(
+            "config.distributed.enabled=True, but no coordinator_address is given and "
+            "JAX found no cluster (TPU pod, SLURM, Open MPI) to read it from: set "
+            "coordinator_address, num_processes and process_id "
+            f"(JAX: {str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     return True
 
 

@@ -208,6 +208,10 @@ CASES = [
      "unknown config arg 'bigly'; use '' or 'tiny'"),
     (["experiments/demo.py", "--config=configs/no_such_config.py"],
      "cannot load the config file: [Errno 2] No such file or directory"),
+    # issue 71: with an override too, ml_collections' internals were printed
+    (["experiments/demo.py", "--config=configs/no_such_config.py", "--config.seed=1"],
+     "flag --config=configs/no_such_config.py: cannot load the config file: [Errno 2] No "
+     "such file or directory"),
 ]
 
 
@@ -256,6 +260,17 @@ def test_user_error_is_one_line_and_exit_2(i, bad_files, batched, tmp_path):
     assert needle in lines[0], lines[0]
     prog = os.path.basename(args[0])
     assert lines[0].startswith(f"{prog}: error: ") or lines[0].startswith("FATAL Flags"), lines[0]
+
+
+def test_distributed_without_a_coordinator_is_one_line(tmp_path):
+    """Issue 71: multi-host on with no coordinator and no cluster to detect one from
+    ended in JAX's traceback (a case of its own: it needs a process whose JAX has not
+    started, which the batched cases' process is not)."""
+    res = _run(V + ["--config.distributed.enabled=True"], tmp_path)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert lines[0].startswith("validate.py: error: config.distributed.enabled=True, but no "
+                               "coordinator_address is given"), lines[0]
 
 
 def test_mains_run_from_another_directory(tmp_path):

@@ -129,3 +129,24 @@ def test_install_cell_installs_from_a_folder(path, monkeypatch, tmp_path):
                                    repo="my brf checkout", really_run=True)
     assert isinstance(err, SystemExit) and calls == [], (calls, err)
     assert "BRF_REPO='my brf checkout'" in str(err) and "install.sh" in str(err), str(err)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_install_cell_names_a_mistyped_folder(path, monkeypatch, tmp_path):
+    """Issue 71: a BRF_REPO folder that does not exist was handed to git as a URL (a
+    clone's traceback); now the cell stops with a sentence naming it, running nothing,
+    and a clone that fails stops it with a sentence too."""
+    import subprocess
+    (tmp_path / "my brf checkout").mkdir()
+    calls, err = _run_install_cell(path, monkeypatch, tmp_path, installed=False,
+                                   repo="my brf chekout")
+    assert isinstance(err, SystemExit) and calls == [], (calls, err)
+    assert "BRF_REPO='my brf chekout' is neither a folder here" in str(err), str(err)
+
+    def refuse(*a, **k):
+        raise subprocess.CalledProcessError(128, a[0])
+    monkeypatch.setattr(subprocess, "run", refuse)
+    calls, err = _run_install_cell(path, monkeypatch, tmp_path, installed=False,
+                                   repo="git@example.org:someone/brf.git", really_run=True)
+    assert isinstance(err, SystemExit), repr(err)
+    assert "git could not clone BRF_REPO='git@example.org:someone/brf.git'" in str(err)
