@@ -386,6 +386,45 @@ def test_a_born_row_starts_where_the_fit_of_a_map_it_contains_ended(source, targ
                                                   settings=FitSettings(starts=0))) is None
 
 
+def test_no_born_row_ends_above_a_row_its_map_contains():
+    """The study's last step (analysis._nesting_pass): a calibrated Born row that ended
+    above a row whose map its own contains (here a per-token tanh row stopped after two
+    iterations, above the constant row) is fitted again from that row's fit and ends no
+    higher than it; the row it came from is named, its own end joins its census where
+    within FIT_NEAR; a row with nothing lower below it is kept as it was; proposed rows
+    are left alone."""
+    from brf.eval.analysis import _nesting_pass
+    from brf.eval.fitting import FIT_NEAR, FIT_TOLERANCE
+    t = _table()
+    const = MethodSpec("born constant [calibrated]", "born", phase="constant",
+                       variant="calibrated", role="brf", fit={"phase.offset": [0.0, 0.5]})
+    tok = MethodSpec("born token_tanh [calibrated]", "born", phase="token_tanh",
+                     variant="calibrated", role="brf",
+                     fit={"phase.scale": 1.5, "phase.rate": 0.5, "phase.offset": [0.0, 0.5]})
+    prop = dataclasses.replace(tok, label="born token_tanh", variant="proposed")
+    quick = FitSettings(starts=0, screen_positions=0, subsample=0)
+    c = fit_method(const, t, settings=quick)
+    # a fit that stopped early: the row's own fit with its fused temperature tripled
+    good = fit_method(tok, t, settings=quick)
+    poor = dataclasses.replace(good, params={
+        **good.params, "calib.temperature": 3.0 * good.params["calib.temperature"]})
+    nll = float(np.mean(evaluate(poor, t)["nll"]))
+    poor = dataclasses.replace(poor, calib_nll=nll, info={"ends": [nll], "near": []})
+    assert poor.calib_nll > c.calib_nll + 10 * FIT_TOLERANCE  # the case the step is for
+    mark = lambda f: dataclasses.replace(f, info={**f.info, "nested": None})  # noqa: E731
+    out = _nesting_pass([const, tok, prop], [mark(c), mark(poor), mark(poor)], t, quick,
+                        None, [])
+    assert out[1].calib_nll <= c.calib_nll + FIT_TOLERANCE
+    assert out[1].info["nested"] == const.label
+    near = [e["calib_nll"] for e in out[1].info["near"]]
+    assert (poor.calib_nll - out[1].calib_nll <= FIT_NEAR) == (poor.calib_nll in near)
+    assert out[0].calib_nll == c.calib_nll and out[0].info["nested"] == ""
+    assert out[2] is not None and out[2].info["nested"] is None  # proposed: untouched
+    # the step ran: a cached row (its "nested" set) is not fitted again
+    again = _nesting_pass([const, tok], [out[0], poor], t, quick, None, [])
+    assert again[1] is poor
+
+
 def test_an_infimum_at_zero_temperature_ends_on_the_bound():
     """Members that always rank the gold first: a log-linear pool's NLL falls as its
     temperature falls, all the way to 0 (the infimum, 0 nats, is not attained). The fit

@@ -25,8 +25,8 @@ from brf.eval import controls as controls_lib
 from brf.eval import forking, hypotheses, stats
 from brf.eval.caches import FitCache
 from brf.event_table import EventTable
-from brf.eval.fitting import (FIT_TOLERANCE, NLL_CAP, FitSettings, Fitted, MethodSpec, evaluate,
-                              fit_method, precompile, split_phase)
+from brf.eval.fitting import (FIT_NEAR, FIT_TOLERANCE, NLL_CAP, FitSettings, Fitted, MethodSpec,
+                              evaluate, fit_method, precompile, split_phase)
 from brf.eval.plan import Plan, SweepCurve, split
 from brf.fusion import PHASE_MAPS, phase_map
 from brf.fusion import phase as phase_lib
@@ -402,8 +402,10 @@ def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSetti
     :data:`POOL_STARTS` best calibrated rows of the table's first pass (``before``'s
     included), keeping the lower: the calibrated objectives have basins that random
     starts seldom reach (members tempered far from 1) and that another method found.
-    The second pass reads the first pass's results only, so no fit depends on the order
-    of the rows, and a refit under other last bits runs the same passes. The first
+    Last, a calibrated born row that ended above a row whose map its own contains is
+    fitted again from that row's fit (:func:`_nesting_pass`). The second pass reads the
+    first pass's results only, the last step the second's, so no fit depends on the
+    order of the rows, and a refit under other last bits runs the same passes. The first
     pass runs in the order of :func:`_schedule`, beside the compilation of the programs
     it needs.
     """
@@ -429,15 +431,17 @@ def fit_specs(specs: Sequence[MethodSpec], calib: EventTable, settings: FitSetti
                 cache.put(specs[i], f)
         fits[i] = f
     out = [fits[i] for i in range(len(specs))]
-    return _pooled_pass(specs, out, calib, settings, cache,
-                        [first_pass(m.fitted) for m in before
-                         if m.variant != "proposed" and m.role != "member"])
+    earlier = [m for m in before if m.variant != "proposed" and m.role != "member"]
+    out = _pooled_pass(specs, out, calib, settings, cache,
+                       [first_pass(m.fitted) for m in earlier])
+    return _nesting_pass(specs, out, calib, settings, cache, [m.fitted for m in earlier])
 
 
 # How many of the table's best calibrated first-pass fits start each calibrated row
-# in the second pass; the pass's version (a cached fit of another version is refitted).
+# in the second pass; the pass's version (a cached fit of another version is refitted:
+# 3 added the nesting step).
 POOL_STARTS = 4
-_POOLED = 2
+_POOLED = 3
 
 
 def first_pass(f: Fitted) -> Fitted:
@@ -470,9 +474,53 @@ def _pooled_pass(specs: Sequence[MethodSpec], fits: list[Fitted], calib: EventTa
         g = fit_spec(specs[i], calib, again, warm=f, starts=others)
         keep = g if g.calib_nll < f.calib_nll else fits[i]
         out[i] = dataclasses.replace(keep, info={
-            **dict(keep.info), "pooled": _POOLED,
+            **dict(keep.info), "pooled": _POOLED, "nested": None,
             "first_pass": {"params": f.params, "weights": np.asarray(f.weights).tolist(),
                            "calib_nll": f.calib_nll}})
+        if cache is not None:
+            cache.put(specs[i], out[i])
+    return out
+
+
+def _nesting_pass(specs: Sequence[MethodSpec], fits: list[Fitted], calib: EventTable,
+                  settings: FitSettings, cache: FitCache | None,
+                  earlier: Sequence[Fitted]) -> list[Fitted]:
+    """The last step of :func:`fit_specs`: a calibrated born row whose phase map contains
+    the map of another calibrated row that ended lower (``earlier`` included) is fitted
+    again from the lowest such row's fit transcribed into its map (:func:`_nested_start`),
+    keeping the lower. So no row ends above a row its map contains (up to the
+    transcription, exact from ``constant``): on the swarm at 4330fdc born token_tanh
+    [calibrated] ended at 3.712881, 1.1e-3 above born constant (fitted offset)'s 3.711789,
+    which its map holds at scale 0. It reads the second pass's results only (no row's
+    depends on the order of the rows), and a refit under other last bits runs it too.
+    Where the nested fit wins, the row's own end joins its census (``near``) when within
+    FIT_NEAR of it."""
+    rows = [i for i, s in enumerate(specs) if s.variant != "proposed" and s.role != "member"
+            and not _nothing_to_fit(s)]
+    pool = [fits[j] for j in rows] + list(earlier)
+    out = list(fits)
+    again = dataclasses.replace(settings, starts=0)
+    for i in rows:
+        f = fits[i]
+        if specs[i].method != "born" or f.info.get("nested", "") is not None:
+            continue  # not a born row, or its nesting step ran (a cached fit)
+        below = sorted((h.calib_nll, h.label, g) for h in pool
+                       if h.label != f.label and h.calib_nll < f.calib_nll
+                       and (g := _nested_start(specs[i], h)) is not None)
+        keep, source = f, ""
+        if below:
+            g = fit_spec(specs[i], calib, again, warm=below[0][2])
+            if g.calib_nll < f.calib_nll:
+                keep, source = g, below[0][1]
+        info = {**dict(keep.info), "nested": source,
+                **{k: f.info[k] for k in ("pooled", "first_pass") if k in f.info}}
+        if keep is not f:
+            own = [{"calib_nll": f.calib_nll, "params": f.params,
+                    "weights": np.asarray(f.weights).tolist()}] + list(f.info.get("near") or ())
+            info["near"] = list(keep.info.get("near") or ()) + [
+                e for e in own if float(e["calib_nll"]) - keep.calib_nll <= FIT_NEAR]
+            info["ends"] = sorted(set(keep.info.get("ends") or ()) | set(f.info.get("ends") or ()))
+        out[i] = dataclasses.replace(keep, info=info)
         if cache is not None:
             cache.put(specs[i], out[i])
     return out

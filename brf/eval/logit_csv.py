@@ -486,6 +486,14 @@ def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
     Raises:
       CsvError: file, line, row and column of the first broken row.
     """
+    _check_order(run)
+    _check_ids(run, vocab_size)
+    _check_logits(run)
+    check_derived(run, vocab_size)
+
+
+def _check_order(run: LogitRun) -> None:
+    """Each (seq, position) once, positions ascending within a sequence."""
     seq, pos = run.seq, run.position
     key = np.stack([seq, pos], 1)
     order = np.lexsort((pos, seq))
@@ -501,6 +509,10 @@ def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
         raise CsvError(f"{run.where(r, 'position')}: position {int(pos[r])} after "
                        f"{int(pos[r - 1])} in sequence {int(seq[r])}: rows must be in text "
                        f"order")
+
+
+def _check_ids(run: LogitRun, vocab_size: int | None) -> None:
+    """A row's top ids distinct; every id (top or ``token_id``) in [0, vocab_size)."""
     ids = run.top_ids
     srt = np.sort(ids, axis=1)
     rep = srt[:, 1:] == srt[:, :-1]
@@ -522,6 +534,12 @@ def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
             raise CsvError(f"{run.where(int(r), col)}: token id {int(arr2[r, j])} is not in "
                            f"{limit}" + ("" if not vocab_size else
                                          f" (the vocabulary has {vocab_size} tokens)"))
+
+
+def _check_logits(run: LogitRun) -> None:
+    """The top logits descending, ``lse`` at least their log-sum-exp and at least
+    ``token_logit``, ``entropy`` and ``gap`` not negative (each within the rounding
+    slack of another tool's file)."""
     top = run.top_logits.astype(np.float64)
     slack = _REL * np.maximum(1.0, np.abs(top[:, :-1]))
     finite_next = np.isfinite(top[:, 1:])
@@ -553,7 +571,6 @@ def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
         if arr is not None and (arr < -_REL).any():
             r = int(np.argmax(arr < -_REL))
             raise CsvError(f"{run.where(r, name)}: {float(arr[r]):.9g} is negative")
-    check_derived(run, vocab_size)
 
 
 def _slack(x: np.ndarray) -> np.ndarray:
