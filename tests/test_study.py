@@ -284,6 +284,26 @@ def test_run_moves_names_the_verdicts_whose_answer_or_rows_changed():
     assert all(k.startswith("co-aligned") for k in run_moves(before, {**after, "bytes": None}))
 
 
+def test_not_distinguishable_for_the_fit_is_the_same_call_as_not_distinguishable():
+    """A verdict that one run calls "not distinguishable" and the other "not
+    distinguishable (fit)" (its bootstrap interval alone clears 0, widened by the rows'
+    fit spreads it does not) has not moved: neither run calls a difference; one that
+    goes from either to a called difference has."""
+    from brf.eval.compare import run_moves, same_call
+    plain = _section("born tanh", [-0.02, 0.01], [-0.01, 0.01])
+    fit = _section("born tanh", [-0.02, 0.01], [-0.01, 0.01])
+    fit["per_corpus"]["c"]["nll_comparison"]["calibrated"]["statistical_ci"] = [-0.02, -0.01]
+    moves = run_moves(plain, fit)
+    m = moves["co-aligned: c: nll [calibrated]"]
+    assert (m.before.answer, m.after.answer) == ("not distinguishable",
+                                                 "not distinguishable (fit)")
+    assert not m.moved
+    called = _section("born tanh", [-0.02, -0.01], [-0.01, 0.01])
+    assert run_moves(fit, called)["co-aligned: c: nll [calibrated]"].moved
+    assert same_call("not distinguishable (fit)", "not distinguishable")
+    assert not same_call("not distinguishable (fit)", "BRF better than the best baseline")
+
+
 @pytest.mark.parametrize("controls", [True, False])
 def test_the_fair_verdict_says_controls_only_when_they_ran(controls):
     """Issue 54: with --config.controls=False the pooled fair verdict still said

@@ -392,6 +392,13 @@ def topk_moves(a: AnalysisResult, b: AnalysisResult) -> VerdictMoves:
 # ----------------------------------------------------------------- levels, runs
 
 
+def same_call(a: str, b: str) -> bool:
+    """Whether two answers call the same verdict: "not distinguishable (fit)" (the
+    bootstrap alone would call a difference, the rows' fit spreads do not) is the same
+    call as "not distinguishable", its reason said beside it."""
+    return a.removesuffix(" (fit)") == b.removesuffix(" (fit)")
+
+
 class Answer(NamedTuple):
     """One verdict as an answer that compares across levels and runs: the words, the
     number behind them and, for a difference, its 95% CI (the forking answer: the
@@ -409,7 +416,7 @@ class Answer(NamedTuple):
     @property
     def fragile(self) -> bool:
         """Whether some choice among tied rows gives another answer."""
-        return any(a.answer != self.answer for a in self.alternatives)
+        return any(not same_call(a.answer, self.answer) for a in self.alternatives)
 
     def with_alternatives(self, alternatives) -> "Answer":
         return self._replace(alternatives=tuple(alternatives))
@@ -427,7 +434,7 @@ class Move(NamedTuple):
 
     @property
     def moved(self) -> bool:
-        return self.tokens != self.bytes
+        return not same_call(self.tokens, self.bytes)
 
     def as_dict(self) -> dict:
         return {**self._asdict(), "moved": self.moved}
@@ -642,7 +649,7 @@ class RunMove(NamedTuple):
 
     @property
     def moved(self) -> bool:
-        return self.before.answer != self.after.answer
+        return not same_call(self.before.answer, self.after.answer)
 
     @property
     def rows_changed(self) -> bool:
