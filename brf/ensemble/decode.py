@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Generator, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -257,16 +257,39 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
     sampler = Sampler.parse(sampler) if not isinstance(sampler, Sampler) else sampler
     method_params = dict(method_params or {})
     _check_request(mode, choice, prompts, max_new_tokens, method, method_params, sampler)
-    if engine not in ENGINES:
-        raise EnsembleInputError(f"unknown engine {engine!r}; use one of {ENGINES}")
-    if not isinstance(block_steps, int) or isinstance(block_steps, bool) or block_steps < 1:
-        raise EnsembleInputError(f"block_steps must be an integer >= 1; got {block_steps!r}")
+    _check_engine(engine, block_steps)
     w = normalised_weights(members, weights)
     if mode == "fuse":
         method_params = _with_unembeddings(method, method_params, members)
         _check_method(method, method_params, len(members))
-    B = len(prompts)
-    space = make_space(aligner, members, B, aligner_params)
+    space = _event_space(aligner, aligner_params, members, len(prompts), mode, method,
+                         method_params)
+    prompt_ids = _fitting_prompt_ids(members, prompts, max_new_tokens)
+    space.start(prompt_ids)
+    job = _Job(members=members, prompts=prompts, weights=w, mode=mode, method=method,
+               method_params=method_params, sampler=sampler, max_new_tokens=max_new_tokens,
+               stop=tuple(stop), seed=seed, space=space, choice=choice, dtype=dtype,
+               trace=trace, prompt_ids=prompt_ids)
+    if _engine_for(job, engine) == "device":
+        return _run_device(job, results, block_steps)
+    return _run(job, results)
+
+
+def _check_engine(engine: str, block_steps: int) -> None:
+    """The checks of :func:`stream`'s engine arguments (``engine``, ``block_steps``)."""
+    if engine not in ENGINES:
+        raise EnsembleInputError(f"unknown engine {engine!r}; use one of {ENGINES}")
+    if not isinstance(block_steps, int) or isinstance(block_steps, bool) or block_steps < 1:
+        raise EnsembleInputError(f"block_steps must be an integer >= 1; got {block_steps!r}")
+
+
+def _event_space(aligner: str | Callable, aligner_params: Mapping[str, Any] | None,
+                 members: list, batch: int, mode: str, method: str, method_params: dict):
+    """The event space of :func:`stream` (:func:`make_space`), once it is known to hold
+    what the request asks of it: a mixture mode needs one in which one member's
+    distribution stands alone, and softmax-bottleneck fusion (``unembeddings``) needs
+    the members' one shared vocabulary, on which alone its constraints are defined."""
+    space = make_space(aligner, members, batch, aligner_params)
     if mode != "fuse" and not space.supports_mixture:
         raise EnsembleInputError(f"mode {mode!r} needs an event space in which one member's "
                                  f"distribution stands alone; aligner {aligner!r} does not "
@@ -278,34 +301,45 @@ def stream(members: Sequence[Member], prompts: Sequence[str], *,
             f"vocabulary; aligner {aligner!r} fuses on an aligned event space, where these "
             "constraints are not defined. Use members with one vocabulary and "
             "aligner='identity'")
+    return space
+
+
+def _fitting_prompt_ids(members: list, prompts: list, max_new_tokens: int) -> list:
+    """Per member, the token ids of every prompt ([member][prompt]), each checked to
+    leave room in the member's context for ``max_new_tokens`` more tokens."""
     prompt_ids = [[m.prompt_ids(p) for p in prompts] for m in members]
     # Across vocabularies too: an event is at least one token for every member that
     # reads every step (fuse), and for a mixture member drawn at every step.
     for m, ids in zip(members, prompt_ids):
         for p in ids:
             check_prompt_fits(m, p, max_new_tokens)
-    space.start(prompt_ids)
-    job = _Job(members=members, prompts=prompts, weights=w, mode=mode, method=method,
-               method_params=method_params, sampler=sampler, max_new_tokens=max_new_tokens,
-               stop=tuple(stop), seed=seed, space=space, choice=choice, dtype=dtype,
-               trace=trace, prompt_ids=prompt_ids)
+    return prompt_ids
+
+
+def _engine_for(job: _Job, engine: str) -> str:
+    """The engine a job runs on, 'device' or 'host' (see :func:`stream`'s ``engine``).
+
+    'auto' picks the device where the compiled step applies: mode 'fuse', or a mixture
+    mode in a shared vocabulary; a space it knows (not a custom factory's); no trace;
+    every member on the same devices; and no member's dummy prefix still to come.
+    ``engine='device'`` where it does not apply is refused rather than run on the host.
+    """
     from brf.ensemble.aligned import AlignedSpace
+    members, mode, space = job.members, job.mode, job.space
     known = isinstance(space, (IdentitySpace, AlignedSpace))  # not a custom factory's
     # A member whose dummy prefix is still to come (no text after its prompt's last
     # control token) reads it with its first event's tokens, which the device's
     # per-event table does not hold.
     leads = isinstance(space, AlignedSpace) and space.lead_pending()
-    on_device = (known and (mode == "fuse" or isinstance(space, IdentitySpace)) and not trace
-                 and _colocated(members) and not leads)
+    on_device = (known and (mode == "fuse" or isinstance(space, IdentitySpace))
+                 and not job.trace and _colocated(members) and not leads)
     if engine == "device" and not on_device:
         raise EnsembleInputError("engine='device' runs mode 'fuse', or a mixture mode in a "
                                  "shared vocabulary, without trace, with every member on the "
                                  "same devices and no member's dummy prefix still to come "
                                  "(a prompt ending in a control token); use engine='host' or "
                                  "'auto'")
-    if engine != "host" and on_device:
-        return _run_device(job, results, block_steps)
-    return _run(job, results)
+    return "device" if engine != "host" and on_device else "host"
 
 
 def _check_request(mode: str, choice: str, prompts: list, max_new_tokens: int, method: str,
@@ -477,6 +511,24 @@ def _device_plan(job: _Job):
     return spec, tables, tokens
 
 
+class _Replay(NamedTuple):
+    """The host's side of the device engine, into which it replays each block's events.
+
+    Per sequence: its generation, its text stream and whether it is done. Per member
+    and sequence (``[member][sequence]``): the tokens read, in mode 'fuse' the tokens of
+    the pending event (read at the next step's start), and in the mixture modes the
+    tokens still pending. The lists are updated in place; ``views`` (per member, what
+    `_advance` reads) share their rows with ``n_read`` and ``pending``.
+    """
+    gens: list
+    streams: list
+    done: list
+    n_read: list
+    unread: list
+    pending: list
+    views: list
+
+
 def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
                 ) -> Iterator[Piece]:
     """Decoding on the device: blocks of compiled steps (:mod:`brf.ensemble.step`):
@@ -484,17 +536,41 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
     sequence's last event pending until the next step reads it), the mixture modes
     as mixture steps (``run_block``).
 
-    Between blocks the host replays each event exactly as the host loop does
-    (`_advance`: text, stop strings, the members' re-encoding, the finish
-    reason) and checks that every member read the tokens the re-encoding gives.
-    A sequence a stop string ended is marked finished on the device before the
-    next block; a cache is grown when the next block might not fit in it.
+    Between blocks the host replays each event exactly as the host loop does and checks
+    the members' reads (:func:`_replay_block`). A sequence a stop string ended is marked
+    finished on the device before the next block; a cache is grown when the next block
+    might not fit in it (:func:`_block_caches`).
     """
-    from brf.ensemble import step as dstep
-    members, B, n = job.members, len(job.prompts), len(job.members)
+    B, n = len(job.prompts), len(job.members)
     gens, streams, states = _begin(job, results)
     spec, tables, tokens = _device_plan(job)
-    params = tuple(m.params for m in members)
+    params = tuple(m.params for m in job.members)
+    mixture = job.mode != "fuse"
+    state = _device_state(job, states)
+    n_read = [list(st.n_read) for st in states]
+    pending = [[[] for _ in range(B)] for _ in range(n)]
+    host = _Replay(gens, streams, [False] * B, n_read, [[0] * B for _ in range(n)], pending,
+                   [_Read(n_read[i], pending[i]) for i in range(n)])
+    ends = [st.end for st in states]
+    while not all(host.done):
+        dec, reads, spans = _block_caches(job, spec, host, state if mixture else state.dec,
+                                          ends, block_steps)
+        state, events_KxB, ran_KxN, k, ends = _compiled_block(
+            job, spec, params, tables, state, dec, reads, spans, block_steps)
+        stopped = yield from _replay_block(job, host, tokens, events_KxB, ran_KxN, k)
+        if stopped:
+            state = _mark_stopped(state, stopped, mixture)
+        if k == 0 and not all(host.done):
+            raise RuntimeError("a device block made no progress")
+
+
+def _device_state(job: _Job, states: list):
+    """The device state a job starts from, holding the members' caches and logits
+    (``states``, from :func:`_begin`): for the mixture modes a ``DecodeState`` with room
+    for every event a member can leave pending; for mode 'fuse' a ``RoundState`` around
+    it (rounds that draft nothing), no event pending yet."""
+    from brf.ensemble import step as dstep
+    B, n = len(job.prompts), len(job.members)
     mixture = job.mode != "fuse"
     slots = job.max_new_tokens + 1  # pending events a member can hold (mixture modes)
     state = dstep.DecodeState(
@@ -505,80 +581,118 @@ def _run_device(job: _Job, results: list[Generation] | None, block_steps: int
     if not mixture:  # fused: rounds that draft nothing; the last event drawn is pending
         state = dstep.RoundState(state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
                                  jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32))
-    n_read = [list(st.n_read) for st in states]
-    unread = [[0] * B for _ in range(n)]  # fused: the pending event's tokens, per sequence
-    pending = [[[] for _ in range(B)] for _ in range(n)]
-    ends = [st.end for st in states]
-    views = [_Read(n_read[i], pending[i]) for i in range(n)]
-    done = [False] * B
-    while not all(done):
-        live = [b for b in range(B) if not done[b]]
-        dec = state if mixture else state.dec
-        caches, reads, spans = list(dec.caches), [], []
-        for i, m in enumerate(members):
-            if mixture:  # a catch-up may read every pending event, in chunks
-                per_step = dstep.CHUNK
-                horizon = 2 * (block_steps + max(map(len, pending[i]))) + dstep.CHUNK
-            else:
-                per_step = spec.slots_per_step(i)
-                horizon = block_steps * min(per_step, 2) + per_step
-            caches[i], r, span = dstep.block_room(
-                m.cfg, caches[i], ends[i], [n_read[i][b] - unread[i][b] for b in live],
-                horizon)
-            reads.append(r)
-            spans.append(span)
-        dec = dec._replace(caches=tuple(caches))
-        if mixture:
-            state, events_KxB, ran_KxN, k, fill = dstep.run_block(
-                spec, params, tables, dec, steps=block_steps, reads=tuple(reads),
-                spans=tuple(spans))
-            ran_KxN = np.asarray(ran_KxN)
+    return state
+
+
+def _block_caches(job: _Job, spec, host: _Replay, dec, ends: list, block_steps: int):
+    """``(dec, reads, spans)`` for the next block: the decoding state ``dec`` with every
+    member's cache grown where the block might not fit in it (``step.block_room``;
+    ``ends``: the caches' fills), and per member the reads and span that promise the
+    horizon, the slots the member may write in ``block_steps`` steps. The reads start
+    after each live sequence's tokens read (in mode 'fuse' not counting those of its
+    pending event, which the block reads first)."""
+    from brf.ensemble import step as dstep
+    live = [b for b in range(len(job.prompts)) if not host.done[b]]
+    caches, reads, spans = list(dec.caches), [], []
+    for i, m in enumerate(job.members):
+        if job.mode != "fuse":  # a catch-up may read every pending event, in chunks
+            per_step = dstep.CHUNK
+            horizon = 2 * (block_steps + max(map(len, host.pending[i]))) + dstep.CHUNK
         else:
-            state, em, _, _, _, _, k, fill = dstep.run_rounds(
-                spec, params, tables, state._replace(dec=dec), None, rounds=block_steps, k=0,
-                n=1, min_n=1, reads=tuple(reads), spans=tuple(spans))
-            events_KxB, ran_KxN = em[:, :, 0], np.ones((block_steps, n), bool)
-        events_KxB, k = np.asarray(events_KxB), int(k)
-        ends = [int(e) for e in np.asarray(fill)]
-        stopped = []
-        for t in range(k):
-            ran = [i for i in range(n) if ran_KxN[t, i]]
-            if mixture:  # the members that ran read everything pending, every sequence
-                for i in ran:
-                    for b in range(B):
-                        n_read[i][b] += len(pending[i][b])
-                        pending[i][b].clear()
-            edits = [[(0, ())] * B for _ in range(n)]
-            for b in range(B):
-                e = int(events_KxB[t, b])
-                if e < 0 or done[b]:
-                    continue
-                for i in ran:
-                    gens[b].members_run[i] += 1
-                piece, reason = _advance(job, b, e, gens[b], streams[b], views, edits)
-                for i in range(n):
-                    n_retract, new = edits[i][b]
-                    read = (e,) if tokens is None else tuple(
-                        tokens[i].flat[tokens[i].starts[e]:][:max(tokens[i].lengths[e], 0)])
-                    if reason is None and (n_retract or tuple(new) != read):
-                        raise RuntimeError(f"member {i} read {read} on the device where the "
-                                           f"re-encoding gives {n_retract} retracted, {new}")
-                    if mixture:
-                        pending[i][b].extend(new)
-                    else:  # read at the next step's start
-                        n_read[i][b] += len(new)
-                        unread[i][b] = len(new)
-                done[b] = reason is not None
-                if reason == "stop":
-                    stopped.append(b)
-                if piece or reason:
-                    yield Piece(b, piece, reason)
-        if stopped:
-            dec = state if mixture else state.dec
-            dec = dec._replace(finished=dec.finished.at[jnp.asarray(stopped)].set(True))
-            state = dec if mixture else state._replace(dec=dec)
-        if k == 0 and not all(done):
-            raise RuntimeError("a device block made no progress")
+            per_step = spec.slots_per_step(i)
+            horizon = block_steps * min(per_step, 2) + per_step
+        caches[i], r, span = dstep.block_room(
+            m.cfg, caches[i], ends[i], [host.n_read[i][b] - host.unread[i][b] for b in live],
+            horizon)
+        reads.append(r)
+        spans.append(span)
+    return dec._replace(caches=tuple(caches)), tuple(reads), tuple(spans)
+
+
+def _compiled_block(job: _Job, spec, params: tuple, tables, state, dec, reads: tuple,
+                    spans: tuple, block_steps: int):
+    """Runs one block of compiled steps from ``state`` with its decoding state replaced by
+    ``dec`` (:func:`_block_caches`; donated). Returns the state after the block, its
+    events ``[steps, B]`` (-1 where a sequence drew none) and which members ran at each
+    step ``[steps, n]``, both as numpy, the steps run, and each member's cache fill."""
+    from brf.ensemble import step as dstep
+    if job.mode != "fuse":
+        state, events_KxB, ran_KxN, k, fill = dstep.run_block(
+            spec, params, tables, dec, steps=block_steps, reads=reads, spans=spans)
+        ran_KxN = np.asarray(ran_KxN)
+    else:
+        state, em, _, _, _, _, k, fill = dstep.run_rounds(
+            spec, params, tables, state._replace(dec=dec), None, rounds=block_steps, k=0,
+            n=1, min_n=1, reads=reads, spans=spans)
+        events_KxB, ran_KxN = em[:, :, 0], np.ones((block_steps, len(job.members)), bool)
+    events_KxB, k = np.asarray(events_KxB), int(k)
+    return state, events_KxB, ran_KxN, k, [int(e) for e in np.asarray(fill)]
+
+
+def _replay_block(job: _Job, host: _Replay, tokens, events_KxB: np.ndarray,
+                  ran_KxN: np.ndarray, k: int) -> Generator[Piece, None, list]:
+    """Replays a block's first k steps into ``host`` exactly as the host loop does
+    (`_advance`: text, stop strings, the members' re-encoding, the finish reason),
+    checking every member's reads (:func:`_record_reads`) and yielding the pieces.
+
+    Returns:
+        The sequences a stop string ended, which only the host sees.
+    """
+    B, n, mixture = len(job.prompts), len(job.members), job.mode != "fuse"
+    stopped = []
+    for t in range(k):
+        ran = [i for i in range(n) if ran_KxN[t, i]]
+        if mixture:  # the members that ran read everything pending, every sequence
+            for i in ran:
+                for b in range(B):
+                    host.n_read[i][b] += len(host.pending[i][b])
+                    host.pending[i][b].clear()
+        edits = [[(0, ())] * B for _ in range(n)]
+        for b in range(B):
+            e = int(events_KxB[t, b])
+            if e < 0 or host.done[b]:
+                continue
+            for i in ran:
+                host.gens[b].members_run[i] += 1
+            piece, reason = _advance(job, b, e, host.gens[b], host.streams[b], host.views,
+                                     edits)
+            _record_reads(host, tokens, b, e, edits, reason, mixture)
+            host.done[b] = reason is not None
+            if reason == "stop":
+                stopped.append(b)
+            if piece or reason:
+                yield Piece(b, piece, reason)
+    return stopped
+
+
+def _record_reads(host: _Replay, tokens, b: int, e: int, edits, reason: str | None,
+                  mixture: bool) -> None:
+    """Records in ``host`` the tokens each member reads for sequence b's event e (pending
+    in the mixture modes; in mode 'fuse' read at the next step's start), as the host's
+    re-encoding gives them (``edits``). While the sequence runs they must be what the
+    device read: the event's own tokens (its per-event table; the event id itself in a
+    shared vocabulary), nothing retracted; else the device's text is not the host's."""
+    for i in range(len(edits)):
+        n_retract, new = edits[i][b]
+        read = (e,) if tokens is None else tuple(
+            tokens[i].flat[tokens[i].starts[e]:][:max(tokens[i].lengths[e], 0)])
+        if reason is None and (n_retract or tuple(new) != read):
+            raise RuntimeError(f"member {i} read {read} on the device where the "
+                               f"re-encoding gives {n_retract} retracted, {new}")
+        if mixture:
+            host.pending[i][b].extend(new)
+        else:  # read at the next step's start
+            host.n_read[i][b] += len(new)
+            host.unread[i][b] = len(new)
+
+
+def _mark_stopped(state, stopped: list, mixture: bool):
+    """The device state with the sequences ``stopped`` marked finished: a stop string,
+    which only the host sees, ended them, and the next block must draw nothing for
+    them."""
+    dec = state if mixture else state.dec
+    dec = dec._replace(finished=dec.finished.at[jnp.asarray(stopped)].set(True))
+    return dec if mixture else state._replace(dec=dec)
 
 
 def _draw_step(job: _Job, k_token, logits: dict, member_B, w_dev, method_params) -> _Step:

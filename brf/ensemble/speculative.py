@@ -357,6 +357,28 @@ def _before_control(draft: list[int], control: frozenset[int]) -> list[int]:
     return draft
 
 
+def _verify(fused, drafts: list[list[int]], live: list[int], sampler: Sampler, k: int, key,
+            dlogp) -> dict:
+    """Per live row, the verdict on its draft against the fused distribution ``fused``
+    ([B, K + 1, V]): greedy, the drafts that equal its argmax and the argmax after
+    them; sampled, the device rounds' accept / resample step (with their shapes, the
+    drafts padded to the drafter's k, and the round's key), so both engines draw the
+    same random numbers. ``dlogp``: the log-probs a sampled member drafter drew its
+    drafts from (None for a deterministic draft)."""
+    if sampler.greedy:
+        top = np.asarray(jnp.argmax(fused, axis=-1))
+        return {b: verify_greedy(top[b], drafts[b]) for b in live}
+    B = len(drafts)
+    d_BxK = np.zeros((B, k), np.int32)
+    for b in live:
+        d_BxK[b, :len(drafts[b])] = drafts[b]
+    acc_B, event_B = (np.asarray(x) for x in _accept_sampled(
+        key, jnp.pad(fused, ((0, 0), (0, k + 1 - fused.shape[1]), (0, 0))),
+        jnp.asarray(d_BxK), jnp.asarray([len(d) for d in drafts], jnp.int32),
+        sampler=sampler, logp_BxKxV=dlogp))
+    return {b: Verdict(int(acc_B[b]), int(event_B[b])) for b in live}
+
+
 class _Loop:
     """One call of :func:`generate_speculative` (host bookkeeping, device states)."""
 
@@ -460,7 +482,13 @@ class _Loop:
 
     # -- one round
     def _round(self) -> list[tuple[int, list[int], int]]:
-        """Drafts, verifies and rolls back; returns per live row (b, emitted, accepted)."""
+        """One round on the host: the drafter's drafts read by every member in one call
+        (:meth:`_member_logits`), fused, verified (:func:`_verify`), recorded
+        (:meth:`_record_round`) and every state rolled back to the accepted text
+        (:meth:`_roll_back_to_accepted`). Returns per live row (b, emitted, accepted):
+        the events it emitted (its accepted drafts and the one after) and how many
+        drafts it accepted.
+        """
         B = self.B
         caps = [max(0, self.max_new - g.n_events - 1) for g in self.gens]
         k_round = self.sched.k
@@ -473,8 +501,22 @@ class _Loop:
         shadow = ({b: self._ngram(b, 1) for b in live}
                   if k_round == 0 and self.sched.free_checks else {})
         tokens = [list(self.pending[b]) + drafts[b] if b in live else [] for b in range(B)]
-        K = max(len(drafts[b]) for b in live)
-        # every member's logits at the K + 1 positions of every row
+        per_member = self._member_logits(tokens, live, max(len(drafts[b]) for b in live))
+        logp = _log_softmax(jnp.stack(per_member, axis=2))       # [B, K + 1, n, V]
+        fused = fuse(self.method, logp, self.w_dev, validate=False, **self.method_params)
+        fused_np = np.asarray(fused, np.float64) if self.trace else None
+        verdicts = _verify(fused, drafts, live, self.sampler, self.spec.k, key, dlogp)
+        out = self._record_round(k_round, drafts, verdicts, shadow, fused_np)
+        self._roll_back_to_accepted(out, tokens)
+        self.round += 1
+        return out
+
+    def _member_logits(self, tokens: list[list[int]], live: list[int], K: int) -> list:
+        """Every member's logits at the K + 1 positions of every row ([B, K + 1, V] per
+        member, brought to where the fusion runs): each group of members reads its
+        rows' tokens (the pending one, then the draft) in one call, which leaves the
+        group's state past them, and each live row's count of member runs goes up."""
+        B = self.B
         per_member: list[Any] = [None] * self.n
         for g, idx in enumerate(self.groups):
             st = self.states[g]
@@ -494,29 +536,19 @@ class _Loop:
             for i in idx:
                 for b in live:
                     self.gens[b].members_run[i] += 1
-        logp = _log_softmax(jnp.stack(per_member, axis=2))       # [B, K + 1, n, V]
-        fused = fuse(self.method, logp, self.w_dev, validate=False, **self.method_params)
-        fused_np = np.asarray(fused, np.float64) if self.trace else None
-        if self.sampler.greedy:
-            top = np.asarray(jnp.argmax(fused, axis=-1))
-        else:  # the device rounds' accept / resample step, with their shapes and key
-            K = self.spec.k
-            d_BxK = np.zeros((B, K), np.int32)
-            for b in live:
-                d_BxK[b, :len(drafts[b])] = drafts[b]
-            acc_B, event_B = (np.asarray(x) for x in _accept_sampled(
-                key, jnp.pad(fused, ((0, 0), (0, K + 1 - fused.shape[1]), (0, 0))),
-                jnp.asarray(d_BxK), jnp.asarray([len(d) for d in drafts], jnp.int32),
-                sampler=self.sampler, logp_BxKxV=dlogp))
+        return per_member
+
+    def _record_round(self, k_round: int, drafts: list[list[int]], verdicts: dict,
+                      shadow: dict, fused_np) -> list[tuple[int, list[int], int]]:
+        """A round's verdicts (per live row) as its emitted events, recorded: each row's
+        statistics and trace rows, the free checks of the n-gram drafter's would-be
+        tokens (``shadow``) and, once a round (all rows share its k), the schedule's
+        update. Returns per live row (b, emitted, accepted), as :meth:`_round`."""
         out = []
-        keep = [0] * B
         drafted = accepted = rejected = checked = hits = 0
-        for b in live:
+        for b, v in verdicts.items():
             d = drafts[b]
-            v = (verify_greedy(top[b], d) if self.sampler.greedy
-                 else Verdict(int(acc_B[b]), int(event_B[b])))
             emitted = d[:v.accepted] + [v.event]
-            keep[b] = len(self.pending[b]) + v.accepted
             self.gens[b].spec.add(k_round, len(d), v.accepted)
             drafted, accepted = drafted + len(d), accepted + v.accepted
             rejected += v.accepted < len(d) or (k_round > 0 and not d)
@@ -529,9 +561,20 @@ class _Loop:
             out.append((b, emitted, v.accepted))
         self.sched.observe(hits, checked - hits)
         self.sched.update(drafted, accepted, rejected)  # once a round: all rows share k
-        # roll every state back to the accepted text; the emitted token is pending
+        return out
+
+    def _roll_back_to_accepted(self, out: list[tuple[int, list[int], int]],
+                               tokens: list[list[int]]) -> None:
+        """Every state rolled back to the accepted text after a round that read
+        ``tokens`` (per row: its pending token, then its draft): each row keeps its
+        pending token and its accepted drafts (:func:`rollback`), the token it emitted
+        becomes pending, and a member drafter keeps what it read of the accepted text
+        (:meth:`_rollback_drafter`)."""
+        B = self.B
+        keep = [0] * B
         new_pending = [() for _ in range(B)]
-        for b, emitted, _ in out:
+        for b, emitted, acc in out:
+            keep[b] = len(self.pending[b]) + acc
             new_pending[b] = (emitted[-1],)
         for g, idx in enumerate(self.groups):
             st = self.states[g]
@@ -542,8 +585,6 @@ class _Loop:
         if self.dstate is not None:
             self._rollback_drafter(out)
         self.pending = new_pending
-        self.round += 1
-        return out
 
     def _rollback_drafter(self, out) -> None:
         """The drafter keeps what it read of the accepted text; the rest is pending.
