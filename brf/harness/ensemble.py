@@ -56,9 +56,7 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[i
         cont = encode_text(tok, continuation)
         prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         return ([prefix], cont) if not cont or cont[0] != prefix else (cont[:1], cont[1:])
-    n = len(context) - len(context.rstrip())
-    if n:
-        context, continuation = context[:-n], context[-n:] + continuation
+    context, continuation = split_spaces(context, continuation)
     whole = encode_text(tok, context + continuation, add_special_tokens=True)
     ctx = encode_text(tok, context, add_special_tokens=True)
     return ctx, whole[len(ctx):]
