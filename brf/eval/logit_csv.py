@@ -492,6 +492,15 @@ def check_invariants(run: LogitRun, vocab_size: int | None = None) -> None:
     check_derived(run, vocab_size)
 
 
+def _refuse_first(run: LogitRun, bad: np.ndarray, column, message) -> None:
+    """Raises CsvError at the first row where ``bad`` holds, naming its file, line and
+    column (``column``: a name, or a function of the row) and ``message(row)``."""
+    if bad.any():
+        r = int(np.argmax(bad))
+        col = column(r) if callable(column) else column
+        raise CsvError(f"{run.where(r, col)}: {message(r)}")
+
+
 def _check_order(run: LogitRun) -> None:
     """Each (seq, position) once, positions ascending within a sequence."""
     seq, pos = run.seq, run.position
@@ -504,11 +513,9 @@ def _check_order(run: LogitRun) -> None:
                        f"{int(pos[b])}) is also line {int(run.lines[a])}: a position has one "
                        f"row")
     back = (seq[1:] == seq[:-1]) & (pos[1:] < pos[:-1])
-    if back.any():
-        r = int(np.argmax(back)) + 1
-        raise CsvError(f"{run.where(r, 'position')}: position {int(pos[r])} after "
-                       f"{int(pos[r - 1])} in sequence {int(seq[r])}: rows must be in text "
-                       f"order")
+    _refuse_first(run, np.concatenate([[False], back]), "position", lambda r: (
+        f"position {int(pos[r])} after {int(pos[r - 1])} in sequence {int(seq[r])}: rows "
+        f"must be in text order"))
 
 
 def _check_ids(run: LogitRun, vocab_size: int | None) -> None:
@@ -555,22 +562,18 @@ def _check_logits(run: LogitRun) -> None:
     with np.errstate(over="ignore", invalid="ignore"):
         top_lse = m + np.log(np.exp(top - m[:, None]).sum(1))
     over = top_lse > lse + np.log1p(_MASS_SLACK) + _REL * np.maximum(1.0, np.abs(lse))
-    if over.any():
-        r = int(np.argmax(over))
-        raise CsvError(f"{run.where(r, 'lse')}: {lse[r]:.9g} is below the log-sum-exp of the "
-                       f"row's top logits ({top_lse[r]:.9g}): the top k would hold more than "
-                       f"all the probability (lse is the log-normaliser of all the logits)")
+    _refuse_first(run, over, "lse", lambda r: (
+        f"{lse[r]:.9g} is below the log-sum-exp of the row's top logits ({top_lse[r]:.9g}): "
+        f"the top k would hold more than all the probability (lse is the log-normaliser of "
+        f"all the logits)"))
     if run.token_logit is not None:
         tl = run.token_logit.astype(np.float64)
-        above = tl > lse + _REL * np.maximum(1.0, np.abs(lse))
-        if above.any():
-            r = int(np.argmax(above))
-            raise CsvError(f"{run.where(r, 'token_logit')}: {tl[r]:.9g} is above lse "
-                           f"{lse[r]:.9g} (a token's probability would exceed 1)")
+        _refuse_first(run, tl > lse + _REL * np.maximum(1.0, np.abs(lse)), "token_logit",
+                      lambda r: f"{tl[r]:.9g} is above lse {lse[r]:.9g} (a token's "
+                                f"probability would exceed 1)")
     for name, arr in (("entropy", run.entropy), ("gap", run.gap)):
-        if arr is not None and (arr < -_REL).any():
-            r = int(np.argmax(arr < -_REL))
-            raise CsvError(f"{run.where(r, name)}: {float(arr[r]):.9g} is negative")
+        if arr is not None:
+            _refuse_first(run, arr < -_REL, name, lambda r: f"{float(arr[r]):.9g} is negative")
 
 
 def _slack(x: np.ndarray) -> np.ndarray:
@@ -608,10 +611,9 @@ def check_derived(run: LogitRun, vocab_size: int | None = None) -> None:
         top[:, 1], neginf=0.0))))
     ok = np.isfinite(gap)
     off = ok & (np.abs(run.gap.astype(np.float64) - np.where(ok, gap, 0.0)) > 4 * _REL * scale)
-    if off.any():
-        r = int(np.argmax(off))
-        raise CsvError(f"{run.where(r, 'gap')}: {float(run.gap[r]):.9g} but the row's "
-                       f"logit_1 - logit_2 = {gap[r]:.9g} (gap is that difference)")
+    _refuse_first(run, off, "gap", lambda r: (
+        f"{float(run.gap[r]):.9g} but the row's logit_1 - logit_2 = {gap[r]:.9g} (gap is "
+        f"that difference)"))
     if run.token_id is not None and run.token_logit is not None:
         tl = run.token_logit.astype(np.float64)
         hit = run.top_ids == run.token_id[:, None]
@@ -620,38 +622,29 @@ def check_derived(run: LogitRun, vocab_size: int | None = None) -> None:
         at = top[np.arange(len(top)), j]
         with np.errstate(invalid="ignore"):
             wrong = listed & ~((tl == at) | (np.abs(tl - at) <= _slack(at)))
-        if wrong.any():
-            r = int(np.argmax(wrong))
-            raise CsvError(f"{run.where(r, 'token_logit')}: {tl[r]:.9g} but token_id "
-                           f"{int(run.token_id[r])} is id_{int(j[r]) + 1}, whose logit is "
-                           f"{at[r]:.9g}")
+        _refuse_first(run, wrong, "token_logit", lambda r: (
+            f"{tl[r]:.9g} but token_id {int(run.token_id[r])} is id_{int(j[r]) + 1}, whose "
+            f"logit is {at[r]:.9g}"))
         last = top[:, -1]
         with np.errstate(invalid="ignore"):
             above = ~listed & np.isfinite(last) & (tl > last + _slack(last))
-        if above.any():
-            r = int(np.argmax(above))
-            raise CsvError(f"{run.where(r, 'token_logit')}: {tl[r]:.9g} is above "
-                           f"logit_{run.k} = {last[r]:.9g} but token_id {int(run.token_id[r])} "
-                           f"is not among the row's top {run.k} ids")
+        _refuse_first(run, above, "token_logit", lambda r: (
+            f"{tl[r]:.9g} is above logit_{run.k} = {last[r]:.9g} but token_id "
+            f"{int(run.token_id[r])} is not among the row's top {run.k} ids"))
     if run.entropy is not None:
         h = run.entropy.astype(np.float64)
         lse = run.lse.astype(np.float64)
         floor = lse - top[:, 0]  # -log p_1, the min-entropy
         slack = _ENTROPY_SLACK * np.maximum(1.0, np.abs(floor)) + _REL * np.abs(lse)
-        low = h < floor - slack
-        if low.any():
-            r = int(np.argmax(low))
-            raise CsvError(f"{run.where(r, 'entropy')}: {h[r]:.9g} is below -log p_1 = "
-                           f"lse - logit_1 = {floor[r]:.9g} (no distribution whose largest "
-                           f"probability is p_1 has less entropy)")
+        _refuse_first(run, h < floor - slack, "entropy", lambda r: (
+            f"{h[r]:.9g} is below -log p_1 = lse - logit_1 = {floor[r]:.9g} (no distribution "
+            f"whose largest probability is p_1 has less entropy)"))
         if vocab_size:
             ceiling = float(np.log(vocab_size))
-            high = h > ceiling + _ENTROPY_SLACK * max(1.0, ceiling)
-            if high.any():
-                r = int(np.argmax(high))
-                raise CsvError(f"{run.where(r, 'entropy')}: {h[r]:.9g} is above log(vocab "
-                               f"size) = {ceiling:.9g}, the entropy of the uniform "
-                               f"distribution over {vocab_size} tokens")
+            _refuse_first(run, h > ceiling + _ENTROPY_SLACK * max(1.0, ceiling), "entropy",
+                          lambda r: f"{h[r]:.9g} is above log(vocab size) = {ceiling:.9g}, "
+                                    f"the entropy of the uniform distribution over "
+                                    f"{vocab_size} tokens")
 
 
 def _text_lines(path: str) -> list[str]:
