@@ -3,6 +3,7 @@
 import math
 import re
 
+import numpy as np
 import pytest
 
 from brf.specs import SpecError, format_spec, parse_list, parse_spec, split_list
@@ -263,3 +264,47 @@ def test_a_drafters_k_is_bounded_by_what_a_round_can_use():
     assert parse_drafter("ngram(k=6)").within(0).k == 1
     wide, narrow = KSchedule(spec.within(8)), KSchedule(parse_drafter("ngram(n=3, k=8)"))
     assert (wide.k, wide.size, wide.can_pay) == (narrow.k, narrow.size, narrow.can_pay)
+
+
+# The Python API's bad values (issue 71): what code hands brf.fusion.compile, beyond
+# what a spec string can spell: NumPy scalars and arrays, bools, None, huge ints.
+API_BAD = {"numpy inf": np.float32("inf"), "numpy nan array": np.array([np.nan]),
+           "bool": True, "none": None, "huge float": 1e300, "huge int": 2**70,
+           "text": "x"}
+
+
+def test_every_parameter_of_the_python_api_is_checked():
+    """Issue 71: loglinear(temperature=np.float32('inf')) and a phase map
+    {'name': 'tanh', 'scale': True} were accepted, born_shuffled(seed=1e300) raised a
+    raw OverflowError and bottleneck max_iters=10**12 ran on. Through brf.fusion.compile
+    every parameter of every method and phase map with each bad value is refused as a
+    FusionInputError naming it, or accepted only where the value is one the parameter
+    takes (a text for a text field)."""
+    from brf.fusion import METHODS, FusionInputError, compile as compile_method
+    from brf.fusion.phase import PHASE_MAPS
+    U = [np.zeros((8, 2), np.float32)] * 2
+    for name in METHODS.names():
+        for field, p in METHODS.get(name).params.items():
+            if p.kind in ("array", "params"):
+                continue
+            for bad, value in API_BAD.items():
+                extra = {"unembeddings": U} if "unembeddings" in METHODS.get(name).params else {}
+                try:
+                    compile_method(name, **extra, **{field: value})
+                except FusionInputError as e:
+                    assert field in str(e) or p.kind in ("phase", "method"), (name, field, e)
+                    continue
+                assert (p.kind in ("str", "method") and bad == "text") or (
+                    p.kind in ("float", "floats") and bad == "huge int"), (name, field, bad)
+    for name in PHASE_MAPS.names():
+        for field in [*PHASE_MAPS.get(name).defaults, "offset"]:
+            for bad, value in API_BAD.items():
+                if bad in ("text", "huge int"):  # 2**70 is a finite float32
+                    continue
+                with pytest.raises(FusionInputError, match=field):
+                    compile_method("born", phase={"name": name, field: value})
+    with pytest.raises(FusionInputError, match="max_iters"):
+        compile_method("bottleneck_lsq", unembeddings=U, max_iters=10**12)
+    with pytest.raises(FusionInputError, match=r"seed.*2\^32"):
+        compile_method("born_shuffled", seed=2**32)
+    compile_method("born_shuffled", seed=2**32 - 1)

@@ -983,6 +983,10 @@ def _fuse(kind, logits, weights, *, unembeddings, top_k, tol, max_iters):
     return logq.reshape(lead + (V,)).astype(logits.dtype), info
 
 
+# The most iterations a call may ask for: 50 times the largest default budget (PDHG's),
+# minutes per row on a CPU; more is a typo, not a budget.
+MAX_ITERS = 2_500_000
+
 _PARAMS = dict(
     unembeddings=M.Param(None, "array", _unembeddings_check,
                          doc="members' unembeddings, a list of [V, d_i] arrays (shared V)"),
@@ -990,8 +994,8 @@ _PARAMS = dict(
                   doc="support: the top_k * n tokens by max_i p_hat_i; 0 = all V"),
     tol=M.Param(DEFAULT_TOL, "float", M.positive,
                 doc="certified relative tolerance on the objective (and the residual)"),
-    max_iters=M.Param(0, "int", M.nonnegative_int,
-                      doc="iteration budget (0 = the solver's default)"))
+    max_iters=M.Param(0, "int", M.at_most(MAX_ITERS),
+                      doc=f"iteration budget (0 = the solver's default; at most {MAX_ITERS})"))
 
 
 @M.register("bottleneck_lsq", **_PARAMS)

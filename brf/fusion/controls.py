@@ -166,7 +166,7 @@ def shuffle_sources(logits: jax.Array, seed: int = 0) -> jax.Array:
     "born_shuffled",
     phase=M.Param("token_tanh", "phase", _token_map,
                   doc="a per-token phase map (token_*) whose phases are shuffled"),
-    seed=M.Param(0, "int", M.nonnegative_int, doc="selects the permutations"),
+    seed=M.Param(0, "int", M.seed, doc="selects the permutations"),
     z_min=M.Param(DEFAULT_Z_MIN, "float", M.nonnegative,
                   doc="fall back to the linear pool where Z < z_min"),
 )

@@ -21,7 +21,9 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from brf.fusion.checks import FusionInputError
 from brf.fusion.phase import phase_map
@@ -89,14 +91,21 @@ def _coerce(method: str, key: str, p: Param, value: Any) -> Any:
             arr = jnp.asarray(value, dtype=jnp.result_type(float))
         except (TypeError, ValueError):
             raise FusionInputError(f"{where} must be {what}") from None
+        if not _host_finite(value, arr.dtype):  # 1e300 is inf in float32
+            raise FusionInputError(f"{where} must be finite in {arr.dtype} (at most "
+                                   f"{float(jnp.finfo(arr.dtype).max):.4g} in size)")
         if arr.ndim > (0 if one else 1):
             raise FusionInputError(f"{where} must be " + (
                 "a scalar" if one else "a number or one number per member"))
         value = arr
     elif p.kind == "int":
-        if isinstance(value, bool) or int(value) != value:
+        if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
+                                                              np.floating))
+                or not math.isfinite(value) or int(value) != value):
             raise FusionInputError(f"{where} must be an integer")
         value = int(value)
+        if not -2**63 <= value < 2**63:  # a compile-time constant: a C long
+            raise FusionInputError(f"{where} must lie in [-2^63, 2^63)")
     elif p.kind == "str":
         if not isinstance(value, str):
             raise FusionInputError(f"{where} must be a string")
@@ -122,14 +131,25 @@ def _coerce(method: str, key: str, p: Param, value: Any) -> Any:
 
 
 def _finite_literal(value) -> bool:
-    """False for a Python number (or list of them) that is inf or nan; arrays pass
-    (they come from code, not from a user's spec, and checking one would wait for
-    the device)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    """False for a number on the host (Python's or NumPy's, or a list or NumPy array
+    of them) that is inf or nan; JAX arrays pass (checking one would wait for the
+    device: the fused program's own value checks see what they produce)."""
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
         return math.isfinite(value)
+    if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.number):
+        return bool(np.all(np.isfinite(value)))
     if isinstance(value, (list, tuple)):
         return all(_finite_literal(v) for v in value)
     return True
+
+
+def _host_finite(value, dtype) -> bool:
+    """False for a value on the host (a number, a list, a NumPy array) that is not
+    finite in ``dtype``; JAX arrays pass (see :func:`_finite_literal`)."""
+    if any(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(value)):
+        return True
+    with np.errstate(over="ignore"):
+        return bool(np.all(np.isfinite(np.asarray(value, dtype=dtype))))
 
 
 def _is_traced(value) -> bool:
@@ -209,6 +229,16 @@ def unit_interval(v) -> str | None:
 
 def nonnegative_int(v) -> str | None:
     return None if v >= 0 else "must be >= 0"
+
+
+def seed(v) -> str | None:
+    """A seed as the command line takes one (brf.schema): in [0, 2^32 - 1]."""
+    return None if 0 <= v < 2**32 else "must lie in [0, 2^32 - 1]"
+
+
+def at_most(top: int) -> Callable[[Any], str | None]:
+    """A count in [0, top] (an iteration budget: more would run for hours)."""
+    return lambda v: None if 0 <= v <= top else f"must lie in [0, {top}]"
 
 
 def one_of(*options: str) -> Callable[[Any], str | None]:

@@ -147,7 +147,8 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub,
 
 def _literal(node: ast.AST):
     """Evaluates numbers, lists, +-*/** and the name ``pi``; nothing else."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+    if (isinstance(node, ast.Constant) and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)):  # True is an int to Python, not here
         return float(node.value)
     if isinstance(node, ast.Name) and node.id == "pi":
         return math.pi
@@ -189,6 +190,15 @@ def _parse_string(spec: str) -> tuple[str, dict[str, Any]]:
         f"(keyword arguments only)")
 
 
+def _numeric(v) -> bool:
+    """A number (not a bool), a list of numbers, or a numeric array (traced ones too)."""
+    if isinstance(v, (list, tuple)):
+        return all(_numeric(x) and not isinstance(x, (list, tuple)) for x in v)
+    if hasattr(v, "dtype"):
+        return v.dtype.kind in "iuf"
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def phase_map(spec: str | Mapping[str, Any] | PhaseMap, **overrides) -> PhaseMap:
     """Builds a :class:`PhaseMap` from a string, a dict or another PhaseMap.
 
@@ -226,6 +236,9 @@ def phase_map(spec: str | Mapping[str, Any] | PhaseMap, **overrides) -> PhaseMap
     params = {**d.defaults, "offset": 0.0, **given}
     out = {}
     for k, v in params.items():
+        if not _numeric(v):
+            raise FusionInputError(f"phase map parameter {k}={v!r} must be a number"
+                                   + (" or one number per member" if k == "offset" else ""))
         arr = jnp.asarray(v, dtype=jnp.float32) if not isinstance(
             v, jax.Array) or not jnp.issubdtype(v.dtype, jnp.floating) else v
         if arr.ndim > (1 if k == "offset" else 0):
