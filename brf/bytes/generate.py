@@ -635,7 +635,7 @@ class _Loop:
         if self.drafting is None:
             k_member, law["key"] = jax.random.split(jax.random.fold_in(self.key, len(self.data)))
         if self.mode == "fuse":
-            law["logq"] = _fused(self.method, self.method_params, logp_nxE, self.w)
+            law["logq"] = fused_bytes(self.method, self.method_params, logp_nxE, self.w)
         else:
             law["member"] = int(select_member(k_member, self.w_dev))
             law["logq"] = logp_nxE[law["member"]]
@@ -839,7 +839,7 @@ def _valid_text(data: bytes) -> bool:
         return False
 
 
-def _fused(method: str, params: Mapping[str, Any], logp_nxE: np.ndarray,
+def fused_bytes(method: str, params: Mapping[str, Any], logp_nxE: np.ndarray,
            w: np.ndarray) -> np.ndarray:
     """The fused byte distribution, float64 [257] (the method's own precision)."""
     if method == "linear":  # exact in float64: the linear pool of the members' rows
@@ -886,4 +886,4 @@ def _draw(key, logq: np.ndarray, allowed: np.ndarray | None, sampler: Sampler) -
 
 
 __all__ = ["BytePiece", "ByteGeneration", "MODES", "NextTokens", "check_request", "checked_arguments",
-           "generate_bytes", "measure_precision", "utf8_allowed"]
+           "fused_bytes", "generate_bytes", "measure_precision", "utf8_allowed"]

@@ -453,13 +453,19 @@ def first_pass(f: Fitted) -> Fitted:
                                calib_nll=float(fp["calib_nll"]), info={})
 
 
+def _second_pass_rows(specs: Sequence[MethodSpec]) -> list[int]:
+    """The rows the second pass and the nesting step refit: calibrated, not a member
+    alone, with something to fit."""
+    return [i for i, s in enumerate(specs) if s.variant != "proposed" and s.role != "member"
+            and not _nothing_to_fit(s)]
+
+
 def _pooled_pass(specs: Sequence[MethodSpec], fits: list[Fitted], calib: EventTable,
                  settings: FitSettings, cache: FitCache | None,
                  earlier: Sequence[Fitted]) -> list[Fitted]:
     """The second pass of :func:`fit_specs` (``earlier``: first-pass fits of rows fitted
     before on the same table, in the pool too)."""
-    rows = [i for i, s in enumerate(specs) if s.variant != "proposed" and s.role != "member"
-            and not _nothing_to_fit(s)]
+    rows = _second_pass_rows(specs)
     pool = sorted([first_pass(fits[i]) for i in rows] + list(earlier),
                   key=lambda f: (f.calib_nll, f.label))
     todo = [i for i in rows if fits[i].info.get("pooled") != _POOLED]
@@ -495,8 +501,7 @@ def _nesting_pass(specs: Sequence[MethodSpec], fits: list[Fitted], calib: EventT
     depends on the order of the rows), and a refit under other last bits runs it too.
     Where the nested fit wins, the row's own end joins its census (``near``) when within
     FIT_NEAR of it."""
-    rows = [i for i, s in enumerate(specs) if s.variant != "proposed" and s.role != "member"
-            and not _nothing_to_fit(s)]
+    rows = _second_pass_rows(specs)
     pool = [fits[j] for j in rows] + list(earlier)
     out = list(fits)
     again = dataclasses.replace(settings, starts=0)

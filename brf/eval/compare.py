@@ -413,10 +413,14 @@ class Answer(NamedTuple):
     # the same verdict with the other rows tied with the chosen ones (TIE_MARGIN)
     alternatives: tuple["Answer", ...] = ()
 
+    def differs(self, other: "Answer") -> bool:
+        """Whether ``other`` calls another verdict (:func:`same_call`)."""
+        return not same_call(self.answer, other.answer)
+
     @property
     def fragile(self) -> bool:
         """Whether some choice among tied rows gives another answer."""
-        return any(not same_call(a.answer, self.answer) for a in self.alternatives)
+        return any(self.differs(a) for a in self.alternatives)
 
     def with_alternatives(self, alternatives) -> "Answer":
         return self._replace(alternatives=tuple(alternatives))
@@ -649,7 +653,7 @@ class RunMove(NamedTuple):
 
     @property
     def moved(self) -> bool:
-        return not same_call(self.before.answer, self.after.answer)
+        return self.before.differs(self.after)
 
     @property
     def rows_changed(self) -> bool:

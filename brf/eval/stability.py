@@ -29,7 +29,7 @@ from typing import NamedTuple, Sequence
 from brf.eval import compare, study_report
 from brf.eval.analysis import (AnalysisResult, MethodResult, _per_token, comparisons,
                                cross_terms, fair_summary, fit_all, forking_tokens, tied)
-from brf.eval.compare import Answer, same_call
+from brf.eval.compare import Answer
 from brf.eval.fitting import FIT_TOLERANCE, perturbations
 from brf.eval.plan import Plan
 
@@ -59,7 +59,7 @@ class Check(NamedTuple):
 
     @property
     def moved(self) -> list[str]:
-        return [k for k, (a, b) in self.verdicts.items() if not same_call(a.answer, b.answer)]
+        return [k for k, (a, b) in self.verdicts.items() if a.differs(b)]
 
     @property
     def moved_standing(self) -> list[str]:

@@ -180,10 +180,10 @@ def _stability_section(plan: Plan, per_corpus: list, prompts: list) -> dict | No
          if done["corpus"].check is not None and done["prefix"].check is not None])
     per = {label: c.as_dict() for label, c in checks}
     moved = [f"{label}: {k}" for label, c in checks for k in c.moved]
-    moved += [k for k, (a, b) in study.items() if not compare.same_call(a.answer, b.answer)]
+    moved += [k for k, (a, b) in study.items() if a.differs(b)]
     standing = [f"{label}: {k}" for label, c in checks for k in c.moved_standing]
     standing += [k for k, (a, b) in study.items()
-                 if not compare.same_call(a.answer, b.answer) and not a.fragile]
+                 if a.differs(b) and not a.fragile]
     rows = [(label, r) for label, c in checks for r in c.rows]
     finite = [(label, r) for label, r in rows if math.isfinite(r.move)]
     top = max(finite, key=lambda x: abs(x[1].move)) if finite else None

@@ -188,7 +188,7 @@ class Ensemble:
         """(log-prob, greedy, report) of each (context, continuation) on the byte level,
         longest continuation first; answers in the requests' order. Greedy: every byte
         is the fused distribution's most likely event."""
-        from brf.bytes.generate import _fused
+        from brf.bytes.generate import fused_bytes
         from brf.bytes.lm import score_text
         lms = self.views()
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][1].encode("utf-8")))
@@ -207,7 +207,7 @@ class Ensemble:
             logp_Nxn = np.stack(rows, axis=1)
             total, greedy = 0.0, True
             for k, b in enumerate(data):
-                logq = _fused(self.method, self.method_params, logp_Nxn[k], self.weights)
+                logq = fused_bytes(self.method, self.method_params, logp_Nxn[k], self.weights)
                 total += float(logq[b])
                 greedy &= int(np.argmax(logq)) == b
             out[i] = (total, bool(greedy), ByteReport(lost, len(data)))
