@@ -133,6 +133,24 @@ def test_fused_loglikelihood_equals_a_float64_reference(shared, method, phase):
         assert greedy == bool(np.all(q.argmax(-1) == cont_ids))
 
 
+@pytest.mark.parametrize("level", ["tokens", "bytes"])
+def test_speculative_generation_gives_the_plain_greedy_text(shared, level):
+    """speculative=<drafter> in generate_until: greedy speculative fused decoding is the
+    same text as plain fused decoding (tokens: two members sharing a vocabulary; bytes:
+    two tokenizers), with the request's stop string and length."""
+    from tests.tiny_lm import tiny_cross_pair, tiny_tokenizer
+    members = shared if level == "tokens" else tiny_cross_pair(tiny_tokenizer())
+    kw = {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": False}
+    reqs = [_req("generate_until", (c, dict(kw)), i)
+            for i, c in enumerate(["The cat", "in the house the", "a b a b"])]
+    plain = H.BRFLM(members=members, method="born", phase="tanh(rate=0.5)", batch_size=2)
+    fast = H.BRFLM(members=members, method="born", phase="tanh(rate=0.5)", batch_size=2,
+                   speculative="ngram(n=2; k=4)")
+    assert plain.level == fast.level == level
+    want = plain.generate_until(reqs)
+    assert fast.generate_until(reqs) == want and any(want)
+
+
 def test_byte_level_exact_equals_brute_force():
     from tests.byte_reference import BruteForce
     from tests.tiny_lm import tiny_cross_pair, tiny_tokenizer
@@ -163,6 +181,10 @@ def test_model_args_in_the_harness_form():
                       ({"members": "nosuchmodel"}, "nosuchmodel"),
                       ({"members": "random:smollm2-135m-instruct", "method": "nosuch"}, "nosuch"),
                       ({"members": "random:smollm2-135m-instruct", "level": "words"}, "level"),
+                      ({"members": "random:smollm2-135m-instruct",
+                        "speculative": "nosuch(k=2)"}, "speculative"),
+                      ({"members": "random:smollm2-135m-instruct",
+                        "speculative": "ngram(k=10**12)"}, "speculative"),
                       ({"members": "random:smollm2-135m-instruct", "precision": "ok"},
                        "precision")]:
         with pytest.raises(UserError) as e:

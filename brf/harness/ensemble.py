@@ -85,11 +85,13 @@ class Ensemble:
         batch_size: token-level requests per forward pass.
         max_length: the most tokens a member reads at once (contexts are cut on the left).
         dtype: the members' compute dtype.
+        drafter: speculative fused decoding's drafter (`brf.drafting.DraftSpec`) for
+            generation, or None: greedy output is the same text either way.
     """
 
     def __init__(self, members: Sequence[Member], method: str, method_params: Mapping[str, Any],
                  *, level: str, beam: int, threshold: float, batch_size: int, max_length: int,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, drafter=None):
         self.members = list(members)
         self.weights = normalised_weights(self.members)
         self.method, self.method_params = method, dict(method_params)
@@ -97,6 +99,10 @@ class Ensemble:
         self.batch_size, self.max_length, self.dtype = batch_size, max_length, jnp.dtype(dtype)
         if level == "tokens":
             check_shared_vocabulary(self.members)
+        self.drafter = drafter
+        if drafter is not None and level == "tokens":
+            from brf.ensemble.speculative import check_speculative
+            check_speculative(self.members, drafter)
         self._views = None
 
     # -- the token level -------------------------------------------------------------
@@ -222,28 +228,35 @@ class Ensemble:
         """Fused generation for each context (one gen_kwargs group), cut before the first
         stop string; tokens in batches of ``batch_size``, bytes one context at a time."""
         stop = [s for s in until if s]
+        common = dict(weights=self.weights, method=self.method,
+                      method_params=self.method_params, sampler=sampler, stop=stop, seed=seed)
         if self.level == "bytes":
             from brf.bytes.generate import generate_bytes
+            from brf.bytes.speculative import generate_bytes_speculative
             lms = self.views()
             texts = []
             for c in contexts:
-                g = generate_bytes(lms, [self.byte_context(m, lm, c)
-                                         for m, lm in zip(self.members, lms)],
-                                   weights=self.weights, method=self.method,
-                                   method_params=self.method_params, sampler=sampler,
-                                   max_bytes=max_gen_bytes, stop=stop, seed=seed,
-                                   beam=self.beam, threshold=self.threshold,
-                                   eos_ids=[sorted(m.eos_ids()) for m in self.members])
+                extra = {} if self.drafter is None else dict(
+                    drafter=self.drafter, lookup=c.encode("utf-8"))
+                g = (generate_bytes if self.drafter is None else generate_bytes_speculative)(
+                    lms, [self.byte_context(m, lm, c) for m, lm in zip(self.members, lms)],
+                    **common, **extra, max_bytes=max_gen_bytes, beam=self.beam,
+                    threshold=self.threshold,
+                    eos_ids=[sorted(m.eos_ids()) for m in self.members])
                 texts.append(g.text)
             return [cut(t, stop) for t in texts]
         from brf.ensemble import generate
+        from brf.ensemble.speculative import generate_speculative
         texts = []
         for s in range(0, len(contexts), self.batch_size):
-            gens = generate(self.members, list(contexts[s:s + self.batch_size]),
-                            weights=self.weights, method=self.method,
-                            method_params=self.method_params, sampler=sampler,
-                            max_new_tokens=max_gen_toks, stop=stop, seed=seed,
-                            aligner="identity", dtype=self.dtype)
+            batch = list(contexts[s:s + self.batch_size])
+            if self.drafter is None:
+                gens = generate(self.members, batch, **common, max_new_tokens=max_gen_toks,
+                                aligner="identity", dtype=self.dtype)
+            else:
+                gens = generate_speculative(self.members, batch, drafter=self.drafter,
+                                            **common, max_new_tokens=max_gen_toks,
+                                            dtype=self.dtype)
             texts += [g.text for g in gens]
         return [cut(t, stop) for t in texts]
 

@@ -12,12 +12,14 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from brf.align.vocab import encode_text
+from brf.errors import UserError
 from brf.harness.ensemble import ByteReport, Ensemble, HarnessInputError
 
 NAME = "brf"
 LEVELS = ("auto", "tokens", "bytes")
 KEYS = ("members", "method", "phase", "level", "precision", "beam", "threshold",
-        "batch_size", "max_length", "max_gen_toks", "max_gen_bytes", "seed", "dtype")
+        "batch_size", "max_length", "max_gen_toks", "max_gen_bytes", "seed", "dtype",
+        "speculative")
 # What the harness passes to every model whatever the user wrote (not used here).
 HARNESS_KEYS = ("device", "max_batch_size")
 
@@ -53,6 +55,7 @@ class ModelArgs:
     max_gen_bytes: int | None = None
     seed: int = 0
     dtype: str = "float32"
+    speculative: str = ""
 
     @classmethod
     def parse(cls, args: Mapping[str, Any]) -> "ModelArgs":
@@ -73,7 +76,7 @@ class ModelArgs:
                                     "',': members=a(weight=0.5); b(weight=0.5))")
         if args.get("batch_size") in ("auto", None):  # the harness's default
             args.pop("batch_size", None)
-        for key in ("members", "method", "phase"):
+        for key in ("members", "method", "phase", "speculative"):
             if key in args and isinstance(args[key], str):
                 args[key] = commas(args[key])
         a = cls(**args)
@@ -95,7 +98,19 @@ class ModelArgs:
             raise HarnessInputError(f"model arg threshold={t!r}; give a number in [0, 1)")
         name, params = method_spec(a.method, {}, a.phase)
         check_method_params(name, params)
+        a.drafter()
         return a
+
+    def drafter(self):
+        """The speculative drafter (`brf.drafting.DraftSpec`), or None (off)."""
+        from brf.drafting import parse_drafter
+        if not isinstance(self.speculative, str):
+            raise HarnessInputError(f"model arg speculative={self.speculative!r}; give a "
+                                    "drafter spec such as ngram(n=3; k=6), or '' for none")
+        try:
+            return parse_drafter(self.speculative)
+        except UserError as e:
+            raise HarnessInputError(f"model arg speculative={self.speculative!r}: {e}") from None
 
     def settings(self) -> tuple[int, float]:
         """(beam, threshold) of the byte level: the preset, with beam / threshold over it."""
@@ -137,7 +152,7 @@ class BRFLM(LM):
         self.ensemble = Ensemble(mems, method, params, level=level, beam=beam,
                                  threshold=threshold, batch_size=a.batch_size,
                                  max_length=min(a.max_length or longest, longest),
-                                 dtype=a.dtype)
+                                 dtype=a.dtype, drafter=a.drafter())
         self.byte_reports: list[ByteReport] = []
 
     @property

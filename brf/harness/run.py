@@ -107,7 +107,8 @@ def run(c) -> list[dict]:
     from brf.harness.lm import BRFLM, ModelArgs, byte_summary
     tasks = [t for t in c.tasks]
     base = dict(level=c.level, precision=c.precision, batch_size=c.batch_size,
-                max_gen_toks=c.max_gen_toks, seed=c.seed, dtype=c.dtype)
+                max_gen_toks=c.max_gen_toks, seed=c.seed, dtype=c.dtype,
+                speculative=c.get("speculative", ""))
     if c.max_length:
         base["max_length"] = c.max_length
     ModelArgs.parse(dict(base, members=c.members, phase=c.phase))  # before any model loads
