@@ -29,8 +29,11 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     # brf member specs (configs/generate.py's form; commas as they are here).
     c.members = ", ".join(format_spec(m, dict(weight=0.5)) for m in DEFAULT_PAIR)
-    # Method specs, one variant each; 'members' = each member alone.
-    c.variants = "members, linear, loglinear, born"
+    # Method specs, one variant each; 'members' = each member alone; study(corpus=...) =
+    # the calibrated BRF row that the study in config.study fitted on that corpus's bytes.
+    c.variants = ("members, linear, loglinear, born, study(corpus=hamlet), "
+                  "study(corpus=pyparsing)")
+    c.study = "results/study"     # a study's out_dir (README's main command writes one)
     c.phase = "tanh(rate=0.5, offset=[0, 0.5])"  # for methods with a phase map; '' = default
     c.tasks = ("brf_hamlet_next_line", "brf_python_next_line")
     c.include_path = "tasks"      # task YAMLs beside the harness's own ('' = none)
@@ -53,6 +56,7 @@ def get_config(arg=None):
     if "tiny" in flags:
         c.members = ", ".join(format_spec(f"random:{DEFAULT_PAIR[0]}:{i}", dict(weight=0.5))
                               for i in range(2))
+        c.variants = "members, linear, loglinear, born"  # the study's members are real
         c.limit = 4
         c.max_gen_toks = 8
         c.output = "runs/harness-tiny"

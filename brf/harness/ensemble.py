@@ -87,13 +87,19 @@ class Ensemble:
         dtype: the members' compute dtype.
         drafter: speculative fused decoding's drafter (`brf.drafting.DraftSpec`) for
             generation, or None: greedy output is the same text either way.
+        weights: the member weights (on the simplex), or None: the members' own.
+        byte_cache: a dict shared by ensembles of the same loaded members (several
+            methods on one task): each member's byte-level scores of a request are
+            computed once and read back by the others (the fusion is what differs).
     """
 
     def __init__(self, members: Sequence[Member], method: str, method_params: Mapping[str, Any],
                  *, level: str, beam: int, threshold: float, batch_size: int, max_length: int,
-                 dtype=jnp.float32, drafter=None):
+                 dtype=jnp.float32, drafter=None, weights: Sequence[float] | None = None,
+                 byte_cache: dict | None = None):
         self.members = list(members)
-        self.weights = normalised_weights(self.members)
+        self.weights = normalised_weights(self.members, weights)
+        self.byte_cache = byte_cache
         self.method, self.method_params = method, dict(method_params)
         self.level, self.beam, self.threshold = level, beam, threshold
         self.batch_size, self.max_length, self.dtype = batch_size, max_length, jnp.dtype(dtype)
@@ -206,10 +212,18 @@ class Ensemble:
                 raise HarnessInputError(f"an empty continuation after {context[-40:]!r}")
             rows, lost = [], []
             for m, lm in zip(self.members, lms):
-                sc = score_text(lm, data, context_ids=self.byte_context(m, lm, context),
-                                beam=self.beam, threshold=self.threshold)
-                rows.append(sc.logp)
-                lost.append(float(sc.stats["lost"]))
+                ids = self.byte_context(m, lm, context)
+                key = (id(m.params), tuple(ids), data, self.beam, self.threshold,
+                       self.dtype.name)
+                hit = None if self.byte_cache is None else self.byte_cache.get(key)
+                if hit is None or hit[2] is not m.params:  # (an id reused: not a hit)
+                    sc = score_text(lm, data, context_ids=ids, beam=self.beam,
+                                    threshold=self.threshold)
+                    hit = (sc.logp, float(sc.stats["lost"]), m.params)
+                    if self.byte_cache is not None:
+                        self.byte_cache[key] = hit
+                rows.append(hit[0])
+                lost.append(hit[1])
             logp_Nxn = np.stack(rows, axis=1)
             total, greedy = 0.0, True
             for k, b in enumerate(data):

@@ -13,13 +13,14 @@ from tqdm.auto import tqdm
 
 from brf.align.vocab import encode_text
 from brf.errors import UserError
+from brf.harness import calibrated
 from brf.harness.ensemble import ByteReport, Ensemble, HarnessInputError
 
 NAME = "brf"
 LEVELS = ("auto", "tokens", "bytes")
 KEYS = ("members", "method", "phase", "level", "precision", "beam", "threshold",
         "batch_size", "max_length", "max_gen_toks", "max_gen_bytes", "seed", "dtype",
-        "speculative")
+        "speculative", "study")
 # What the harness passes to every model whatever the user wrote (not used here).
 HARNESS_KEYS = ("device", "max_batch_size")
 
@@ -56,6 +57,7 @@ class ModelArgs:
     seed: int = 0
     dtype: str = "float32"
     speculative: str = ""
+    study: str = ""
 
     @classmethod
     def parse(cls, args: Mapping[str, Any]) -> "ModelArgs":
@@ -76,7 +78,7 @@ class ModelArgs:
                                     "',': members=a(weight=0.5); b(weight=0.5))")
         if args.get("batch_size") in ("auto", None):  # the harness's default
             args.pop("batch_size", None)
-        for key in ("members", "method", "phase", "speculative"):
+        for key in ("members", "method", "phase", "speculative", "study"):
             if key in args and isinstance(args[key], str):
                 args[key] = commas(args[key])
         a = cls(**args)
@@ -99,6 +101,11 @@ class ModelArgs:
         name, params = method_spec(a.method, {}, a.phase)
         check_method_params(name, params)
         a.drafter()
+        if a.study:
+            if "method" in args or a.phase:
+                raise HarnessInputError("model arg study=... is the method (its fitted row, "
+                                        "weights included): give no method or phase with it")
+            calibrated.study_row(a.study)
         return a
 
     def drafter(self):
@@ -127,6 +134,8 @@ class BRFLM(LM):
     Args:
         members: member specs (a string, ``;`` for ``,``) or loaded
             `brf.ensemble.member.Member` objects (members loaded once, several models).
+        byte_cache: a dict shared by models of the same loaded members: each member's
+            byte-level scores of a request are computed once (`Ensemble`).
         **kwargs: the other model args (module docstring).
 
     Attributes:
@@ -134,7 +143,7 @@ class BRFLM(LM):
             log-mass per member), in the order answered.
     """
 
-    def __init__(self, members, **kwargs):
+    def __init__(self, members, byte_cache: dict | None = None, **kwargs):
         super().__init__()
         a = ModelArgs.parse(dict(kwargs, members=members))
         from brf.ensemble.run import load_members, method_spec
@@ -147,12 +156,24 @@ class BRFLM(LM):
             raise HarnessInputError("level=tokens needs members that share one vocabulary; "
                                     "use level=bytes (or auto) across tokenizers")
         method, params = method_spec(a.method, {}, a.phase)
+        weights = None
+        self.study = calibrated.study_row(a.study) if a.study else None
+        if self.study is not None:
+            names = tuple(m.name for m in mems)
+            if names != self.study.members:
+                raise HarnessInputError(f"study={a.study!r} was fitted on members "
+                                        f"{list(self.study.members)}; these are {list(names)}")
+            if level != "bytes":
+                raise HarnessInputError(f"study={a.study!r}: its rows are fitted per byte; "
+                                        "use level=bytes (or auto)")
+            method, params, weights = self.study.method, self.study.params, self.study.weights
         beam, threshold = a.settings()
         longest = min(m.cfg.max_seq_len for m in mems)
         self.ensemble = Ensemble(mems, method, params, level=level, beam=beam,
                                  threshold=threshold, batch_size=a.batch_size,
                                  max_length=min(a.max_length or longest, longest),
-                                 dtype=a.dtype, drafter=a.drafter())
+                                 dtype=a.dtype, drafter=a.drafter(), weights=weights,
+                                 byte_cache=byte_cache)
         self.byte_reports: list[ByteReport] = []
 
     @property
