@@ -11,8 +11,10 @@
   brute force over every tokenization (tests/byte_reference.py).
 * Model args in the harness's comma-split form; bad ones refused in one line.
 
-Skipped when lm_eval (the ``harness`` extra) or torch is not installed.
+The test extra installs lm_eval and accelerate; skipped where lm_eval or torch is missing.
 """
+
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -229,3 +231,146 @@ def test_tiny_experiment_runs_the_shipped_tasks(tmp_path, monkeypatch):
     got = json.loads((tmp_path / "out" / "born.json").read_text())
     assert got["results"]["brf_hamlet_next_line"]["acc,none"] in (0.0, 0.5, 1.0)
     assert "| born | brf_hamlet_next_line | acc |" in (tmp_path / "out" / "table.md").read_text()
+
+
+def _tempered64(logp, t):
+    """log_softmax(logp / t) in float64, -inf kept."""
+    x = np.where(np.isfinite(logp), logp / t, -np.inf)
+    return ref.log_softmax(x)
+
+
+def test_tempered_is_the_studys_calibrated_fusion():
+    """`tempered` (the study's calibrated variant as a method): each member tempered, the
+    inner method (Born with a tanh map), the result tempered: a float64 reference."""
+    from brf.fusion import fuse
+    from brf.harness import calibrated  # noqa: F401 -- registers 'tempered'
+    rng = np.random.default_rng(3)
+    l = rng.normal(size=(6, 2, 40)) * 3
+    l[:, 1, 5] = -np.inf
+    w, tm, t = np.array([0.3, 0.7]), np.array([2.0, 0.6]), 0.45
+    got = np.asarray(fuse("tempered", l.astype(np.float32), w.astype(np.float32),
+                          member_temperature=tm.tolist(), temperature=t, inner="born",
+                          inner_params={"phase": {"name": "tanh", "scale": 1.3, "rate": 0.4,
+                                                  "offset": [0.0, 0.8]}}))
+    lp = np.stack([_tempered64(ref.log_softmax(l[:, i]), tm[i]) for i in range(2)], axis=1)
+    q, _ = ref.born(lp, w, ref.phases(lp, "tanh", offset=np.array([0.0, 0.8]), scale=1.3,
+                                      rate=0.4))
+    want = _tempered64(np.log(q), t)
+    ok = np.isfinite(want)
+    assert np.array_equal(ok, np.isfinite(got))
+    np.testing.assert_allclose(got[ok], want[ok], atol=2e-5)
+
+
+def _fake_study(root, corpus, members, row):
+    """A study directory holding one byte-level report of ``corpus`` whose calibrated
+    fair summary chose ``row``."""
+    import json
+    d = root / corpus / "bytes"
+    d.mkdir(parents=True)
+    (d / f"report-{corpus}__bytes-0.json").write_text(json.dumps(dict(
+        members=[dict(name=n) for n in members], methods=[row],
+        fair_summary=dict(calibrated=dict(brf=dict(label=row["label"]))))))
+    return str(root)
+
+
+def test_a_study_row_on_bytes_equals_a_float64_reference(tmp_path):
+    """study=<dir>:<corpus>: the byte-level loglikelihood under the study's calibrated row
+    (here a linear pool between temperings, weights 0.25 / 0.75) equals a float64
+    computation from each member's exact next-byte distributions; bad studies refused."""
+    from tests.tiny_lm import tiny_cross_pair, tiny_pair, tiny_tokenizer
+    members = tiny_cross_pair(tiny_tokenizer())
+    row = dict(label="linear pool [calibrated]", method="linear", weights=[0.25, 0.75],
+               params={"calib.member_temperature": [1.7, 0.8], "calib.temperature": 1.3})
+    where = _fake_study(tmp_path, "c", ["a", "b"], row) + ":c"
+    cache = {}
+    lm = H.BRFLM(members=members, study=where, precision="exact", byte_cache=cache)
+    ctx, cont = "the", " cat"
+    (lp, _), = lm.loglikelihood([_req("loglikelihood", (ctx, cont))])
+    assert sum(k[0] != "view" for k in cache) == 2  # each member's scores, read back
+    import brf.bytes.lm
+    with mock.patch.object(brf.bytes.lm, "score_text", side_effect=AssertionError("rescored")):
+        again = H.BRFLM(members=members, study=where, precision="exact", byte_cache=cache)
+        assert again.loglikelihood([_req("loglikelihood", (ctx, cont))])[0][0] == lp
+    from brf.bytes.lm import score_text
+    rows = [np.asarray(score_text(v, cont.encode(), context_ids=lm.ensemble.byte_context(
+        m, v, ctx), beam=lm.ensemble.beam, threshold=0.0).logp, np.float64)
+        for m, v in zip(members, lm.ensemble.views())]
+    q = sum(wi * np.exp(_tempered64(r, t)) for wi, r, t in zip([0.25, 0.75], rows, [1.7, 0.8]))
+    logq = _tempered64(np.log(q), 1.3)
+    want = sum(logq[k, b] for k, b in enumerate(cont.encode()))
+    assert abs(lp - want) < ATOL, (lp, want)
+    for kw, says in [(dict(study=where, method="born"), "no method or phase"),
+                     (dict(study=str(tmp_path / "none") + ":c"), "not a directory"),
+                     (dict(study=str(tmp_path) + ":other"), "no byte-level report"),
+                     (dict(study="results"), "<study dir>:<corpus>")]:
+        with pytest.raises(HarnessInputError, match=says) as e:
+            H.BRFLM(members=members, **kw)
+        assert "\n" not in str(e.value)
+    with pytest.raises(HarnessInputError, match="fitted on members"):
+        H.BRFLM(members=members[::-1], study=where)
+    pair = tiny_pair(tiny_tokenizer())
+    other = _fake_study(tmp_path / "t", "c", [m.name for m in pair], row) + ":c"
+    with pytest.raises(HarnessInputError, match="fitted per byte"):
+        H.BRFLM(members=pair, study=other, level="tokens")
+
+
+def test_paired_statistics_match_scipy():
+    """Wilson intervals and the exact McNemar test against scipy; the paired bootstrap
+    interval holds the mean difference; the comparison calls a clear difference and not
+    a tie."""
+    from scipy import stats
+    from brf.harness.run import compare, mcnemar_exact, paired, wilson
+    for k, n in [(0, 5), (3, 10), (47, 50), (20, 20)]:
+        ci = stats.binomtest(k, n).proportion_ci(0.95, method="wilson")
+        np.testing.assert_allclose(wilson(k, n), (ci.low, ci.high), atol=1e-12)
+    for b, c in [(0, 0), (1, 0), (3, 9), (12, 12), (2, 20)]:
+        want = 1.0 if b + c == 0 else stats.binomtest(b, b + c, 0.5).pvalue
+        assert abs(mcnemar_exact(b, c) - want) < 1e-12, (b, c)
+    rng = np.random.default_rng(0)
+    a, p = (rng.random(200) < 0.8).astype(float), (rng.random(200) < 0.5).astype(float)
+    st = paired(a, p)
+    assert st["ci"][0] < st["difference"] < st["ci"][1] and st["p_value"] < 1e-6
+    docs = lambda x: {"t": {"acc": list(x)}}  # noqa: E731
+    rows = [dict(variant="linear", method="linear", members=["a", "b"], docs=docs(p)),
+            dict(variant="loglinear", method="loglinear", members=["a", "b"],
+                 docs=docs(p * (rng.random(200) < 0.9))),
+            dict(variant="born", method="born", members=["a", "b"], docs=docs(a)),
+            dict(variant="tie", method="born", members=["a", "b"], docs=docs(p))]
+    got = {c["brf"]: c for c in compare(rows)}
+    assert got["born"]["pool"] == "linear"  # the better pool
+    assert got["born"]["verdict"] == "BRF higher"
+    assert got["tie"]["verdict"] == "not distinguishable"
+
+
+def test_byte_level_rolling_reads_long_documents_in_windows():
+    """loglikelihood_rolling across tokenizers: a document that fits is one window (the
+    byte level's loglikelihood of the whole text after BOS); with a short max_length it
+    is read in windows that cover every byte once, each window with its context within
+    max_length tokens for every member, and the total is their fused sum."""
+    from brf.bytes.lm import score_text
+    from tests.tiny_lm import tiny_cross_pair, tiny_tokenizer
+    members = tiny_cross_pair(tiny_tokenizer())
+    doc = "the cat sat on the mat. " * 3 + "a hat in the house\nthe end"
+    whole = H.BRFLM(members=members)
+    (lp1,) = whole.loglikelihood_rolling([_req("loglikelihood_rolling", (doc,))])
+    (lp_ll, _), = whole.loglikelihood([_req("loglikelihood", ("", doc))])
+    assert abs(lp1 - lp_ll) < 1e-9, (lp1, lp_ll)
+    short = H.BRFLM(members=members, max_length=24)
+    e = short.ensemble
+    windows = e.byte_windows(doc.encode())
+    assert len(windows) > 3 and windows[0][0] == 0 and windows[-1][1] == len(doc.encode())
+    assert all(a[1] == b[0] for a, b in zip(windows, windows[1:]))
+    want = 0.0
+    for start, end, contexts in windows:
+        piece = doc.encode()[start:end]
+        rows = []
+        for lm, ids in zip(e.views(), contexts):
+            assert len(ids) + len(lm.encode(piece)) <= 24
+            rows.append(score_text(lm, piece, context_ids=ids, beam=e.beam,
+                                   threshold=e.threshold).logp)
+        p = 0.5 * np.exp(np.asarray(rows[0], np.float64)) + 0.5 * np.exp(
+            np.asarray(rows[1], np.float64))
+        want += sum(np.log(p[k, b]) for k, b in enumerate(piece))
+    (lp,) = short.loglikelihood_rolling([_req("loglikelihood_rolling", (doc,))])
+    assert abs(lp - want) < ATOL and abs(lp - lp1) > 1e-3, (lp, want, lp1)
+    assert short.byte_reports[-1].n_bytes == len(doc.encode())

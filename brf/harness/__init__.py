@@ -19,7 +19,9 @@ method's), ``level`` (``auto``: tokens when the members share a vocabulary, else
 bytes), ``precision`` (``default``, ``reference`` or ``exact``: `brf.bytes`'s
 presets) or ``beam`` / ``threshold``, ``batch_size``, ``max_length``,
 ``max_gen_toks``, ``max_gen_bytes`` (byte level; default 4 x max_gen_toks), ``seed``,
-``dtype``.
+``dtype``, ``speculative`` (a drafter for generate_until), ``study``
+(``<study dir>:<corpus>``: the study's calibrated byte-level BRF row as the method,
+`brf.harness.calibrated`).
 """
 
 _LAZY = ("BRFLM", "ModelArgs", "NAME", "byte_summary", "commas")

@@ -89,8 +89,9 @@ class Ensemble:
             generation, or None: greedy output is the same text either way.
         weights: the member weights (on the simplex), or None: the members' own.
         byte_cache: a dict shared by ensembles of the same loaded members (several
-            methods on one task): each member's byte-level scores of a request are
-            computed once and read back by the others (the fusion is what differs).
+            methods on one task): each model's byte-level view is built once and each
+            member's byte-level scores of a request computed once, read back by the
+            others (the fusion is what differs).
     """
 
     def __init__(self, members: Sequence[Member], method: str, method_params: Mapping[str, Any],
@@ -130,8 +131,7 @@ class Ensemble:
     def score_tokens(self, requests, bar=None) -> list[tuple[float, bool]]:
         """(log-prob, greedy) of each request ((per-member context ids, continuation ids)),
         batched, longest first; answers in the requests' order."""
-        order = sorted(range(len(requests)), key=lambda i: -max(
-            len(c) for c in requests[i][0]) - len(requests[i][1]))
+        order = token_order(requests)
         out: list[Any] = [None] * len(requests)
         for s in range(0, len(order), self.batch_size):
             idx = order[s:s + self.batch_size]
@@ -142,9 +142,17 @@ class Ensemble:
         return out
 
     def _token_batch(self, batch) -> list[tuple[float, bool]]:
+        lp, top = self.run_token_arrays(*self.token_arrays(batch))
+        return [(float(np.sum(lp[b, :len(cont)], dtype=np.float64)),
+                 bool(np.all(top[b, :len(cont)] == cont))) for b, (_, cont) in enumerate(batch)]
+
+    def token_arrays(self, batch) -> tuple[list, np.ndarray]:
+        """A batch of requests as arrays: per member (tokens [B, W], valid [B, W], the
+        rows predicting each continuation token [B, C]), W padded to a multiple of
+        :data:`PAD`; and the continuation tokens [B, C] (0-padded)."""
         B, C = len(batch), max(len(cont) for _, cont in batch)
-        logits = []
-        for j, m in enumerate(self.members):
+        per = []
+        for j in range(len(self.members)):
             rows = [(ctx[j] + cont)[-(self.max_length + 1):][:-1] for ctx, cont in batch]
             W = -(-max(len(r) for r in rows) // PAD) * PAD
             toks = np.zeros((B, W), np.int32)
@@ -154,18 +162,24 @@ class Ensemble:
                 toks[b, :len(r)], valid[b, :len(r)] = r, True
                 first = len(r) - len(cont)  # the row predicting the first continuation token
                 pos[b, :len(cont)] = np.arange(first, len(r))
-            from brf.models import forward
+            per.append((toks, valid, pos))
+        gold = np.zeros((B, C), np.int32)
+        for b, (_, cont) in enumerate(batch):
+            gold[b, :len(cont)] = cont
+        return per, gold
+
+    def run_token_arrays(self, per, gold) -> tuple[np.ndarray, np.ndarray]:
+        """(fused log-prob of each continuation token [B, C], the fused argmax [B, C]) on
+        the host, from :meth:`token_arrays`: each member's forward pass, the fusion."""
+        from brf.models import forward
+        logits = []
+        for m, (toks, valid, pos) in zip(self.members, per):
             x, _ = forward(m.params, m.cfg, jnp.asarray(toks), jnp.asarray(valid),
                            dtype=self.dtype)
             logits.append(_gather_rows(x, jnp.asarray(pos)))
         V = min(int(x.shape[-1]) for x in logits)
         logq = self._fuse_tokens(jnp.stack([x[..., :V] for x in logits], axis=2))
-        gold = np.zeros((B, C), np.int32)
-        for b, (_, cont) in enumerate(batch):
-            gold[b, :len(cont)] = cont
-        lp, top = jax.device_get(_gold_and_top(logq, jnp.asarray(gold)))
-        return [(float(np.sum(lp[b, :len(cont)], dtype=np.float64)),
-                 bool(np.all(top[b, :len(cont)] == cont))) for b, (_, cont) in enumerate(batch)]
+        return jax.device_get(_gold_and_top(logq, jnp.asarray(gold)))
 
     def _fuse_tokens(self, logits_BxCxnxV):
         from brf.fusion import fuse
@@ -179,12 +193,17 @@ class Ensemble:
         if self._views is None:
             from brf.align.union import default_cache_dir
             from brf.bytes.lm import ByteLM
-            made: dict[int, Any] = {}
-            for m in self.members:
-                if id(m.params) not in made:
-                    made[id(m.params)] = ByteLM(m.params, m.cfg, m.tokenizer, name=m.name,
-                                                dtype=self.dtype, cache_dir=default_cache_dir())
-            self._views = [made[id(m.params)] for m in self.members]
+            made: dict = {} if self.byte_cache is None else self.byte_cache
+            views = []
+            for m in self.members:  # one view per model (and per byte_cache's models)
+                key = ("view", id(m.params), self.dtype.name)
+                hit = made.get(key)
+                if hit is None or hit[1] is not m.params:
+                    hit = made[key] = (ByteLM(m.params, m.cfg, m.tokenizer, name=m.name,
+                                              dtype=self.dtype, cache_dir=default_cache_dir()),
+                                       m.params)
+                views.append(hit[0])
+            self._views = views
         return self._views
 
     def byte_context(self, m: Member, lm, context: str) -> list[int]:
@@ -200,8 +219,6 @@ class Ensemble:
         """(log-prob, greedy, report) of each (context, continuation) on the byte level,
         longest continuation first; answers in the requests' order. Greedy: every byte
         is the fused distribution's most likely event."""
-        from brf.bytes.generate import fused_bytes
-        from brf.bytes.lm import score_text
         lms = self.views()
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][1].encode("utf-8")))
         out: list[Any] = [None] * len(pairs)
@@ -210,29 +227,88 @@ class Ensemble:
             data = continuation.encode("utf-8")
             if not data:
                 raise HarnessInputError(f"an empty continuation after {context[-40:]!r}")
-            rows, lost = [], []
-            for m, lm in zip(self.members, lms):
-                ids = self.byte_context(m, lm, context)
-                key = (id(m.params), tuple(ids), data, self.beam, self.threshold,
-                       self.dtype.name)
-                hit = None if self.byte_cache is None else self.byte_cache.get(key)
-                if hit is None or hit[2] is not m.params:  # (an id reused: not a hit)
-                    sc = score_text(lm, data, context_ids=ids, beam=self.beam,
-                                    threshold=self.threshold)
-                    hit = (sc.logp, float(sc.stats["lost"]), m.params)
-                    if self.byte_cache is not None:
-                        self.byte_cache[key] = hit
-                rows.append(hit[0])
-                lost.append(hit[1])
-            logp_Nxn = np.stack(rows, axis=1)
-            total, greedy = 0.0, True
-            for k, b in enumerate(data):
-                logq = fused_bytes(self.method, self.method_params, logp_Nxn[k], self.weights)
-                total += float(logq[b])
-                greedy &= int(np.argmax(logq)) == b
-            out[i] = (total, bool(greedy), ByteReport(lost, len(data)))
+            got = [self._member_bytes(m, lm, self.byte_context(m, lm, context), data)
+                   for m, lm in zip(self.members, lms)]
+            total, greedy = self._fused_bytes([g[0] for g in got], data)
+            out[i] = (total, greedy, ByteReport([g[1] for g in got], len(data)))
             if bar is not None:
                 bar.update(1)
+        return out
+
+    def _member_bytes(self, m: Member, lm, ids: Sequence[int], data: bytes):
+        """(member ``m``'s next-byte log-probs [len(data), 257] after the tokens ``ids``,
+        the log-mass pruning dropped), read back from ``byte_cache`` where it has them."""
+        from brf.bytes.lm import score_text
+        key = (id(m.params), tuple(ids), data, self.beam, self.threshold, self.dtype.name)
+        hit = None if self.byte_cache is None else self.byte_cache.get(key)
+        if hit is None or hit[2] is not m.params:  # (an id reused: not a hit)
+            sc = score_text(lm, data, context_ids=ids, beam=self.beam, threshold=self.threshold)
+            hit = (sc.logp, float(sc.stats["lost"]), m.params)
+            if self.byte_cache is not None:
+                self.byte_cache[key] = hit
+        return hit[0], hit[1]
+
+    def _fused_bytes(self, rows: Sequence[np.ndarray], data: bytes) -> tuple[float, bool]:
+        """(the fused log-probability of ``data``, whether every byte is the fused argmax)
+        from each member's rows."""
+        from brf.bytes.generate import fused_bytes
+        logp_Nxn = np.stack(rows, axis=1)
+        total, greedy = 0.0, True
+        for k, b in enumerate(data):
+            logq = fused_bytes(self.method, self.method_params, logp_Nxn[k], self.weights)
+            total += float(logq[b])
+            greedy &= int(np.argmax(logq)) == b
+        return total, bool(greedy)
+
+    def rolling_bytes(self, doc: str) -> tuple[float, ByteReport]:
+        """The fused log-probability of a whole document on the byte level, in windows
+        that fit every member's context (:meth:`byte_windows`): each window's bytes are
+        scored after the member's tokens of the text before it (the first after BOS)."""
+        data = doc.encode("utf-8")
+        if not data:  # nothing to predict (as the token level's windows)
+            return 0.0, ByteReport([0.0] * len(self.members), 0)
+        lms = self.views()
+        total, lost = 0.0, [0.0] * len(self.members)
+        for start, end, contexts in self.byte_windows(data):
+            got = [self._member_bytes(m, lm, ids, data[start:end])
+                   for m, lm, ids in zip(self.members, lms, contexts)]
+            total += self._fused_bytes([g[0] for g in got], data[start:end])[0]
+            lost = [a + g[1] for a, g in zip(lost, got)]
+        return total, ByteReport(lost, len(data))
+
+    def byte_windows(self, data: bytes) -> list[tuple[int, int, list[list[int]]]]:
+        """Consecutive windows (start, end, each member's context tokens) covering
+        ``data``: each window at most half the context (``max_length``) in every member's
+        tokens, ended after a newline or space where one lies in its second half; its
+        context the member's tokens of the text before it (after BOS, and the dummy
+        prefix of a member that has one), cut on the left so that context and window fit
+        ``max_length`` (the token level's rolling windows also drop BOS once cut)."""
+        lms = self.views()
+        half = max(1, self.max_length // 2)
+        heads = [self.byte_context(m, lm, "") for m, lm in zip(self.members, lms)]
+        leads = [lm.lead_after(h) for lm, h in zip(lms, heads)]
+        fits = lambda s, e: all(len(lm.encode(data[s:e])) <= half for lm in lms)  # noqa: E731
+        out, start = [], 0
+        while start < len(data):
+            lo, hi = start + 1, len(data)  # the longest window that fits (binary search)
+            if not fits(start, lo):
+                raise HarnessInputError(f"byte {start} of the document cannot be read within "
+                                        f"max_length={self.max_length} tokens")
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(start, mid) else (lo, mid - 1)
+            end = lo
+            if end < len(data):
+                cut = max(data.rfind(b"\n", start, end), data.rfind(b" ", start, end))
+                if cut + 1 > start + (end - start) // 2:
+                    end = cut + 1
+            contexts = []
+            for lm, head, lead in zip(lms, heads, leads):
+                ids = head if start == 0 else head + lm.encode(lead + data[:start])
+                room = self.max_length - len(lm.encode(data[start:end]))
+                contexts.append(list(ids[-room:]))
+            out.append((start, end, contexts))
+            start = end
         return out
 
     # -- generation ------------------------------------------------------------------
@@ -273,6 +349,12 @@ class Ensemble:
                                             dtype=self.dtype)
             texts += [g.text for g in gens]
         return [cut(t, stop) for t in texts]
+
+
+def token_order(requests) -> list[int]:
+    """The order token-level requests run in: longest (context plus continuation) first."""
+    return sorted(range(len(requests)), key=lambda i: -max(
+        len(c) for c in requests[i][0]) - len(requests[i][1]))
 
 
 @jax.jit

@@ -213,9 +213,12 @@ class BRFLM(LM):
         bar = tqdm(total=len(docs), desc=f"brf loglikelihood_rolling ({self.level})",
                    disable=disable_tqdm)
         if self.level == "bytes":
-            got = e.score_bytes([("", d) for d in docs], bar)
-            self.byte_reports += [g[2] for g in got]
-            out = [g[0] for g in got]
+            out = []
+            for d in docs:
+                lp, report = e.rolling_bytes(d)
+                out.append(lp)
+                self.byte_reports.append(report)
+                bar.update(1)
         else:
             from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
             tok = e.members[0].tokenizer
