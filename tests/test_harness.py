@@ -335,11 +335,14 @@ def test_paired_statistics_match_scipy():
             dict(variant="loglinear", method="loglinear", members=["a", "b"],
                  docs=docs(p * (rng.random(200) < 0.9))),
             dict(variant="born", method="born", members=["a", "b"], docs=docs(a)),
-            dict(variant="tie", method="born", members=["a", "b"], docs=docs(p))]
+            dict(variant="tie", method="born", members=["a", "b"], docs=docs(p)),
+            dict(variant="study row", method="linear", members=["a", "b"], docs=docs(a),
+                 study="s:c")]  # a BRF variant, never the pool
     got = {c["brf"]: c for c in compare(rows)}
     assert got["born"]["pool"] == "linear"  # the better pool
     assert got["born"]["verdict"] == "BRF higher"
     assert got["tie"]["verdict"] == "not distinguishable"
+    assert got["study row"]["pool"] == "linear" and got["study row"]["verdict"] == "BRF higher"
 
 
 def test_byte_level_rolling_reads_long_documents_in_windows():

@@ -42,7 +42,7 @@ def variants(spec: str, n_members: int, study_dir: str = "results/study"
                                         f"only; got {sorted(params) or 'nothing'}")
             where = f"{study_dir}:{params['corpus']}"
             row = study_row(where)
-            out.append((f"{row.label} ({row.corpus})", list(range(n_members)), "linear",
+            out.append((f"{row.label} ({row.corpus})", list(range(n_members)), row.method,
                         {"study": where}))
         else:
             method = format_spec(name, params)
@@ -108,7 +108,8 @@ def compare(rows: Sequence[dict], seed: int = 0) -> list[dict]:
     """Each BRF variant (``born``, ``study``) against the better pool (linear or
     log-linear, the higher mean on the same documents: the choice favours the pool),
     per task and metric, paired per document (:func:`paired`), with a verdict."""
-    pools = [r for r in rows if r["method"].split("(")[0] in POOLS and len(r["members"]) > 1]
+    pools = [r for r in rows if r["method"].split("(")[0] in POOLS and len(r["members"]) > 1
+             and not r.get("study")]
     brfs = [r for r in rows if r["method"].split("(")[0] == "born" or r.get("study")]
     out = []
     for brf in brfs:
@@ -211,7 +212,8 @@ def check_tasks(tasks: Sequence[str], include_path: str):
 def run(c) -> list[dict]:
     """Runs every variant of config ``c`` (configs/harness.py) on its tasks; writes
     ``<output>/<variant>.json`` (the harness's results), ``<output>/table.md`` and
-    ``<output>/comparisons.json`` (:func:`compare`).
+    ``<output>/comparisons.json`` (:func:`compare`) and ``<output>/documents.json`` (each
+    variant's per-document scores, what the comparisons read).
 
     Returns:
         Per variant: {'variant', 'method', 'members', 'study', 'tasks': {task: [(metric,
@@ -271,6 +273,8 @@ def run(c) -> list[dict]:
     comparisons = compare(rows, seed=c.seed)
     with open(os.path.join(c.output, "comparisons.json"), "w", encoding="utf-8") as f:
         json.dump(comparisons, f, indent=2)
+    with open(os.path.join(c.output, "documents.json"), "w", encoding="utf-8") as f:
+        json.dump({r["variant"]: r["docs"] for r in rows}, f)  # compare() can be rerun
     with open(os.path.join(c.output, "table.md"), "w", encoding="utf-8") as f:
         f.write(table(rows, comparisons))
     return rows
