@@ -5,12 +5,19 @@ The shipped pair on the shipped offline tasks (run from the repository root; tas
 Other tasks, few-shot count, a limit, where the results go:
   python experiments/harness.py --config=configs/harness.py \
       --config.tasks=arc_easy,gsm8k --config.num_fewshot=5 --config.limit=100 --config.output=runs/arc
+The study's question on the shipped tasks (results/harness/; docs/harness.md):
+  python experiments/harness.py --config=configs/harness.py \
+      --config.tasks=brf_hamlet_next_line --config.output=results/harness/hamlet
+  python experiments/harness.py --config=configs/harness.py --config.limit=50 \
+      --config.output=results/harness/limit50
 Tiny random members sharing SmolLM2's tokenizer, 4 documents a task (what the tests run):
   python experiments/harness.py --config=configs/harness.py:tiny
 
-Each variant (config.variants: 'members' = each member alone, then method specs) runs
-through lm_eval.simple_evaluate; <output>/<variant>.json is the harness's results JSON,
-<output>/table.md the metrics of all variants with the harness's standard errors.
+Each variant (config.variants: 'members' = each member alone, method specs, and
+study(corpus=...) = the study's calibrated BRF row of that corpus) runs through
+lm_eval.simple_evaluate; <output>/<variant>.json is the harness's results JSON,
+<output>/table.md the metrics of all variants with standard errors and intervals and
+each BRF variant paired against the better pool (comparisons.json, documents.json).
 `arg`: 'tiny'.
 """
 
