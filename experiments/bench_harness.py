@@ -4,6 +4,8 @@ passes on the same tokens (brf/harness/bench.py; needs the harness extra).
   python experiments/bench_harness.py                 # SmolLM2 under two prompts, BRF
   python experiments/bench_harness.py --method=linear --docs=100
   python experiments/bench_harness.py --tiny          # tiny random members (a minute)
+  python experiments/bench_harness.py --docs=20 --bytes_trim=on    # byte-level memory
+  python experiments/bench_harness.py --docs=20 --bytes_trim=off   #   (one mode a process)
 
 Prints one markdown row per method: requests, padded tokens, seconds of each side,
 tokens per second, and the ratio harness / forward (the issue's bound: at most 1.5).
@@ -27,6 +29,9 @@ flags.DEFINE_integer("docs", 50, "documents of the task (4 requests each)")
 flags.DEFINE_integer("batch_size", 8, "requests per forward pass")
 flags.DEFINE_integer("repeats", 3, "timed runs per side (the best is kept)")
 flags.DEFINE_bool("tiny", False, "tiny random members with SmolLM2's tokenizer, 8 documents")
+flags.DEFINE_enum("bytes_trim", None, ["on", "off"], "instead: the byte level's memory, "
+                  "SmolLM2 alone scoring --docs documents' requests with the C heap trimmed "
+                  "after each request (on) or not (off); one mode per process")
 
 
 def main(argv):
@@ -40,6 +45,17 @@ def main(argv):
         members = ("random:smollm2-135m-instruct:0(weight=0.5), "
                    "random:smollm2-135m-instruct:1(weight=0.5)")
         docs = min(docs, 8)
+    if FLAGS.bytes_trim:
+        from brf.bytes import DEFAULT
+        from brf.harness.bench import byte_memory
+        from brf.harness.ensemble import Ensemble
+        e = Ensemble(load_members("smollm2-135m-instruct"), "linear", {}, level="bytes",
+                     beam=DEFAULT.beam, threshold=DEFAULT.threshold, batch_size=8,
+                     max_length=2048)
+        r = byte_memory(e, task_pairs(FLAGS.task, docs), trim=FLAGS.bytes_trim == "on")
+        print(f"trim {FLAGS.bytes_trim}: {r['requests']} requests in {r['seconds']:.1f} s, "
+              f"RSS after {r['rss_gb']:.2f} GB")
+        return
     mems = load_members(members)
     pairs = task_pairs(FLAGS.task, docs)
     print(f"device: {jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}),"

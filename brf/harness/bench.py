@@ -76,4 +76,29 @@ def bench(lm, pairs: Sequence[tuple[str, str]], repeats: int = 3) -> dict:
                 ratio=h / f, harness_tokens_per_s=tokens / h, forward_tokens_per_s=tokens / f)
 
 
-__all__ = ["bench", "forward_pass", "task_pairs"]
+
+
+
+def rss_gb() -> float:
+    """This process's resident memory (GB; Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 1e9
+
+
+def byte_memory(ensemble, pairs, *, trim: bool, warm: int = 8) -> dict:
+    """Byte-level scoring of ``pairs`` (after ``warm`` untimed ones) with or without
+    trimming the C heap after each request: seconds and this process's RSS after
+    (run one mode per process: freed memory is not given back otherwise)."""
+    import brf.harness.ensemble as E
+    keep = E.trim_heap
+    if not trim:
+        E.trim_heap = lambda: None
+    try:
+        ensemble.score_bytes(pairs[:warm])
+        t0 = time.perf_counter()
+        ensemble.score_bytes(pairs[warm:])
+        return dict(requests=len(pairs) - warm, seconds=time.perf_counter() - t0,
+                    rss_gb=rss_gb(), trim=trim)
+    finally:
+        E.trim_heap = keep
+__all__ = ["bench", "byte_memory", "forward_pass", "rss_gb", "task_pairs"]
