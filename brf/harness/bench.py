@@ -76,9 +76,6 @@ def bench(lm, pairs: Sequence[tuple[str, str]], repeats: int = 3) -> dict:
                 ratio=h / f, harness_tokens_per_s=tokens / h, forward_tokens_per_s=tokens / f)
 
 
-
-
-
 def rss_gb() -> float:
     """This process's resident memory (GB; Linux)."""
     with open("/proc/self/statm") as f:
@@ -101,4 +98,6 @@ def byte_memory(ensemble, pairs, *, trim: bool, warm: int = 8) -> dict:
                     rss_gb=rss_gb(), trim=trim)
     finally:
         E.trim_heap = keep
+
+
 __all__ = ["bench", "byte_memory", "forward_pass", "rss_gb", "task_pairs"]

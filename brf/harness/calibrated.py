@@ -23,21 +23,15 @@ import json
 import os
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The study's own tempering (what its calibrated rows were fitted with), not a copy.
+from brf.eval.fitting import _tempered
 from brf.fusion import methods as M
 from brf.harness.ensemble import HarnessInputError
 
 NAME = "tempered"
-
-
-def _tempered(logp, temperature):
-    """log_softmax(logp / T) over the last axis, events without mass kept at -inf."""
-    ok = jnp.isfinite(logp)
-    x = jnp.where(ok, jnp.where(ok, logp, 0.0) / temperature, -jnp.inf)
-    return jax.nn.log_softmax(x, axis=-1)
 
 
 def _all_positive(v) -> str | None:
