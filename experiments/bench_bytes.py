@@ -100,6 +100,9 @@ flags.DEFINE_bool("score_cold", False,
 flags.DEFINE_bool("accuracy_again", False,
                   "accuracy: score each setting again with every shape compiled")
 flags.DEFINE_integer("call_repeats", 5, "calls: timings per tree bucket (the median is kept)")
+flags.DEFINE_list("curve_buckets", [],
+                  "calls: the tree buckets the curve times (default: every one, "
+                  "brf.bytes.lm.TREE_BUCKETS; each is a program compiled for the member)")
 flags.DEFINE_list("lookahead", ["4:512:0", "4:512", "16:512"],
                   "lookahead: max_speculation:window[:fill] per run, the first the reference")
 flags.DEFINE_string("out", "", "write the results as JSON here")
@@ -266,7 +269,8 @@ class _Timed:
         self.module.prefill_donated, self.module.forward_tree = self.prefill, self.tree
 
 
-def _call_curve(lm, slots: int, width: int, filled: int, repeats: int) -> list[dict]:
+def _call_curve(lm, slots: int, width: int, filled: int, repeats: int,
+                buckets: tuple[int, ...]) -> list[dict]:
     """Seconds per token of a 256-token canonical chunk and of a tree call of each bucket's
     size, each call donating a fresh copy of its cache as the scoring does and timed to
     its result (the median of ``repeats``, after one call that compiles). The chunk runs
@@ -274,11 +278,11 @@ def _call_curve(lm, slots: int, width: int, filled: int, repeats: int) -> list[d
     ``width - 256`` tokens. The tree calls run on a cache of ``slots`` slots whose first
     ``filled`` hold a context, and read what the scoring's read: the canonical pass's
     ``width`` slots and T gathered slots (`brf.bytes.lm.ancestor_gather`, its smallest
-    size)."""
+    size), for each of ``buckets``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from brf.bytes.lm import TREE_BUCKETS, ancestor_gather
+    from brf.bytes.lm import ancestor_gather
     from brf.models.transformer import Reads
     from brf.models import forward_tree, init_cache, prefill_donated
     from brf.models.cache import grow
@@ -309,7 +313,7 @@ def _call_curve(lm, slots: int, width: int, filled: int, repeats: int) -> list[d
     base = median(lambda c: prefill_donated(lm.params, lm.cfg, chunk, jnp.ones((1, 256), bool),
                                             c, dtype=lm.dtype, logits="all"), canon) / 256
     rows = [dict(call="canonical chunk", tokens=256, s_per_token=base, vs_canonical=1.0)]
-    for T in TREE_BUCKETS:
+    for T in buckets:
         toks = jnp.asarray(rng.integers(0, lm.cfg.vocab_size, (1, T)).astype(np.int32))
         pos = jnp.asarray((filled - 8 + np.arange(T) % 8)[None].astype(np.int32))
         c_allow = jnp.asarray(np.arange(slots)[None, None] < filled - 8).repeat(T, 1)
@@ -323,7 +327,7 @@ def _call_curve(lm, slots: int, width: int, filled: int, repeats: int) -> list[d
 
 
 def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold: float,
-                max_lag: int, repeats: int) -> dict:
+                max_lag: int, repeats: int, buckets: tuple[int, ...]) -> dict:
     """Every model call of byte-level scoring timed (``_Timed``), then ``_call_curve``."""
     import numpy as np
     from brf.bytes.lm import ALT_SLOTS, ByteLM
@@ -375,7 +379,7 @@ def bench_calls(name: str, segs: list[bytes], warm: bytes, beam: int, threshold:
                / per["canonical"]["s_per_real_token"],
                tree_vs_canonical_seen_shapes=per["tree"]["s_per_real_token_seen_shapes"]
                / per["canonical"]["s_per_real_token_seen_shapes"], by_bucket=by_bucket)
-    out["curve"] = _call_curve(lm, width + ALT_SLOTS, width, width - 64, repeats)
+    out["curve"] = _call_curve(lm, width + ALT_SLOTS, width, width - 64, repeats, buckets)
     print(json.dumps(out), flush=True)
     return out
 
@@ -482,7 +486,14 @@ def bench_generate(beam: int, threshold: float) -> dict:
 def main(argv):
     del argv
     from brf.bytes import DEFAULT_MAX_LAG, DEFAULT_THRESHOLD
+    from brf.bytes.lm import TREE_BUCKETS
+    from brf.errors import UserError
     from brf.eval.corpus import CORPORA
+    buckets = tuple(int(b) if b.strip().isdigit() else -1 for b in FLAGS.curve_buckets)
+    if not set(buckets) <= set(TREE_BUCKETS):
+        raise UserError(f"--curve_buckets={','.join(FLAGS.curve_buckets)}: each must be one "
+                        f"of the tree buckets {', '.join(map(str, TREE_BUCKETS))}")
+    buckets = buckets or TREE_BUCKETS
     threshold = DEFAULT_THRESHOLD if FLAGS.threshold is None else FLAGS.threshold
     max_lag = DEFAULT_MAX_LAG if FLAGS.max_lag is None else FLAGS.max_lag
     res = dict(machine=platform.platform(), corpus=FLAGS.corpus, beam=FLAGS.beam,
@@ -502,7 +513,7 @@ def main(argv):
             _write(res)  # each part as soon as it is measured
     if "calls" in FLAGS.parts:
         res["calls"] = [bench_calls(m, segs, warm, FLAGS.beam, threshold, max_lag,
-                                    FLAGS.call_repeats) for m in FLAGS.models]
+                                    FLAGS.call_repeats, buckets) for m in FLAGS.models]
         _write(res)
     if "lookahead" in FLAGS.parts:
         res["lookahead"] = []
