@@ -136,10 +136,17 @@ def release_memory(above: int = 0) -> bool:
     if _holds_less(above):
         return False
     gc.collect()
+    trim_heap()
+    return True
+
+
+def trim_heap() -> None:
+    """Hands the C heap's free pages back to the system (glibc's ``malloc_trim``) without
+    collecting garbage first: cheap enough to call after every request of a long job. A
+    no-op where the C library has no ``malloc_trim``."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-    return True
 
 
 def release_compiled(above: int = RELEASE_ABOVE) -> bool:

@@ -68,7 +68,6 @@ Gemma 3, BRF, greedy) on one prompt, token level (`max_new_tokens`) and byte lev
 """
 
 import json
-import os
 import platform
 import time
 
@@ -430,26 +429,21 @@ def bench_lookahead(name: str, segs: list[bytes], warm: bytes, beam: int, thresh
     return rows
 
 
-def _rss_gb() -> float:
-    with open("/proc/self/statm") as f:  # resident pages
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
-
-
 def bench_memory(name: str, segs: list[bytes], beam: int, threshold: float,
                  max_lag: int) -> dict:
     from brf.bytes.lm import ByteLM
     from brf.bytes.scoring import score_segments
-    from brf.runtime import release_memory
+    from brf.runtime import release_memory, resident_bytes
     lm = ByteLM.load(name)
     width = _padded_width(len(lm.context()) + len(lm.encode(s)) for s in segs)
     out = dict(member=name, bytes=sum(map(len, segs)), segments=len(segs))
     for release in (False, True):
         release_memory()
-        start, after = _rss_gb(), []
+        start, after = resident_bytes() / 1e9, []
         for seg in segs:
             score_segments(lm, [seg], beam=beam, threshold=threshold, max_lag=max_lag,
                            pad_to=width, release=release, desc=f"{name} release={release}")
-            after.append(_rss_gb())
+            after.append(resident_bytes() / 1e9)
         key = "release" if release else "keep"
         out[key] = dict(start_gb=start, after_segment_gb=after, peak_gb=max(after))
         print(json.dumps({key: out[key]}), flush=True)

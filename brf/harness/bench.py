@@ -25,6 +25,7 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from brf.harness.ensemble import token_order
+from brf.runtime import resident_bytes
 
 
 def task_pairs(path: str, n_docs: int) -> list[tuple[str, str]]:
@@ -76,12 +77,6 @@ def bench(lm, pairs: Sequence[tuple[str, str]], repeats: int = 3) -> dict:
                 ratio=h / f, harness_tokens_per_s=tokens / h, forward_tokens_per_s=tokens / f)
 
 
-def rss_gb() -> float:
-    """This process's resident memory (GB; Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 1e9
-
-
 def byte_memory(ensemble, pairs, *, trim: bool, warm: int = 8) -> dict:
     """Byte-level scoring of ``pairs`` (after ``warm`` untimed ones) with or without
     trimming the C heap after each request: seconds and this process's RSS after
@@ -95,9 +90,9 @@ def byte_memory(ensemble, pairs, *, trim: bool, warm: int = 8) -> dict:
         t0 = time.perf_counter()
         ensemble.score_bytes(pairs[warm:])
         return dict(requests=len(pairs) - warm, seconds=time.perf_counter() - t0,
-                    rss_gb=rss_gb(), trim=trim)
+                    rss_gb=resident_bytes() / 1e9, trim=trim)
     finally:
         E.trim_heap = keep
 
 
-__all__ = ["bench", "byte_memory", "forward_pass", "rss_gb", "task_pairs"]
+__all__ = ["bench", "byte_memory", "forward_pass", "task_pairs"]

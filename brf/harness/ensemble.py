@@ -32,6 +32,7 @@ import numpy as np
 from brf.align.vocab import encode_text
 from brf.ensemble.member import Member, check_shared_vocabulary, normalised_weights
 from brf.errors import UserError
+from brf.runtime import trim_heap
 
 PAD = 32  # token rows are padded to a multiple of this (one compiled shape per bucket)
 
@@ -233,6 +234,8 @@ class Ensemble:
             out[i] = (total, greedy, ByteReport([g[1] for g in got], len(data)))
             if bar is not None:
                 bar.update(1)
+            # each request allocates and frees its own buffers, which glibc keeps: RSS
+            # grew by about 50 MB a request without this (BENCHMARKS.md, the harness)
             trim_heap()
         return out
 
@@ -351,24 +354,6 @@ class Ensemble:
                                             dtype=self.dtype)
             texts += [g.text for g in gens]
         return [cut(t, stop) for t in texts]
-
-
-_LIBC: list = []
-
-
-def trim_heap() -> None:
-    """Returns the C heap's free pages to the system (glibc's ``malloc_trim``; nothing
-    elsewhere). Each byte-level request allocates and frees its own buffers, and glibc
-    kept the freed memory: a process's RSS grew by about 50 MB a request (5.4 GB after
-    60 requests of one member; 1.0 GB again after a trim; BENCHMARKS.md)."""
-    if not _LIBC:
-        import ctypes
-        try:
-            _LIBC.append(ctypes.CDLL("libc.so.6").malloc_trim)
-        except (OSError, AttributeError):
-            _LIBC.append(None)
-    if _LIBC[0] is not None:
-        _LIBC[0](0)
 
 
 def token_order(requests) -> list[int]:
