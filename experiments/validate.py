@@ -13,6 +13,7 @@ from brf import cli  # first: Ctrl-C during the imports below ends in one line t
 from ml_collections import config_flags
 
 from brf import sharding
+from brf.ensemble.run import check_fusable
 from brf.eval import plan as plan_lib
 from brf.eval.study import run
 from brf.runtime import enable_compilation_cache
@@ -26,6 +27,9 @@ def main(argv):
     plan_lib.check_config(cfg)  # every key's type and range, before JAX starts
     sharding.initialize_distributed(cfg.distributed)  # before any other JAX use
     plan = plan_lib.from_config(cfg)  # every mistake in the config is named here
+    # a member the study cannot read across vocabularies, before its model converts
+    check_fusable([{"model": m.name} for m in plan.members], reencode=plan.bytes.enabled,
+                  level="bytes" if plan.bytes.enabled else "tokens")
     cli.check_writable(plan.out_dir, "config.out_dir", directory=True)
     if cfg.compilation_cache:
         enable_compilation_cache(cfg.compilation_cache_dir or None)

@@ -27,7 +27,9 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -37,6 +39,7 @@ import pytest
 
 pytest.importorskip("sentencepiece")
 transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from brf.align import token_table  # noqa: E402
 from brf.bytes.generate import generate_bytes  # noqa: E402
@@ -327,3 +330,22 @@ def test_refused_before_converting(tmp_path, monkeypatch):
     check_fusable([dict(model=dirs[1]), dict(model=f"random:{dirs[1]}:1")], level="bytes")
     with pytest.raises(EnsembleInputError, match="'.*odd'.*cannot be fused"):
         check_fusable([dict(model=dirs[0])], level="bytes")
+    # the study (experiments/validate.py): the same refusal in one line, exit 2, before
+    # either model is converted; scoring fixed text on co-aligned tokens needs no
+    # re-encoding, so without the byte level the same members pass the check
+    env = {**os.environ, "BRF_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "experiments/validate.py",
+                          "--config=configs/validate.py:short", "--config.bytes.enabled=True",
+                          f"--config.members={dirs[0]}, {dirs[1]}",
+                          f"--config.out_dir={tmp_path / 'study'}"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1, res.stderr[-2000:]
+    assert re.search(r"odd'.*cannot be fused across vocabularies.*before converting", err[0])
+    assert not os.path.exists(tmp_path / "cache" / "checkpoints")
+    check_fusable([dict(model=d) for d in dirs], reencode=False)
+    if importlib.util.find_spec("lm_eval"):  # the harness model (the test extra has it)
+        from brf.harness.lm import BRFLM
+        with pytest.raises(EnsembleInputError, match="odd'.*before converting"):
+            BRFLM(f"{dirs[0]}, {dirs[1]}", level="bytes")
+        assert not os.path.exists(tmp_path / "cache" / "checkpoints")

@@ -138,15 +138,17 @@ def _tokenizer_only(source: str):
 
 
 def check_fusable(specs: str | Sequence[Any], *, aligner: str = "auto",
-                  level: str = "tokens") -> None:
+                  level: str = "tokens", reencode: bool = True) -> None:
     """Refuses a member brf cannot fuse *before* any model is converted into the cache.
 
     Across vocabularies (level 'bytes', an aligner other than 'identity', or 'auto'
     with members of different vocabularies) every member's tokenizer must read as
-    bytes (`brf.align.token_table`: a known decoder) and re-encode text in the
-    middle of a generation (`brf.align.reencode.check_reencodable`). Only the
-    tokenizers are read, and only when some member is not converted yet (a
-    converted one loads in seconds and is checked as it loads).
+    bytes (`brf.align.token_table`: a known decoder) and, with ``reencode`` (what
+    generation and every byte-level view need; scoring a fixed text on co-aligned
+    tokens does not), re-encode text in the middle of a generation
+    (`brf.align.reencode.check_reencodable`). Only the tokenizers are read, and only
+    when some member is not converted yet (a converted one loads in seconds and is
+    checked as it loads).
 
     Raises:
         EnsembleInputError: naming the member and what it cannot do.
@@ -173,7 +175,8 @@ def check_fusable(specs: str | Sequence[Any], *, aligner: str = "auto",
         try:
             if isinstance(c, Exception):
                 raise c
-            check_reencodable(c, f"{s!r}'s tokenizer")
+            if reencode or level == "bytes":
+                check_reencodable(c, f"{s!r}'s tokenizer")
         except ValueError as e:
             raise EnsembleInputError(f"member {s!r} cannot be fused across vocabularies: {e} "
                                      "(refused before converting it into the cache)") from None

@@ -146,10 +146,14 @@ class BRFLM(LM):
     def __init__(self, members, byte_cache: dict | None = None, **kwargs):
         super().__init__()
         a = ModelArgs.parse(dict(kwargs, members=members))
-        from brf.ensemble.run import load_members, method_spec
+        from brf.ensemble.run import check_fusable, load_members, method_spec
         from brf.ensemble.member import same_vocabulary
         self.args = a
-        mems = load_members(a.members) if isinstance(a.members, str) else list(a.members)
+        if isinstance(a.members, str):  # a member brf cannot fuse: before it converts
+            check_fusable(a.members, level="bytes" if a.level == "bytes" else "tokens")
+            mems = load_members(a.members)
+        else:
+            mems = list(a.members)
         shared = all(same_vocabulary(mems[0], m) for m in mems)
         level = a.level if a.level != "auto" else ("tokens" if shared else "bytes")
         if level == "tokens" and not shared:

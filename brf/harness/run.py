@@ -222,7 +222,7 @@ def run(c) -> list[dict]:
     import lm_eval
     from lm_eval.utils import handle_non_serializable
 
-    from brf.ensemble.run import load_members
+    from brf.ensemble.run import check_fusable, load_members
     from brf.harness.lm import BRFLM, ModelArgs, byte_summary
     tasks = [t for t in c.tasks]
     base = dict(level=c.level, precision=c.precision, batch_size=c.batch_size,
@@ -239,7 +239,8 @@ def run(c) -> list[dict]:
             extra or dict(method=method, phase=c.phase))))
     tm = check_tasks(tasks, c.include_path)
     os.makedirs(c.output, exist_ok=True)
-    members = load_members(c.members)
+    check_fusable(c.members, level="bytes" if c.level == "bytes" else "tokens")
+    members = load_members(c.members)  # after the check: nothing converts to be refused
     from brf.ensemble.member import same_vocabulary
     level = c.level
     if level == "auto":  # each member alone on the ensemble's level: comparable, and on
