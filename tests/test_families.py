@@ -552,6 +552,68 @@ def test_rope_scaling_from_gguf(rope_case, tmp_path):
         assert err < ATOL, f"{name} from GGUF, {n} tokens: max abs diff {err:.2e}"
 
 
+def _llamacpp_rope_freqs(theta, head_dim, scaling):
+    """The divisors llama.cpp's converter writes for a llama3 scaling (Llama 3.1 / 3.2:
+    rope_freqs.weight, float32, and no rope scaling metadata), computed here from the
+    scaling's definition: 1 for the frequencies kept, the factor for those interpolated,
+    1 / ((1 - s) / factor + s) between."""
+    factor, lo, hi = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * math.pi / freq
+        s = (old / wavelen - lo) / (hi - lo)
+        out.append(1.0 if wavelen < old / hi else factor if wavelen > old / lo
+                   else 1 / ((1 - s) / factor + s))
+    return np.asarray(out, np.float32)
+
+
+@pytest.mark.parametrize("with_original", [False, True])
+def test_llama3_rope_from_gguf(tmp_path, with_original):
+    """Llama 3.1 / 3.2 as llama.cpp writes them: the llama3 scaling only as per-frequency
+    divisors (rope_freqs.weight). brf reads the scaling back from them (with the file's
+    original context when it names one: then the very config transformers reads) and
+    gives transformers' logits past the original context; divisors of another shape
+    are refused naming the tensor."""
+    theta, old = 20.0, 32  # head_dim 8: wavelengths 6.3 (kept), 13.3 and 28.1 (between),
+    scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,  # 59 (/4)
+               "high_freq_factor": 4.0, "original_max_position_embeddings": old}
+    torch.manual_seed(3)
+    conf = transformers.LlamaConfig(**SMALL, num_hidden_layers=2, rope_theta=theta,
+                                    rope_scaling=scaling)
+    ref = transformers.LlamaForCausalLM(conf).float().eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.15 * torch.randn_like(p))
+    head_dim = conf.hidden_size // conf.num_attention_heads
+    divisors = _llamacpp_rope_freqs(theta, head_dim, scaling)
+
+    def extra(w, values=divisors):
+        w.add_tensor("rope_freqs.weight", values)
+        if with_original:
+            w.add_rope_scaling_orig_ctx_len(old)
+
+    path = tmp_path / "llama3.gguf"
+    _write_gguf(path, "llama", ref, ref.config, extra=extra)
+    cfg, params = G.load_gguf(path, progress=False)
+    got = cfg.rope_scaling
+    assert got["type"] == "llama3" and got["factor"] == pytest.approx(4.0, rel=1e-6)
+    if with_original:
+        for key in ("low_freq_factor", "high_freq_factor"):
+            assert got[key] == pytest.approx(scaling[key], rel=1e-5), key
+        assert got["original_max_position_embeddings"] == old
+    for n in (SHORT, LONG):
+        tokens = _tokens(7, (1, n))
+        out = np.asarray(prefill(jax.device_put(params), cfg, tokens, None, None)[0])
+        err = float(np.max(np.abs(out - _ref_logits(ref, tokens))))
+        assert err < ATOL, f"llama3 from GGUF, {n} tokens: max abs diff {err:.2e}"
+    bent = divisors.copy()
+    bent[0] = 1.01  # a kept frequency divided: off the line through the two between
+    _write_gguf(path, "llama", ref, ref.config, extra=lambda w: extra(w, bent))
+    with pytest.raises(G.GGUFError, match="rope_freqs.weight.*not a llama3 scaling"):
+        G.load_gguf(path, progress=False)
+
+
 def test_published_rope_configs():
     """The scalings of the published configs, as transformers derives them: Phi-3-mini-128k
     (no factor: 131072 / 4096; 'su' is longrope's older name) and Qwen2.5's yarn."""

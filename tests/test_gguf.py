@@ -267,8 +267,8 @@ def test_unsupported_tensor_type_refused(tmp_path):
 
 def test_unmapped_tensor_refused(tmp_path):
     path = str(tmp_path / "t.gguf")
-    write_tiny(path, extra_tensors={"rope_freqs.weight": np.ones(E // 2, np.float32)})
-    with pytest.raises(G.GGUFError, match="rope_freqs.weight"):
+    write_tiny(path, extra_tensors={"blk.0.attn_extra.weight": np.ones(E, np.float32)})
+    with pytest.raises(G.GGUFError, match="blk.0.attn_extra.weight"):
         G.load_gguf(path, progress=False)
 
 

@@ -327,23 +327,75 @@ def _scalar(meta: dict, key: str, default: Any = KeyError) -> Any:
     return value
 
 
-# Tensors that are part of the config, not of the parameters: Phi-3's longrope factors.
+# Tensors that are part of the config, not of the parameters: Phi-3's longrope factors,
+# and the per-frequency divisors llama.cpp writes for Llama 3.1 / 3.2's llama3 scaling.
 _ROPE_FACTOR_TENSORS = {"short_factor": "rope_factors_short.weight",
                         "long_factor": "rope_factors_long.weight"}
+_LLAMA3_FREQS = "rope_freqs.weight"
+_CONFIG_TENSORS = frozenset({*_ROPE_FACTOR_TENSORS.values(), _LLAMA3_FREQS})
 
 
-def _rope_scaling(f: GGUFFile, arch: str) -> dict | None:
-    """The rope scaling a file's metadata (and longrope's factor tensors) describe,
-    with what transformers derives where llama.cpp writes nothing (a yarn file
-    without yarn_beta_* or yarn_attn_factor)."""
+def _llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float,
+                    original: int) -> dict | None:
+    """Llama 3.1 / 3.2's 'llama3' rope scaling from the per-frequency divisors llama.cpp
+    writes in its place (``rope_freqs.weight``: 1 for the frequencies kept, the factor
+    for those interpolated, ``1 / ((1 - s) / factor + s)`` between, s rising linearly
+    in ``original / wavelength`` from low_freq_factor to high_freq_factor).
+
+    The factor is the largest divisor; the two others follow from the divisors between
+    (a line through their s); only their ratios to ``original`` shape the frequencies.
+    The result is checked to give back every divisor (to 1e-5): a file whose divisors
+    are not of that form is refused, as is one with fewer than two between (the
+    factors would not be determined). None when every divisor is 1.
+    """
+    f = np.asarray(divisors, np.float64).reshape(-1)
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    what = f"GGUF tensor '{_LLAMA3_FREQS}'"
+    if f.shape != inv.shape or not np.all(np.isfinite(f)) or np.any(f < 1 - 1e-6):
+        raise GGUFError(f"{what} (shape {f.shape}, smallest {np.min(f, initial=np.inf)}) "
+                        f"is not Llama 3's frequency divisors: {inv.size} values >= 1")
+    factor = float(f.max())
+    if factor <= 1 + 1e-6:
+        return None
+    s = (1 / f - 1 / factor) / (1 - 1 / factor)  # 1: kept, 0: divided by the factor
+    mid = (s > 1e-4) & (s < 1 - 1e-4)
+    if mid.sum() < 2:
+        raise GGUFError(f"{what} has {int(mid.sum())} frequencies between the kept and the "
+                        "interpolated ones; llama3's low/high frequency factors need two")
+    slope, icept = np.polyfit(original * inv[mid] / (2 * math.pi), s[mid], 1)
+    low = -icept / slope
+    scaling = dict(type="llama3", factor=factor, low_freq_factor=float(low),
+                   high_freq_factor=float(low + 1 / slope),
+                   original_max_position_embeddings=int(original))
+    from brf.models.transformer import rope_inv_freq
+    got = inv / rope_inv_freq(head_dim, theta, scaling).astype(np.float64)
+    if not (low > 0 and np.allclose(got, f, rtol=1e-5, atol=0)):
+        raise GGUFError(f"{what} is not a llama3 scaling (the nearest one is "
+                        f"{np.max(np.abs(got / f - 1)):.1e} off): not supported")
+    return scaling
+
+
+def _rope_scaling(f: GGUFFile, arch: str, head_dim: int, theta: float) -> dict | None:
+    """The rope scaling a file's metadata (and longrope's or llama3's factor tensors)
+    describe, with what transformers derives where llama.cpp writes nothing (a yarn
+    file without yarn_beta_* or yarn_attn_factor)."""
     meta = f.metadata
 
     def field(name, default=KeyError):
         return _scalar(meta, f"{arch}.rope.scaling.{name}", default)
 
     kind = field("type", "none")
-    factors = {k: t for k, t in _ROPE_FACTOR_TENSORS.items()
-               if any(i.name == t for i in f.tensors)}
+    names = {i.name for i in f.tensors}
+    factors = {k: t for k, t in _ROPE_FACTOR_TENSORS.items() if t in names}
+    if _LLAMA3_FREQS in names:  # Llama 3.1 / 3.2: llama.cpp writes the divisors only
+        if kind != "none" or factors:
+            raise GGUFError(f"GGUF tensor '{_LLAMA3_FREQS}' with rope scaling type {kind!r}"
+                            f"{' and ' + str(sorted(factors.values())) if factors else ''}: "
+                            "not supported")
+        divisors = dequantize(f, next(i for i in f.tensors if i.name == _LLAMA3_FREQS))
+        # Llama 3's original context; only the ratios to it matter (above)
+        return _llama3_scaling(divisors, head_dim, theta,
+                               int(field("original_context_length", 8192)))
     if factors and kind not in ("none", "longrope"):
         raise GGUFError(f"GGUF metadata field '{arch}.rope.scaling.type'={kind!r} with the "
                         f"tensors {sorted(factors.values())}: not supported")
@@ -443,7 +495,7 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
         d_ff=int(field("feed_forward_length")),
         norm_eps=float(field("attention.layer_norm_rms_epsilon")),
         rope_theta=float(field("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(f, arch),
+        rope_scaling=_rope_scaling(f, arch, head_dim, float(field("rope.freq_base", 10000.0))),
         tie_embeddings="output.weight" not in tensor_shapes,
         max_seq_len=int(field("context_length", 2048)),
         bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=tuple(eos_ids),
@@ -640,9 +692,8 @@ def params_from_file(f: GGUFFile, cfg: ModelConfig, dtype=np.float32,
     rules = [(re.compile(p), (path,) if isinstance(path, str) else tuple(path), fn)
              for p, path, fn in (NAME_MAPS[cfg.arch] if table is None else table)]
     out = Assembler(cfg, dtype, GGUFError, "GGUF file")
-    config_tensors = set(_ROPE_FACTOR_TENSORS.values())  # read by config_from_file
     for t in tqdm(f.tensors, desc="GGUF tensors", unit="tensor", disable=not progress):
-        if t.name in config_tensors:
+        if t.name in _CONFIG_TENSORS:  # read by config_from_file
             continue
         for rx, paths, fn in rules:
             m = rx.fullmatch(t.name)
