@@ -81,10 +81,7 @@ def byte_memory(ensemble, pairs, *, trim: bool, warm: int = 8) -> dict:
     """Byte-level scoring of ``pairs`` (after ``warm`` untimed ones) with or without
     trimming the C heap after each request: seconds and this process's RSS after
     (run one mode per process: freed memory is not given back otherwise)."""
-    import brf.harness.ensemble as E
-    keep = E.trim_heap
-    if not trim:
-        E.trim_heap = lambda: None
+    keep, ensemble.trim = ensemble.trim, trim
     try:
         ensemble.score_bytes(pairs[:warm])
         t0 = time.perf_counter()
@@ -92,7 +89,7 @@ def byte_memory(ensemble, pairs, *, trim: bool, warm: int = 8) -> dict:
         return dict(requests=len(pairs) - warm, seconds=time.perf_counter() - t0,
                     rss_gb=resident_bytes() / 1e9, trim=trim)
     finally:
-        E.trim_heap = keep
+        ensemble.trim = keep
 
 
 __all__ = ["bench", "byte_memory", "forward_pass", "task_pairs"]

@@ -93,13 +93,17 @@ class Ensemble:
             methods on one task): each model's byte-level view is built once and each
             member's byte-level scores of a request computed once, read back by the
             others (the fusion is what differs).
+        trim: return the C heap's freed memory to the system after each byte-level
+            request and rolling window (`brf.runtime.trim_heap`; False only to measure
+            what it saves, `brf.harness.bench.byte_memory`).
     """
 
     def __init__(self, members: Sequence[Member], method: str, method_params: Mapping[str, Any],
                  *, level: str, beam: int, threshold: float, batch_size: int, max_length: int,
                  dtype=jnp.float32, drafter=None, weights: Sequence[float] | None = None,
-                 byte_cache: dict | None = None):
+                 byte_cache: dict | None = None, trim: bool = True):
         self.members = list(members)
+        self.trim = trim
         self.weights = normalised_weights(self.members, weights)
         self.byte_cache = byte_cache
         self.method, self.method_params = method, dict(method_params)
@@ -236,7 +240,8 @@ class Ensemble:
                 bar.update(1)
             # each request allocates and frees its own buffers, which glibc keeps: RSS
             # grew by about 50 MB a request without this (BENCHMARKS.md, the harness)
-            trim_heap()
+            if self.trim:
+                trim_heap()
         return out
 
     def _member_bytes(self, m: Member, lm, ids: Sequence[int], data: bytes):
@@ -278,7 +283,8 @@ class Ensemble:
                    for m, lm, ids in zip(self.members, lms, contexts)]
             total += self._fused_bytes([g[0] for g in got], data[start:end])[0]
             lost = [a + g[1] for a, g in zip(lost, got)]
-            trim_heap()
+            if self.trim:
+                trim_heap()
         return total, ByteReport(lost, len(data))
 
     def byte_windows(self, data: bytes) -> list[tuple[int, int, list[list[int]]]]:
