@@ -489,13 +489,13 @@ def config_from_file(f: GGUFFile) -> ModelConfig:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = ([int(eos)] if eos is not None else []) + [
         i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i != eos]
+    theta = float(field("rope.freq_base", 10000.0))
     common = dict(
         arch=arch, vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=int(field("attention.head_count_kv", n_heads)), head_dim=head_dim,
         d_ff=int(field("feed_forward_length")),
         norm_eps=float(field("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(f, arch, head_dim, float(field("rope.freq_base", 10000.0))),
+        rope_theta=theta, rope_scaling=_rope_scaling(f, arch, head_dim, theta),
         tie_embeddings="output.weight" not in tensor_shapes,
         max_seq_len=int(field("context_length", 2048)),
         bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=tuple(eos_ids),
