@@ -28,7 +28,7 @@ def main(argv):
     sharding.initialize_distributed(cfg.distributed)  # before any other JAX use
     plan = plan_lib.from_config(cfg)  # every mistake in the config is named here
     # a member the study cannot read across vocabularies, before its model converts
-    check_fusable([{"model": m.name} for m in plan.members], reencode=plan.bytes.enabled,
+    check_fusable([{"model": m.name} for m in plan.members], reencode=False,
                   level="bytes" if plan.bytes.enabled else "tokens")
     cli.check_writable(plan.out_dir, "config.out_dir", directory=True)
     if cfg.compilation_cache:

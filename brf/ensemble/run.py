@@ -143,9 +143,9 @@ def check_fusable(specs: str | Sequence[Any], *, aligner: str = "auto",
 
     Across vocabularies (level 'bytes', an aligner other than 'identity', or 'auto'
     with members of different vocabularies) every member's tokenizer must read as
-    bytes (`brf.align.token_table`: a known decoder) and, with ``reencode`` (what
-    generation and every byte-level view need; scoring a fixed text on co-aligned
-    tokens does not), re-encode text in the middle of a generation
+    bytes (`brf.align.token_table`: a known decoder) and, at level 'bytes' or with
+    ``reencode`` (what generation needs; scoring a fixed text on co-aligned tokens
+    does not), re-encode text in the middle of a generation
     (`brf.align.reencode.check_reencodable`). Only the tokenizers are read, and only
     when some member is not converted yet (a converted one loads in seconds and is
     checked as it loads).
