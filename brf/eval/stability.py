@@ -123,9 +123,9 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
     tied, so a verdict that rests on which of them came first is reported as fragile.
     The check's ``result`` is the analysis with its ties so widened (the run reports
     it); the verdicts compared are that result's and the refit's, with the same ties.
-    Each refitted row's fit spread, in both, also takes in how far its test NLL lies
-    between the two ends (:func:`_widened`), so a difference the two ends would answer
-    differently is "not distinguishable (fit)" in both."""
+    Each refitted row's fit spread, in both, is the wider of the two fits' and at least
+    how far its test NLL lies between the two ends (:func:`_widened`), so a difference
+    the two ends would answer differently is "not distinguishable (fit)" in both."""
     todo = refitted_variants(variants)
     if not plan.stability or not todo:
         return None
@@ -159,21 +159,25 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
 def _widened(methods: Sequence[MethodResult], refit: dict[str, MethodResult],
               run: Sequence[MethodResult] | None = None) -> list[MethodResult]:
     """``methods`` with each refitted row's fit spread (:func:`brf.eval.analysis.fit_spread`)
-    taking in how far its mean test NLL lies between the run's end and the refit's
-    (``run``: the run's rows, where ``methods`` are the refit's).
+    the widest of the run's, the refit's and how far its mean test NLL lies between the
+    run's end and the refit's (``run``: the run's rows, where ``methods`` are the
+    refit's).
 
-    Where a refit under other last bits ended is a place the run's fit could as well
-    have ended, whatever its calibration NLL: a difference smaller than that distance
-    turns on which end a fit reached, so the run and the refit both call it "not
-    distinguishable (fit)" rather than answer one way here and another there."""
+    Where a refit under other last bits ended, and the ends its own census found, are
+    places the run's fit could as well have ended, whatever their calibration NLL: a
+    difference smaller than those distances turns on which end a fit reached, so the
+    run and the refit both call it "not distinguishable (fit)" rather than answer one
+    way here and another there."""
     before = {m.label: m for m in (run if run is not None else methods)}
     out = []
     for m in methods:
         r, b = refit.get(m.label), before.get(m.label)
-        apart = (abs(float(np.mean(r.test_nll)) - float(np.mean(b.test_nll)))
-                 if r is not None and b is not None else 0.0)
-        out.append(dataclasses.replace(m, spread=max(m.spread, apart))
-                   if math.isfinite(apart) and apart > m.spread else m)
+        if r is None or b is None:
+            out.append(m)
+            continue
+        apart = abs(float(np.mean(r.test_nll)) - float(np.mean(b.test_nll)))
+        wide = max(r.spread, b.spread, apart if math.isfinite(apart) else 0.0)
+        out.append(dataclasses.replace(m, spread=wide) if wide > m.spread else m)
     return out
 
 
