@@ -484,39 +484,6 @@ def test_the_check_refits_the_rows_in_reach_and_widens_it_when_a_row_moves_far()
     assert len(calls) == 1 and len(refit) == len(rows)
 
 
-def test_a_refits_end_widens_the_rows_fit_spread_in_the_run_and_the_refit():
-    """Where the check's refit of a row ended is a place its fit could as well have
-    ended: the row's fit spread, in the run and in the refit, takes in how far its test
-    NLL lies between the two ends and the wider of the two fits' census spreads, so a
-    difference the ends answer differently is not distinguishable (fit) in both; a row
-    not refitted keeps its own."""
-    import dataclasses
-
-    from brf.eval import stability
-    from brf.eval.analysis import Difference
-    rng = np.random.default_rng(0)
-    base = 2.0 + rng.normal(0, 0.05, 4000)
-    a = _result("a", "brf", 1.0, base - 0.010 + rng.normal(0, 0.002, 4000))
-    l = _result("l", "baseline", 1.1, base)
-    c = dataclasses.replace(_result("c", "control", 1.2, base + 0.1), spread=0.5)
-    a_refit = _result("a", "brf", 1.0001, a.test_nll + 0.012)   # ends 0.002 worse than l
-    c_refit = _result("c", "control", 1.2, c.test_nll + 0.01)
-    refit = {a.label: a_refit, c.label: c_refit}
-    run = stability._widened([a, l, c], refit)
-    again = stability._widened([a_refit, l, c_refit], refit, [a, l, c])
-    assert [m.spread for m in run] == pytest.approx([0.012, 0.0, 0.5], abs=1e-6)
-    # the refit's rows: the wider census of the two fits, at least the distance
-    assert [m.spread for m in again] == pytest.approx([0.012, 0.0, 0.5], abs=1e-6)
-    diff = lambda x, y, spread: Difference.of(x.test_nll, y.test_nll, n_boot=300, seed=0,
-                                              spread=spread)
-    # without the refit's end: BRF better in the run, worse in the refit
-    assert diff(a, l, 0.0).ci[1] < 0 < diff(a_refit, l, 0.0).ci[0]
-    # with it: both intervals hold 0 while their bootstrap intervals alone do not
-    for x in (run, again):
-        d = diff(x[0], x[1], x[0].spread + x[1].spread)
-        assert d.ci[0] < 0 < d.ci[1] and not d.statistical_ci[0] < 0 < d.statistical_ci[1]
-
-
 def test_a_tied_rows_cross_term_interval_does_not_depend_on_the_keys_computed():
     """The cross-term test of a tied row computes only ``rel`` (what its verdict reads);
     each key draws from its own stream, so that interval equals the chosen row's, and

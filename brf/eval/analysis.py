@@ -71,8 +71,7 @@ class MethodResult:
     test: dict            # metrics on the test split (see :func:`metrics`)
     test_nll: np.ndarray  # [P_test] per-position NLL (nats)
     # how far the row's mean test NLL lies from the fit's at the other ends its fit
-    # reached within FIT_NEAR on calibration (:func:`fit_spread`; 0: none), and at the
-    # stability check's refit (brf.eval.stability._widened)
+    # reached within FIT_NEAR on calibration (:func:`fit_spread`; 0: none)
     spread: float = 0.0
 
     @property

@@ -26,8 +26,6 @@ import os
 import time
 from typing import NamedTuple, Sequence
 
-import numpy as np
-
 from brf.eval import compare, study_report
 from brf.eval.analysis import (AnalysisResult, MethodResult, _per_token, comparisons,
                                cross_terms, fair_summary, fit_all, forking_tokens, tied)
@@ -122,10 +120,7 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
     (:func:`brf.eval.analysis.tied`'s ``slack``): rows a refit could reorder count as
     tied, so a verdict that rests on which of them came first is reported as fragile.
     The check's ``result`` is the analysis with its ties so widened (the run reports
-    it); the verdicts compared are that result's and the refit's, with the same ties.
-    Each refitted row's fit spread, in both, is the wider of the two fits' and at least
-    how far its test NLL lies between the two ends (:func:`_widened`), so a difference
-    the two ends would answer differently is "not distinguishable (fit)" in both."""
+    it); the verdicts compared are that result's and the refit's, with the same ties."""
     todo = refitted_variants(variants)
     if not plan.stability or not todo:
         return None
@@ -144,41 +139,14 @@ def check(plan: Plan, result: AnalysisResult, variants: Sequence[str], *, cache_
                  if m.label in refit)
     left_out = tuple(m.label for m in old if m.label not in refit)
     slack = {r.label: abs(r.move) for r in rows if math.isfinite(r.move) and r.move != 0.0}
-    run_methods = _widened(result.methods, refit)
-    main = (_recomputed(plan, result, run_methods, variants, n, slack)
-            if (_ties(result.methods, variants, slack) != _ties(result.methods, variants, {})
-                or [m.spread for m in run_methods] != [m.spread for m in result.methods])
+    main = (_recomputed(plan, result, result.methods, variants, n, slack)
+            if _ties(result.methods, variants, slack) != _ties(result.methods, variants, {})
             else dataclasses.replace(result, slack=slack))
-    methods = _widened([refit.get(m.label, m) for m in result.methods], refit, result.methods)
+    methods = [refit.get(m.label, m) for m in result.methods]
     perturbed = _recomputed(plan, result, methods, variants, n, slack)
     verdicts = _paired(_answers(main, todo), _answers(perturbed, todo))
     return Check(plan.stability, rows, verdicts, perturbed, main, time.time() - t0, reach,
                  left_out, tuple(v for v in variants if v not in todo))
-
-
-def _widened(methods: Sequence[MethodResult], refit: dict[str, MethodResult],
-              run: Sequence[MethodResult] | None = None) -> list[MethodResult]:
-    """``methods`` with each refitted row's fit spread (:func:`brf.eval.analysis.fit_spread`)
-    the widest of the run's, the refit's and how far its mean test NLL lies between the
-    run's end and the refit's (``run``: the run's rows, where ``methods`` are the
-    refit's).
-
-    Where a refit under other last bits ended, and the ends its own census found, are
-    places the run's fit could as well have ended, whatever their calibration NLL: a
-    difference smaller than those distances turns on which end a fit reached, so the
-    run and the refit both call it "not distinguishable (fit)" rather than answer one
-    way here and another there."""
-    before = {m.label: m for m in (run if run is not None else methods)}
-    out = []
-    for m in methods:
-        r, b = refit.get(m.label), before.get(m.label)
-        if r is None or b is None:
-            out.append(m)
-            continue
-        apart = abs(float(np.mean(r.test_nll)) - float(np.mean(b.test_nll)))
-        wide = max(r.spread, b.spread, apart if math.isfinite(apart) else 0.0)
-        out.append(dataclasses.replace(m, spread=wide) if wide > m.spread else m)
-    return out
 
 
 def refit_in_reach(old: Sequence[MethodResult], variants: Sequence[str], reach: float,
