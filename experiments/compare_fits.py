@@ -7,9 +7,10 @@ ones compare different data, and the comparison says so). Then the verdicts: fro
 each run's ``report.json``, every verdict both runs give at each level both ran
 (co-aligned positions, every byte), with the answer in each run (where its 95% CI
 lies, or the count it rests on), whether it was *fragile* there (rows tied on
-calibration give another answer: ``brf.eval.analysis.TIE_MARGIN``) and the fitted
-rows it rests on (a difference's BRF and other row, chosen on calibration in each
-run; the cross-term test's setting): those whose answer moved (standing in both runs,
+calibration give another answer, ``brf.eval.analysis.TIE_MARGIN``, or that run's
+stability check did, refitting the rows) and the fitted rows it rests on (a
+difference's BRF and other row, chosen on calibration in each run; the cross-term
+test's setting): those whose answer moved (standing in both runs,
 or fragile in one), then those whose answer held while its rows changed, then each
 run's own stability check. Where a run stopped before writing its study report (the
 token level writes one before the byte level starts; a run stopped inside the token
@@ -151,8 +152,8 @@ def verdict_lines(moves: dict, differ: set[str] = frozenset()) -> list[str]:
     fragile = [k for k, m in moves.items() if m.before.fragile or m.after.fragile]
     lines = [f"{len(moved)} of {len(moves)} verdicts both runs give moved ({len(standing)} of "
              f"them standing in both runs; the others fragile in one: rows tied on "
-             f"calibration answer otherwise). {len(fragile)} verdicts are fragile in either "
-             f"run."]
+             f"calibration, or that run's stability check refitting them, answer "
+             f"otherwise). {len(fragile)} verdicts are fragile in either run."]
     if moved:
         lines += [""] + table(moved)
     if held:
@@ -170,7 +171,8 @@ def stability_lines(label: str, rep: dict) -> list[str]:
         top = s.get("largest_row_move") or {}
         out.append(f"- {label}, {level}: refitted under {s['perturbation']!r}, "
                    f"{len(s['moved'])} of {s['verdicts']} verdicts moved "
-                   f"({len(s['moved_standing'])} standing); largest row move "
+                   f"({len(s.get('moved_untied', s.get('moved_standing', [])))} no tied "
+                   f"row warned of); largest row move "
                    f"{top.get('move', float('nan')):+.2g} nats ({top.get('label', '-')})")
     return out
 

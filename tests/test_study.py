@@ -304,6 +304,68 @@ def test_not_distinguishable_for_the_fit_is_the_same_call_as_not_distinguishable
     assert not same_call("not distinguishable (fit)", "BRF better than the best baseline")
 
 
+def _checked(section: dict, refit: str, study_refit: str) -> dict:
+    """``section`` (a one-corpus level section, :func:`_section`) as a run whose stability
+    check answered the corpus's verdict ``refit`` and the pooled one ``study_refit``."""
+    from brf.eval import study_report
+    rep = {**section["per_corpus"]["c"], "methods": [],
+           "stability": {"answers": {"nll [calibrated]": {
+               "run": "?", "refit": refit, "tied_fragile": False}}, "moved": []}}
+    return {**section, "per_corpus": {"c": study_report.brief(rep)},
+            "stability": {"study": {"pooled: nll [calibrated]": {
+                "run": "?", "refit": study_refit, "tied_fragile": False}}}}
+
+
+def test_a_verdict_its_own_stability_check_moved_is_fragile_in_that_run():
+    """Issue 70 item 2: the refit is the fits' other end, so its answer stands beside the
+    run's; where the two differ the verdict is fragile in that run (per corpus, from the
+    analysis's brief report; pooled, from the level's check), where they agree it
+    stands, and 'not distinguishable (fit)' against 'not distinguishable' is no move. A
+    verdict that moves between two runs is then warned of in the run whose check moved
+    it."""
+    from brf.eval import report
+    from brf.eval.compare import REFIT, run_moves
+    better, undecided = "BRF better than the best baseline", "not distinguishable"
+    base = _section("born tanh", [-0.02, -0.01], [-0.02, -0.001])
+    run = _checked(base, undecided, "BRF worse")
+    assert "stability" not in run["per_corpus"]["c"]  # the brief keeps the answers only
+    assert run["per_corpus"]["c"]["refit_answers"] == {"nll [calibrated]": undecided}
+    other = _section("born tanh", [-0.02, 0.01], [-0.02, 0.001])
+    moves = run_moves(run, other)
+    m, p = moves["co-aligned: c: nll [calibrated]"], moves["co-aligned: pooled: nll [calibrated]"]
+    assert m.moved and m.before.fragile and not m.after.fragile
+    assert m.before.answer == better  # the run's own answer is still the one stated
+    assert [a.rows for a in m.before.alternatives] == [(REFIT,)]
+    assert p.moved and p.before.fragile
+    held = run_moves(_checked(base, better, "BRF better"), other)
+    assert not any(x.before.fragile for x in held.values())
+    fit = run_moves(_checked(other, "not distinguishable (fit)", undecided), base)
+    assert not any(x.before.fragile for x in fit.values())
+    # without the check (an older report) nothing is added
+    assert not run_moves(base, other)["co-aligned: c: nll [calibrated]"].before.fragile
+    # the check's sentence names both answers of a moved verdict
+    s = {"perturbation": "ulp", "tolerance": 1e-4, "refitted_rows": 3, "verdicts": 5,
+         "largest_row_move": None, "rows_over_tolerance": [], "moved": ["nll [calibrated]"],
+         "moved_untied": ["nll [calibrated]"],
+         "answers": {"nll [calibrated]": {"run": better, "refit": undecided}}}
+    line = report.stability_sentence(s)
+    assert f"nll [calibrated]: {better}, refit: {undecided}" in line and "FRAGILE" in line
+    assert undecided in report.refit_words(s, "nll [calibrated]", s["answers"])
+    assert report.refit_words({**s, "moved": []}, "nll [calibrated]", s["answers"]) == ""
+    # and the study's pooled sentence says so where the level's check moved it
+    from brf.eval import study_report
+    level = {"per_corpus": {}, "prompts": {}, "pooled_fair": {},
+             "pooled": {"calibrated": {"mean_difference": -0.01, "ci": [-0.02, -0.001],
+                                       "corpora": ["c"]}},
+             "stability": {**s, "analyses": 1, "not_refitted": 0, "rows_over_tolerance": 0,
+                           "moved": ["pooled: nll [calibrated]"], "moved_untied": [],
+                           "study": {"pooled: nll [calibrated]": {"run": "BRF better",
+                                                                  "refit": "BRF worse"}}}}
+    said = study_report.verdicts(level)
+    assert "FRAGILE under the stability check" in said["nll: pooled (calibrated)"]
+    assert "refit" in said["stability"]
+
+
 @pytest.mark.parametrize("controls", [True, False])
 def test_the_fair_verdict_says_controls_only_when_they_ran(controls):
     """Issue 54: with --config.controls=False the pooled fair verdict still said

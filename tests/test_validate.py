@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from brf.errors import UserError
-from brf.eval import plan as plan_lib, scorer, study
+from brf.eval import plan as plan_lib, report as report_lib, scorer, study
 from brf.eval.config_specs import method_entry, phase_map_entries
 from brf.specs import split_list
 from brf.eval.corpus import CorpusError, load_default_corpus
@@ -174,6 +174,15 @@ def test_one_corpus_end_to_end(tmp_path, text, members):
                 low = min(x["calib_nll"] for x in calibrated if pick(x))
                 assert m["calib_nll"] > low + stab["reach"], label
     assert stab["moved"] == [], stab
+    # a verdict the check had moved would say so in its own sentence (two moved by hand)
+    hand = ["cross-term", "controls [calibrated]"]
+    said = report_lib.verdicts({**data, "stability": {
+        **stab, "moved": hand, "moved_untied": hand,
+        "answers": {**stab["answers"], **{k: {**stab["answers"][k], "refit": "other"}
+                                          for k in hand}}}})
+    assert "FRAGILE under the stability check (cross-term)" in said["cross_term"]
+    assert "FRAGILE under the stability check (controls [calibrated])" in said["fair_summary"]
+    assert "FRAGILE" not in data["verdict"]["stability"]
     # The rows as proposed are not refitted, and the report says their verdicts are
     # unchecked; every verdict the check compared rests on the calibrated rows.
     assert stab["variants_not_refitted"] == ["proposed"]

@@ -410,7 +410,8 @@ class Answer(NamedTuple):
     # the fitted rows the answer rests on: a difference's (BRF's, the other's); the
     # cross-term test's setting; a prefix effect's rows without and with the prefix
     rows: tuple[str, ...] | None = None
-    # the same verdict with the other rows tied with the chosen ones (TIE_MARGIN)
+    # the same verdict with the other rows tied with the chosen ones (TIE_MARGIN), and
+    # as the run's stability check answered it from its refitted rows (with_refit)
     alternatives: tuple["Answer", ...] = ()
 
     def differs(self, other: "Answer") -> bool:
@@ -419,11 +420,25 @@ class Answer(NamedTuple):
 
     @property
     def fragile(self) -> bool:
-        """Whether some choice among tied rows gives another answer."""
+        """Whether some choice among tied rows, or the stability check's refit of them,
+        gives another answer."""
         return any(self.differs(a) for a in self.alternatives)
 
     def with_alternatives(self, alternatives) -> "Answer":
         return self._replace(alternatives=tuple(alternatives))
+
+    def with_refit(self, words: str | None) -> "Answer":
+        """The answer with the stability check's answer from the refitted rows beside it
+        (``words``; None: not checked): the fits' other end is a place they could as well
+        have stopped, so a verdict the check moved is fragile in the run that made it."""
+        if words is None:
+            return self
+        return self.with_alternatives(self.alternatives + (Answer(words, math.nan,
+                                                                  rows=(REFIT,)),))
+
+
+# The rows of a verdict's alternative that the stability check's refit answered.
+REFIT = "the stability check's refit"
 
 
 class Move(NamedTuple):
@@ -511,8 +526,11 @@ def answers(brief: dict) -> dict[str, Answer]:
     best BRF setting gains over the best single member and whether most of the gain
     lies at the top-entropy positions (its value is the mean gain per position). Each
     answer that rests on a choice of rows carries the answers of the rows tied with
-    the chosen ones (``alternatives``; ``fragile`` when one differs)."""
+    the chosen ones (``alternatives``; ``fragile`` when one differs), and the answer the
+    analysis's stability check gave from its refitted rows (the brief's
+    ``refit_answers``, :meth:`Answer.with_refit`)."""
     out = {}
+    refits = brief.get("refit_answers") or {}
     for v, c in brief.get("nll_comparison", {}).items():
         out[f"nll [{v}]"] = _difference_answers(c, "baseline",
                                                 "BRF better than the best baseline",
@@ -556,7 +574,7 @@ def answers(brief: dict) -> dict[str, Answer]:
         a = _forking_answer(f)
         if a is not None:
             out[f"forking [{v}]"] = a
-    return out
+    return {k: a.with_refit(refits.get(k)) for k, a in out.items()}
 
 
 def effect_answers(effect: dict) -> dict[str, Answer]:
@@ -596,12 +614,16 @@ def paired_answers(a: dict, b: dict) -> dict[str, tuple[Answer, Answer]]:
       ``"<where>: <verdict>"`` -> the two answers, in ``b``'s order.
     """
     rows: dict[str, tuple[Answer, Answer]] = {}
+    # the study-level verdicts' answers from the refitted analyses (each analysis's own
+    # are in its brief report)
+    ra, rb = ({k: x["refit"] for k, x in ((s.get("stability") or {}).get("study")
+                                          or {}).items()} for s in (a, b))
 
     def add(where: str, x: dict[str, Answer], y: dict[str, Answer]) -> None:
         for k, ry in y.items():
-            rx = x.get(k)
+            rx, key = x.get(k), f"{where}: {k}"
             if rx is not None:
-                rows[f"{where}: {k}"] = (rx, ry)
+                rows[key] = (rx.with_refit(ra.get(key)), ry.with_refit(rb.get(key)))
 
     def pooled_answers(section: dict, key: str, what: str) -> dict[str, Answer]:
         def one(p: dict) -> Answer:

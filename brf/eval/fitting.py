@@ -173,7 +173,7 @@ def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
     post_t = plain.pop("calib.temperature", None)
     plain.pop("weighting.temperature", None)
     if member_t is not None:
-        logp_PxNxE = _tempered(logp_PxNxE, jnp.asarray(member_t, logp_PxNxE.dtype)[:, None])
+        logp_PxNxE = log_tempered(logp_PxNxE, jnp.asarray(member_t, logp_PxNxE.dtype)[:, None])
     if sources is not None:
         if method != "born_shuffled":
             raise ValueError(f"a phase shuffle's sources are for 'born_shuffled'; got "
@@ -191,7 +191,7 @@ def fused_logq(method: str, params: Mapping[str, Any], weights, logp_PxNxE,
             plain["phase"] = phase_map(phase_name, **phase)
         lq = fuse(method, logp_PxNxE, weights, validate=False, **plain)
     if post_t is not None:
-        lq = _tempered(lq, jnp.asarray(post_t, lq.dtype))
+        lq = log_tempered(lq, jnp.asarray(post_t, lq.dtype))
     return lq
 
 
@@ -217,7 +217,7 @@ def _born_of_maps(logits, weights, phase_params, names, index, z_min=DEFAULT_Z_M
                             z_min=z_min)[0]
 
 
-def _tempered(logp, temperature):
+def log_tempered(logp, temperature):
     """log_softmax(logp / T) over the last axis, with -inf (no mass) kept at -inf.
 
     Events a distribution gives no mass stay at -inf without a NaN gradient

@@ -108,9 +108,27 @@ def verdicts(report: dict, alpha: float = 0.05) -> dict[str, str]:
     fk = forking_sentence(report.get("forking", {}), u)
     if fk:
         out["forking_bytes" if u == "byte" else "forking_tokens"] = fk
-    if report.get("stability"):
-        out["stability"] = stability_sentence(report["stability"])
+    s = report.get("stability")
+    if s:
+        out["stability"] = stability_sentence(s)
+        # a verdict the check moved says so where it is stated
+        forking = "forking_bytes" if u == "byte" else "forking_tokens"
+        for key in s["moved"]:
+            where = {"nll": "nll", "fair": "fair_summary", "controls": "fair_summary",
+                     "cross-term": "cross_term", "forking": forking}.get(key.split(" [")[0])
+            if where in out:
+                out[where] += refit_words(s, key, s["answers"])
     return out
+
+
+def refit_words(s: dict, key: str, answers: dict) -> str:
+    """' FRAGILE under the stability check ...' where the check (``s``) moved the verdict
+    ``key`` (its answers in ``answers``: key -> run's and refit's); '' otherwise."""
+    if key not in (s.get("moved") or ()) or key not in answers:
+        return ""
+    a = answers[key]
+    return (f" FRAGILE under the stability check ({key}): refitted, its rows answer "
+            f"'{a['refit']}', this run '{a['run']}'.")
 
 
 def stability_sentence(s: dict) -> str:
@@ -123,9 +141,17 @@ def stability_sentence(s: dict) -> str:
     return (f"{_refitted_words(s)} under the perturbation {s['perturbation']!r}: "
             f"{largest}; {len(over)} moved by more than "
             f"{s['tolerance']:g}. {len(moved)} of {s['verdicts']} verdicts resting on them "
-            f"moved" + (f" ({', '.join(moved)}; not warned of as fragile: "
-                        f"{', '.join(s['moved_standing']) or 'none'})." if moved else ".")
+            f"moved" + (f" ({'; '.join(_moved_words(k, s) for k in moved)}). Each is "
+                        f"FRAGILE, the refit's answer beside the run's; tied rows had "
+                        f"already warned of {len(moved) - len(s['moved_untied'])} of them."
+                        if moved else ".")
             + _unchecked_words(s))
+
+
+def _moved_words(key: str, s: dict) -> str:
+    """A verdict the check moved: 'key: run's answer, refit: its answer'."""
+    a = (s.get("answers") or {}).get(key)
+    return f"{key}: {a['run']}, refit: {a['refit']}" if a else key
 
 
 def _unchecked_words(s: dict) -> str:

@@ -12,7 +12,10 @@ first, can move. The check refits, evaluates the refitted rows on test, recomput
 every verdict of the refitted variants from them (the comparisons, the fair summary,
 the controls' answer, the cross-term test, forking tokens) and reports how many moved
 (the goal is none) and the largest move of a row's calibration NLL, as the byte level's
-precision check reports how far its views are from the reference.
+precision check reports how far its views are from the reference. Each verdict's answer
+from the refitted rows stands beside the run's wherever the report's verdicts are read
+(:meth:`brf.eval.compare.Answer.with_refit`): a verdict the check moved is reported
+fragile, as one that a choice among tied rows moves is.
 
 The study-level verdicts (pooled over corpora, the prompt study's changes) are checked
 the same way from the refitted analyses (:func:`study_moves`).
@@ -62,8 +65,10 @@ class Check(NamedTuple):
         return [k for k, (a, b) in self.verdicts.items() if a.differs(b)]
 
     @property
-    def moved_standing(self) -> list[str]:
-        """Moved verdicts the report had not warned of (not fragile in the run)."""
+    def moved_untied(self) -> list[str]:
+        """Moved verdicts no tied row had made fragile (the report makes every moved
+        verdict fragile: the refit's answer stands beside the run's,
+        :meth:`brf.eval.compare.Answer.with_refit`)."""
         return [k for k in self.moved if not self.verdicts[k][0].fragile]
 
     def largest(self) -> RowMove | None:
@@ -86,8 +91,8 @@ class Check(NamedTuple):
             "rows_over_tolerance": [{"label": r.label, "move": r.move} for r in self.rows
                                     if not abs(r.move) <= FIT_TOLERANCE],
             "verdicts": len(self.verdicts), "moved": self.moved,
-            "moved_standing": self.moved_standing,
-            "answers": {k: {"run": a.answer, "refit": b.answer, "fragile": a.fragile}
+            "moved_untied": self.moved_untied,
+            "answers": {k: {"run": a.answer, "refit": b.answer, "tied_fragile": a.fragile}
                         for k, (a, b) in self.verdicts.items()},
             "seconds": self.seconds}
 

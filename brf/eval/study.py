@@ -181,7 +181,7 @@ def _stability_section(plan: Plan, per_corpus: list, prompts: list) -> dict | No
     per = {label: c.as_dict() for label, c in checks}
     moved = [f"{label}: {k}" for label, c in checks for k in c.moved]
     moved += [k for k, (a, b) in study.items() if a.differs(b)]
-    standing = [f"{label}: {k}" for label, c in checks for k in c.moved_standing]
+    standing = [f"{label}: {k}" for label, c in checks for k in c.moved_untied]
     standing += [k for k, (a, b) in study.items()
                  if a.differs(b) and not a.fragile]
     rows = [(label, r) for label, c in checks for r in c.rows]
@@ -196,8 +196,8 @@ def _stability_section(plan: Plan, per_corpus: list, prompts: list) -> dict | No
                                  {"analysis": top[0], "label": top[1].label,
                                   "move": top[1].move}),
             "verdicts": sum(len(c.verdicts) for _, c in checks) + len(study),
-            "moved": moved, "moved_standing": standing,
-            "study": {k: {"run": a.answer, "refit": b.answer, "fragile": a.fragile}
+            "moved": moved, "moved_untied": standing,
+            "study": {k: {"run": a.answer, "refit": b.answer, "tied_fragile": a.fragile}
                       for k, (a, b) in study.items()},
             "seconds": sum(c.seconds for _, c in checks), "per_analysis": per}
 

@@ -47,8 +47,9 @@ def write(out_dir: str, rep: dict) -> None:
 
 
 def brief(rep: dict | None) -> dict | None:
-    """An analysis without its per-method parameters (the per-corpus files keep them);
-    None for None (a multi-process run's other processes analyse nothing)."""
+    """An analysis without its per-method parameters (the per-corpus files keep them)
+    or its stability check's record (but for the check's answers); None for None (a
+    multi-process run's other processes analyse nothing)."""
     if rep is None:
         return None
     keep = ("analysis", "level", "members", "top_k", "coverage", "split", "nll_comparison",
@@ -68,6 +69,10 @@ def brief(rep: dict | None) -> dict | None:
                           | {"by_method": {m: f["by_method"][m] for g in f["gated"].values()
                                            for m in [g["method"], *g.get("tied", [])]}}
                           for v, f in rep["forking"].items()}
+    if rep.get("stability"):
+        # each verdict as the stability check answered it from the refitted rows: beside
+        # the run's answer wherever verdicts are compared (brf.eval.compare.answers)
+        out["refit_answers"] = {k: x["refit"] for k, x in rep["stability"]["answers"].items()}
     return out
 
 
@@ -179,6 +184,13 @@ def verdicts(rep: dict, unit: str = "position") -> dict[str, str]:
     stab = rep.get("stability")
     if stab:
         out["stability"] = stability_words(stab)
+        study = stab.get("study") or {}
+        for key in [k for k in stab["moved"] if k in study]:  # study-level, moved: say so
+            where = key.split(": ")
+            name = (f"{where[1].split(' [')[0]}: pooled ({where[1].split(' [')[1][:-1]})"
+                    if where[0] == "pooled" else f"prompts: {where[1]}")
+            if name in out:
+                out[name] += report_lib.refit_words(stab, key, study)
     s = rep.get("topk_sensitivity")
     if s:
         out["event space"] = (
@@ -205,8 +217,10 @@ def stability_words(s: dict) -> str:
                if left else "") + ", "
             f"{s['rows_over_tolerance']} of them moved by more than {s['tolerance']:g} "
             f"nats, {largest}. {len(moved)} of {s['verdicts']} verdicts resting on them "
-            f"moved" + (f": {'; '.join(moved)} (not warned of as fragile: "
-                        f"{'; '.join(s['moved_standing']) or 'none'})." if moved else "."))
+            f"moved" + (f": {'; '.join(moved)}. Each is reported fragile, the refit's "
+                        f"answer beside the run's (the fits could as well have stopped at "
+                        f"either end); tied rows had already warned of "
+                        f"{len(moved) - len(s['moved_untied'])} of them." if moved else "."))
 
 
 def moved_sentence(moved: dict) -> str:

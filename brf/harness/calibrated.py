@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The study's own tempering (what its calibrated rows were fitted with), not a copy.
-from brf.eval.fitting import _tempered
+from brf.eval.fitting import log_tempered
 from brf.fusion import methods as M
 from brf.harness.ensemble import HarnessInputError
 
@@ -62,9 +62,9 @@ def tempered(logits, weights, *, member_temperature=1.0, temperature=1.0, inner=
     if t.shape[0] not in (1, n):
         raise M.FusionInputError(f"{NAME}: member_temperature must be one number or one per "
                                  f"member ({n}); got {t.shape[0]}")
-    logp = _tempered(logits, jnp.broadcast_to(t, (n,))[:, None])
+    logp = log_tempered(logits, jnp.broadcast_to(t, (n,))[:, None])
     fused, info = M.get_method(inner).fn(logp, weights, **(inner_params or {}))
-    return _tempered(fused, jnp.asarray(temperature, logits.dtype)), info
+    return log_tempered(fused, jnp.asarray(temperature, logits.dtype)), info
 
 
 @dataclasses.dataclass(frozen=True)
